@@ -1,0 +1,30 @@
+"""Shared test set-up.
+
+Without CUDA the Triton kernels run under the interpreter; the variable must be set before
+`fusedlayers.kernels` is imported, because `triton.jit` reads it at decoration time.
+"""
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+HAS_CUDA = torch.cuda.is_available()
+
+
+def pytest_collection_modifyitems(config, items):
+    if HAS_CUDA:
+        return
+    skip = pytest.mark.skip(reason="needs CUDA: run with the device tool")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def device():
+    """The device the kernel tests run on: CUDA when present, else the Triton interpreter."""
+    return "cuda" if HAS_CUDA else "cpu"
