@@ -1,0 +1,257 @@
+"""flash-attn's functional API, on fusedlayers' front end and Triton kernels.
+
+Names, arguments and semantics follow flash-attn 2:
+    flash_attn_func(q, k, v)              q [b, s_q, h, d], k/v [b, s_k, hg, d] -> [b, s_q, h, d_v]
+    flash_attn_varlen_func(q, k, v, ...)  q [t_q, h, d], k/v [t_k, hg, d]       -> [t_q, h, d_v]
+    flash_attn_qkvpacked_func(qkv)        qkv [b, s, 3, h, d]
+    flash_attn_kvpacked_func(q, kv)       kv [b, s_k, 2, hg, d]
+    flash_attn_varlen_qkvpacked_func      qkv [t, 3, h, d]
+    flash_attn_varlen_kvpacked_func       kv [t_k, 2, hg, d]
+Packed inputs are read in place: the packed functions select views and hand them to the same
+front end (packing is data the kernels take through strides, not another code path).
+
+GQA/MQA: query head `i` reads KV head `i // (h / hg)`. `causal=True` is bottom-right aligned,
+as in flash-attn >= 2.1: with s_q=2, s_k=5 the mask is
+    1 1 1 1 0
+    1 1 1 1 1
+(query i sees keys j <= i + s_k - s_q). `window_size=(left, right)` keeps keys in
+`[i + s_k - s_q - left, i + s_k - s_q + right]`, -1 = unbounded on that side.
+`alibi_slopes` ([h] or [b, h], fp32) adds `-slope * |i + s_k - s_q - j|`. `softcap > 0` applies
+`softcap * tanh(s / softcap)` to the scaled scores. With `return_attn_probs=True` the functions
+return `(out, softmax_lse, None)`: the LSE is fp32 `[b, h, s_q]` (varlen `[h, t_q]`); the third
+entry, flash-attn's debug-only dropout pattern, is not produced.
+These functions always run the Triton kernels: CUDA tensors, or CPU tensors under
+`TRITON_INTERPRET=1`; the modules pick the reference path on machines without CUDA.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .attention import attention
+from .masks import flash_attn_spec
+
+
+def _finish(out, lse, return_attn_probs):
+    return (out, lse, None) if return_attn_probs else out
+
+
+def _common(alibi_slopes):
+    return dict(
+        core_attention_bias_type="alibi" if alibi_slopes is not None else "no_bias",
+        alibi_slopes=alibi_slopes,
+        backend="kernel",
+    )
+
+
+def flash_attn_func(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+):
+    """Attention on `[b, s, h, d]` tensors; see the module docstring for the semantics."""
+    out, lse = attention(
+        q,
+        k,
+        v,
+        qkv_format="bshd",
+        mask_spec=flash_attn_spec(causal, window_size),
+        softmax_scale=softmax_scale,
+        softcap=softcap,
+        dropout_p=dropout_p,
+        deterministic=deterministic,
+        tag="flash_attn_func",
+        **_common(alibi_slopes),
+    )
+    return _finish(out, lse, return_attn_probs)
+
+
+def flash_attn_varlen_func(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+):
+    """Attention on packed sequences `[t, h, d]` with int32 `cu_seqlens_q/k` `[b+1]`."""
+    out, lse = attention(
+        q,
+        k,
+        v,
+        qkv_format="thd",
+        mask_spec=flash_attn_spec(causal, window_size),
+        cu_seqlens_q=cu_seqlens_q,
+        cu_seqlens_kv=cu_seqlens_k,
+        max_seqlen_q=max_seqlen_q,
+        max_seqlen_kv=max_seqlen_k,
+        softmax_scale=softmax_scale,
+        softcap=softcap,
+        dropout_p=dropout_p,
+        deterministic=deterministic,
+        tag="flash_attn_varlen_func",
+        **_common(alibi_slopes),
+    )
+    return _finish(out, lse, return_attn_probs)
+
+
+def _unpack(packed: torch.Tensor, count: int, dim: int, name: str) -> list[torch.Tensor]:
+    if packed.dim() <= dim or packed.shape[dim] != count:
+        raise ValueError(
+            f"{name} must have size {count} in dim {dim} (packed q/k/v), got shape "
+            f"{tuple(packed.shape)}"
+        )
+    return list(packed.unbind(dim))
+
+
+def flash_attn_qkvpacked_func(
+    qkv: torch.Tensor,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+):
+    """`qkv [b, s, 3, h, d]` -> `[b, s, h, d]`."""
+    if qkv.dim() != 5:
+        raise ValueError(f"qkv must be 5-D [b, s, 3, h, d], got shape {tuple(qkv.shape)}")
+    q, k, v = _unpack(qkv, 3, 2, "qkv")
+    return flash_attn_func(
+        q,
+        k,
+        v,
+        dropout_p,
+        softmax_scale,
+        causal,
+        window_size,
+        softcap,
+        alibi_slopes,
+        deterministic,
+        return_attn_probs,
+    )
+
+
+def flash_attn_kvpacked_func(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+):
+    """`q [b, s_q, h, d]`, `kv [b, s_k, 2, hg, d]` -> `[b, s_q, h, d]`."""
+    if kv.dim() != 5:
+        raise ValueError(f"kv must be 5-D [b, s_k, 2, hg, d], got shape {tuple(kv.shape)}")
+    k, v = _unpack(kv, 2, 2, "kv")
+    return flash_attn_func(
+        q,
+        k,
+        v,
+        dropout_p,
+        softmax_scale,
+        causal,
+        window_size,
+        softcap,
+        alibi_slopes,
+        deterministic,
+        return_attn_probs,
+    )
+
+
+def flash_attn_varlen_qkvpacked_func(
+    qkv: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+):
+    """`qkv [t, 3, h, d]` with `cu_seqlens [b+1]` -> `[t, h, d]`."""
+    if qkv.dim() != 4:
+        raise ValueError(f"qkv must be 4-D [t, 3, h, d], got shape {tuple(qkv.shape)}")
+    q, k, v = _unpack(qkv, 3, 1, "qkv")
+    return flash_attn_varlen_func(
+        q,
+        k,
+        v,
+        cu_seqlens,
+        cu_seqlens,
+        max_seqlen,
+        max_seqlen,
+        dropout_p,
+        softmax_scale,
+        causal,
+        window_size,
+        softcap,
+        alibi_slopes,
+        deterministic,
+        return_attn_probs,
+    )
+
+
+def flash_attn_varlen_kvpacked_func(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+):
+    """`q [t_q, h, d]`, `kv [t_k, 2, hg, d]` -> `[t_q, h, d]`."""
+    if kv.dim() != 4:
+        raise ValueError(f"kv must be 4-D [t_k, 2, hg, d], got shape {tuple(kv.shape)}")
+    k, v = _unpack(kv, 2, 1, "kv")
+    return flash_attn_varlen_func(
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        dropout_p,
+        softmax_scale,
+        causal,
+        window_size,
+        softcap,
+        alibi_slopes,
+        deterministic,
+        return_attn_probs,
+    )

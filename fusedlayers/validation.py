@@ -1,0 +1,145 @@
+"""Input checks for the attention front end, run once before any compute.
+
+Every error names the argument and the value that is wrong, so a user can fix the call without
+reading this code. The kernels and the reference then assume normalized, valid input.
+"""
+
+from __future__ import annotations
+
+import torch
+
+QKV_FORMATS = ("sbhd", "bshd", "thd")
+KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+REFERENCE_DTYPES = KERNEL_DTYPES + (torch.float64,)
+MAX_KERNEL_HEAD_DIM = 256
+
+
+def _describe(t: torch.Tensor) -> str:
+    return f"shape {tuple(t.shape)}, dtype {t.dtype}, device {t.device}"
+
+
+def check_qkv_format(qkv_format: str) -> None:
+    if qkv_format not in QKV_FORMATS:
+        raise ValueError(f"qkv_format={qkv_format!r} is not one of {', '.join(QKV_FORMATS)}")
+
+
+def check_head_counts(num_heads: int, num_kv_heads: int, where: str = "") -> None:
+    """Query heads must split evenly over KV heads (GQA); `where` names the source."""
+    if num_kv_heads <= 0 or num_heads <= 0 or num_heads % num_kv_heads:
+        raise ValueError(
+            f"{where}number of query heads ({num_heads}) must be a positive multiple of the "
+            f"number of KV heads ({num_kv_heads})"
+        )
+
+
+def check_qkv(q, k, v, qkv_format: str, kernel_path: bool) -> None:
+    """Ranks, dtypes, devices, head counts and dims of query/key/value in `qkv_format`."""
+    check_qkv_format(qkv_format)
+    rank = 3 if qkv_format == "thd" else 4
+    for name, t in (("query_layer", q), ("key_layer", k), ("value_layer", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != rank:
+            raise ValueError(
+                f"{name} must be {rank}-D for qkv_format={qkv_format!r} "
+                f"([{', '.join(qkv_format)}]), got {_describe(t)}"
+            )
+    allowed = KERNEL_DTYPES if kernel_path else REFERENCE_DTYPES
+    if q.dtype not in allowed:
+        raise TypeError(f"query_layer dtype {q.dtype} is not supported (use one of {allowed})")
+    for name, t in (("key_layer", k), ("value_layer", v)):
+        if t.dtype != q.dtype:
+            raise TypeError(f"{name} dtype {t.dtype} differs from query_layer dtype {q.dtype}")
+        if t.device != q.device:
+            raise ValueError(f"{name} is on {t.device} but query_layer is on {q.device}")
+    if k.shape[:-1] != v.shape[:-1]:
+        raise ValueError(
+            f"key_layer {tuple(k.shape)} and value_layer {tuple(v.shape)} must match in every "
+            "dim but the last (head dim)"
+        )
+    if q.shape[-1] != k.shape[-1]:
+        raise ValueError(
+            f"query_layer head dim ({q.shape[-1]}) differs from key_layer head dim ({k.shape[-1]})"
+        )
+    if qkv_format != "thd":
+        batch_dim = 1 if qkv_format == "sbhd" else 0
+        if q.shape[batch_dim] != k.shape[batch_dim]:
+            raise ValueError(
+                f"query_layer batch ({q.shape[batch_dim]}) differs from key_layer batch "
+                f"({k.shape[batch_dim]}) for qkv_format={qkv_format!r}"
+            )
+    check_head_counts(q.shape[-2], k.shape[-2], "query_layer/key_layer: ")
+    if kernel_path:
+        for name, t in (("query_layer", q), ("value_layer", v)):
+            if t.shape[-1] > MAX_KERNEL_HEAD_DIM:
+                raise ValueError(
+                    f"{name} head dim {t.shape[-1]} exceeds the kernels' maximum "
+                    f"{MAX_KERNEL_HEAD_DIM} (use_reference=True computes it in PyTorch)"
+                )
+
+
+def check_cu_seqlens(
+    cu: torch.Tensor, name: str, tokens: int, padded: torch.Tensor | None = None
+) -> list[int]:
+    """Validate a `cu_seqlens` tensor and return its values on the host.
+
+    `cu` is int32 `[b+1]`, starts at 0, never decreases; without padded offsets it ends at the
+    token count `tokens`; with `padded` (TE's `cu_seqlens_*_padded`) every sequence must fit in
+    its padded slot and the padded offsets end at `tokens`.
+    """
+    if not isinstance(cu, torch.Tensor):
+        raise TypeError(f"{name} must be an int32 tensor, got {type(cu).__name__}")
+    if cu.dtype != torch.int32 or cu.dim() != 1 or cu.numel() < 1:
+        raise ValueError(f"{name} must be a 1-D int32 tensor [batch + 1], got {_describe(cu)}")
+    values = cu.tolist()
+    if values[0] != 0:
+        raise ValueError(f"{name} must start at 0, got {values[:8]}")
+    if any(b < a for a, b in zip(values, values[1:])):
+        raise ValueError(f"{name} must not decrease, got {values[:16]}")
+    if padded is None:
+        if values[-1] != tokens:
+            raise ValueError(
+                f"{name} ends at {values[-1]} but the tensor holds {tokens} tokens "
+                "(pass cu_seqlens_*_padded when sequences have padding between them)"
+            )
+        return values
+    offsets = check_cu_seqlens(padded, name + "_padded", tokens)
+    if len(offsets) != len(values):
+        raise ValueError(
+            f"{name} has {len(values) - 1} sequences but {name}_padded has {len(offsets) - 1}"
+        )
+    for i in range(len(values) - 1):
+        length, slot = values[i + 1] - values[i], offsets[i + 1] - offsets[i]
+        if length > slot:
+            raise ValueError(
+                f"sequence {i} has {length} tokens ({name}) but only {slot} rows between its "
+                f"padded offsets ({name}_padded)"
+            )
+    return values
+
+
+def check_max_seqlen(max_seqlen: int | None, lengths: list[int], name: str) -> int:
+    """`max_seqlen` defaults to the longest sequence and may not be shorter than it."""
+    longest = max(lengths, default=0)
+    if max_seqlen is None:
+        return longest
+    if int(max_seqlen) < longest:
+        raise ValueError(f"{name}={max_seqlen} is below the longest sequence ({longest})")
+    return int(max_seqlen)
+
+
+def check_dropout(p: float, name: str = "attention_dropout") -> None:
+    if not 0.0 <= float(p) < 1.0:
+        raise ValueError(f"{name}={p} must be in [0, 1)")
+
+
+def check_broadcastable(t: torch.Tensor, target: tuple[int, ...], name: str) -> None:
+    """`t` must broadcast to `target` ([b, h, s_q, s_k]) without growing it."""
+    if t.dim() > len(target):
+        raise ValueError(f"{name} with shape {tuple(t.shape)} has more dims than {target}")
+    for size, want in zip(reversed(t.shape), reversed(target)):
+        if size not in (1, want):
+            raise ValueError(
+                f"{name} with shape {tuple(t.shape)} does not broadcast to [b, h, s_q, s_k] = "
+                f"{list(target)}"
+            )
