@@ -4,9 +4,11 @@ One implementation serves as the `use_reference=True` debug path of every module
 tests' oracle. It computes in fp32 (fp64 when given fp64) and returns the input dtype.
 
 Shapes (the layouts of the kernel entry, see docs/internals.md):
-    dense  q [b, s_q, h_q, d_qk]  k [b, s_k, h_kv, d_qk]  v [b, s_k, h_kv, d_v] -> out [b, s_q, h_q, d_v]
-    varlen q [t_q, h_q, d_qk]     k [t_k, h_kv, d_qk]     v [t_k, h_kv, d_v]    -> out [t_q, h_q, d_v]
-    lse    dense [b, h_q, s_q]    varlen [h_q, t_q]       (fp32, natural log)
+    dense  q [b, s_q, h_q, d_qk], k [b, s_k, h_kv, d_qk], v [b, s_k, h_kv, d_v]
+           -> out [b, s_q, h_q, d_v], lse [b, h_q, s_q]
+    varlen q [t_q, h_q, d_qk], k [t_k, h_kv, d_qk], v [t_k, h_kv, d_v]
+           -> out [t_q, h_q, d_v], lse [h_q, t_q]
+    (lse: fp32, natural log)
 
 Mask semantics: query i sees key j iff i + off - left <= j <= i + off + right (bounds with -1 are
 absent), off = s_k - s_q of the sequence when `bottom_right` else 0; causal is (-1, 0).
@@ -106,7 +108,7 @@ def _to_bhsd(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _slice_bhss(t: torch.Tensor | None, z: int, s_q: int, s_k: int) -> torch.Tensor | None:
-    """Sequence z's [1, h, s_q, s_k] block of a [b or 1, h or 1, >= s_q or 1, >= s_k or 1] tensor."""
+    """Sequence z's [1, h, s_q, s_k] block of a tensor broadcastable to [b, h, >=s_q, >=s_k]."""
     if t is None:
         return None
     while t.dim() < 4:
