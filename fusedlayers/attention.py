@@ -188,9 +188,12 @@ def prepare(
     alibi_slopes,
     kernel_path,
     spec=None,
+    expected_heads=None,
 ) -> _Prepared:
     """Validate and normalize a call; see `attention` for the arguments."""
     validation.check_qkv(q, k, v, qkv_format, kernel_path)
+    if expected_heads is not None:
+        validation.check_configured_heads(q, k, v, expected_heads)
     spec = masks.mask_spec(attn_mask_type, window_size) if spec is None else spec
     copies: list[str] = []
     names = ("query_layer", "key_layer", "value_layer")
@@ -344,6 +347,7 @@ def attention(
     backend: str = "auto",
     tag: str = "attention",
     mask_spec: masks.MaskSpec | None = None,
+    expected_heads: tuple[int, int, int, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention in any supported layout; returns `(out, lse)` (shapes in the module docstring).
 
@@ -353,6 +357,7 @@ def attention(
     reference), `kernel` (error on CPU unless TRITON_INTERPRET=1) or `reference`.
     `tag` names the caller in `FUSEDLAYERS_DEBUG=1` logs. `mask_spec`, when given, replaces
     `attn_mask_type`/`window_size` (the flash-attn API builds its own, bottom-right aligned).
+    `expected_heads = (h, hg, d_qk, d_v)` checks the inputs against a module's configuration.
     """
     validation.check_qkv_format(qkv_format)
     validation.check_dropout(dropout_p)
@@ -392,6 +397,7 @@ def attention(
         alibi_slopes=alibi_slopes,
         kernel_path=kernel_path,
         spec=mask_spec,
+        expected_heads=expected_heads,
     )
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
     if debug_enabled():

@@ -95,18 +95,6 @@ class DotProductAttention(ReferenceSwitch):
         self.deterministic = deterministic
         self.get_rng_state_tracker = get_rng_state_tracker
 
-    def _check_shapes(self, q, k, v) -> None:
-        """Head counts and dims must be the ones this module was built for (TE checks too)."""
-        expected = (
-            ("query_layer heads", q.shape[-2], self.num_attention_heads),
-            ("query_layer head dim", q.shape[-1], self.hidden_size_per_attention_head_k),
-            ("key_layer heads (num_gqa_groups)", k.shape[-2], self.num_gqa_groups),
-            ("value_layer head dim", v.shape[-1], self.hidden_size_per_attention_head_v),
-        )
-        for what, got, want in expected:
-            if got != want:
-                raise ValueError(f"DotProductAttention: {what} is {got}, built for {want}")
-
     def forward(
         self,
         query_layer: torch.Tensor,
@@ -137,7 +125,6 @@ class DotProductAttention(ReferenceSwitch):
         qkv_format = self.qkv_format if qkv_format is None else qkv_format
         attn_mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
         window_size = self.window_size if window_size is None else window_size
-        self._check_shapes(query_layer, key_layer, value_layer)
         kwargs = dict(
             qkv_format=qkv_format,
             attn_mask_type=attn_mask_type,
@@ -157,6 +144,12 @@ class DotProductAttention(ReferenceSwitch):
             deterministic=self.deterministic,
             backend="reference" if self.reference_active else "auto",
             tag=f"DotProductAttention(layer_number={self.layer_number})",
+            expected_heads=(
+                self.num_attention_heads,
+                self.num_gqa_groups,
+                self.hidden_size_per_attention_head_k,
+                self.hidden_size_per_attention_head_v,
+            ),
         )
 
         def run(q, k, v):

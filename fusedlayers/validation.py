@@ -78,6 +78,20 @@ def check_qkv(q, k, v, qkv_format: str, kernel_path: bool) -> None:
                 )
 
 
+def check_configured_heads(q, k, v, expected: tuple[int, int, int, int]) -> None:
+    """Head counts and dims must be the ones a module was built for: (h, hg, d_qk, d_v)."""
+    got = (q.shape[-2], k.shape[-2], q.shape[-1], v.shape[-1])
+    what = (
+        "query_layer heads",
+        "key_layer heads (num_gqa_groups)",
+        "query_layer head dim",
+        "value_layer head dim",
+    )
+    for name, have, want in zip(what, got, expected):
+        if have != want:
+            raise ValueError(f"{name} is {have}, but the module was built for {want}")
+
+
 def check_cu_seqlens(
     cu: torch.Tensor, name: str, tokens: int, padded: torch.Tensor | None = None
 ) -> list[int]:

@@ -9,8 +9,23 @@ import math
 import torch
 
 
-def naive_row(q_row, keys, values, i, s_q, *, scale, window, bottom_right, mask_row, bias_row,
-              slope, softcap, keep_row, dropout_p):
+def naive_row(
+    q_row,
+    keys,
+    values,
+    i,
+    s_q,
+    *,
+    scale,
+    window,
+    bottom_right,
+    mask_row,
+    bias_row,
+    slope,
+    softcap,
+    keep_row,
+    dropout_p,
+):
     """Output [d_v] and LSE for query i over keys [s_k, d] / values [s_k, d_v] (float64)."""
     s_k = keys.shape[0]
     diag = i + (s_k - s_q if bottom_right else 0)
@@ -43,8 +58,21 @@ def naive_row(q_row, keys, values, i, s_q, *, scale, window, bottom_right, mask_
     return out, top + math.log(total)
 
 
-def naive_attention(q, k, v, *, scale=None, window=(-1, -1), bottom_right=True, mask=None,
-                    bias=None, slopes=None, softcap=0.0, keep=None, dropout_p=0.0):
+def naive_attention(
+    q,
+    k,
+    v,
+    *,
+    scale=None,
+    window=(-1, -1),
+    bottom_right=True,
+    mask=None,
+    bias=None,
+    slopes=None,
+    softcap=0.0,
+    keep=None,
+    dropout_p=0.0,
+):
     """Dense q [b, s_q, h, d], k/v [b, s_k, hg, d]; mask/bias/keep as full [b, h, s_q, s_k]
     tensors (or None), slopes [b, h]. Returns out [b, s_q, h, d_v] and lse [b, h, s_q]."""
     b, s_q, h, d = q.shape
@@ -57,12 +85,19 @@ def naive_attention(q, k, v, *, scale=None, window=(-1, -1), bottom_right=True, 
             kv_head = head // (h // hg)
             for i in range(s_q):
                 row, row_lse = naive_row(
-                    q[z, i, head].double(), k[z, :, kv_head].double(), v[z, :, kv_head].double(),
-                    i, s_q, scale=scale, window=window, bottom_right=bottom_right,
+                    q[z, i, head].double(),
+                    k[z, :, kv_head].double(),
+                    v[z, :, kv_head].double(),
+                    i,
+                    s_q,
+                    scale=scale,
+                    window=window,
+                    bottom_right=bottom_right,
                     mask_row=None if mask is None else mask[z, head, i],
                     bias_row=None if bias is None else bias[z, head, i].double(),
                     slope=None if slopes is None else float(slopes[z, head]),
-                    softcap=softcap, keep_row=None if keep is None else keep[z, head, i],
+                    softcap=softcap,
+                    keep_row=None if keep is None else keep[z, head, i],
                     dropout_p=dropout_p,
                 )
                 out[z, i, head] = row

@@ -29,8 +29,9 @@ def _check(out, lse, ref_out, ref_lse):
 @pytest.mark.parametrize("bottom_right", [True, False])
 def test_masks_and_windows(s_q, s_k, window, bottom_right):
     q, k, v = _qkv(s_q, s_k)
-    out, lse = attention_reference(q, k, v, window_size=window, bottom_right=bottom_right,
-                                   return_lse=True)
+    out, lse = attention_reference(
+        q, k, v, window_size=window, bottom_right=bottom_right, return_lse=True
+    )
     ref = naive_attention(q, k, v, window=window, bottom_right=bottom_right)
     _check(out, lse, *ref)
 
@@ -42,8 +43,9 @@ def test_gqa_mqa_and_value_head_dim(hg):
     _check(out, lse, *naive_attention(q, k, v, window=(-1, 0)))
 
 
-@pytest.mark.parametrize("shape", [(1, H, 4, 6), (B, 1, 4, 6), (B, H, 4, 6), (1, 1, 4, 6),
-                                   (1, 1, 1, 6)])
+@pytest.mark.parametrize(
+    "shape", [(1, H, 4, 6), (B, 1, 4, 6), (B, H, 4, 6), (1, 1, 4, 6), (1, 1, 1, 6)]
+)
 def test_bias_shapes(shape):
     q, k, v = _qkv(4, 6)
     bias = torch.randn(shape, dtype=torch.float64)
@@ -57,10 +59,18 @@ def test_bias_shapes(shape):
 def test_alibi(per_batch, bottom_right):
     q, k, v = _qkv(3, 6)
     slopes = torch.rand(B, H) if per_batch else torch.rand(H)
-    out, lse = attention_reference(q, k, v, alibi_slopes=slopes, window_size=(-1, 0),
-                                   bottom_right=bottom_right, return_lse=True)
-    ref = naive_attention(q, k, v, slopes=slopes.expand(B, H), window=(-1, 0),
-                          bottom_right=bottom_right)
+    out, lse = attention_reference(
+        q,
+        k,
+        v,
+        alibi_slopes=slopes,
+        window_size=(-1, 0),
+        bottom_right=bottom_right,
+        return_lse=True,
+    )
+    ref = naive_attention(
+        q, k, v, slopes=slopes.expand(B, H), window=(-1, 0), bottom_right=bottom_right
+    )
     _check(out, lse, *ref)
 
 
@@ -68,8 +78,9 @@ def test_softcap_scale_and_bool_mask():
     q, k, v = _qkv(5, 6)
     q = q * 4
     mask = torch.rand(B, 1, 5, 6) < 0.3
-    out, lse = attention_reference(q, k, v, softcap=2.0, softmax_scale=0.7, attn_mask=mask,
-                                   return_lse=True)
+    out, lse = attention_reference(
+        q, k, v, softcap=2.0, softmax_scale=0.7, attn_mask=mask, return_lse=True
+    )
     ref = naive_attention(q, k, v, softcap=2.0, scale=0.7, mask=mask.expand(B, H, 5, 6))
     _check(out, lse, *ref)
 
@@ -112,14 +123,24 @@ def test_varlen_matches_per_sequence_dense(padded):
     cu = lambda lens: torch.tensor([0, lens[0], lens[0] + lens[1]], dtype=torch.int32)
     pad = lambda offs: None if offs is None else torch.tensor(offs, dtype=torch.int32)
     out, lse = attention_reference(
-        _pack(q, lens_q, offs_q), _pack(k, lens_k, offs_k), _pack(v, lens_k, offs_k),
-        cu_seqlens_q=cu(lens_q), cu_seqlens_kv=cu(lens_k), cu_seqlens_q_padded=pad(offs_q),
-        cu_seqlens_kv_padded=pad(offs_k), window_size=(-1, 0), return_lse=True,
+        _pack(q, lens_q, offs_q),
+        _pack(k, lens_k, offs_k),
+        _pack(v, lens_k, offs_k),
+        cu_seqlens_q=cu(lens_q),
+        cu_seqlens_kv=cu(lens_k),
+        cu_seqlens_q_padded=pad(offs_q),
+        cu_seqlens_kv_padded=pad(offs_k),
+        window_size=(-1, 0),
+        return_lse=True,
     )
     starts = offs_q or [0, 3]
     for z in range(B):
-        ref, ref_lse = naive_attention(q[z : z + 1, : lens_q[z]], k[z : z + 1, : lens_k[z]],
-                                       v[z : z + 1, : lens_k[z]], window=(-1, 0))
+        ref, ref_lse = naive_attention(
+            q[z : z + 1, : lens_q[z]],
+            k[z : z + 1, : lens_k[z]],
+            v[z : z + 1, : lens_k[z]],
+            window=(-1, 0),
+        )
         rows = slice(starts[z], starts[z] + lens_q[z])
         _check(out[rows], lse[:, rows], ref[0], ref_lse[0])
     if padded:
@@ -130,12 +151,14 @@ def test_dense_padding_lengths():
     q, k, v = _qkv(5, 6)
     seqlens_q = torch.tensor([5, 2], dtype=torch.int32)
     seqlens_kv = torch.tensor([4, 6], dtype=torch.int32)
-    out, lse = attention_reference(q, k, v, seqlens_q=seqlens_q, seqlens_kv=seqlens_kv,
-                                   window_size=(-1, 0), return_lse=True)
+    out, lse = attention_reference(
+        q, k, v, seqlens_q=seqlens_q, seqlens_kv=seqlens_kv, window_size=(-1, 0), return_lse=True
+    )
     for z in range(B):
         n_q, n_k = int(seqlens_q[z]), int(seqlens_kv[z])
-        ref, ref_lse = naive_attention(q[z : z + 1, :n_q], k[z : z + 1, :n_k],
-                                       v[z : z + 1, :n_k], window=(-1, 0))
+        ref, ref_lse = naive_attention(
+            q[z : z + 1, :n_q], k[z : z + 1, :n_k], v[z : z + 1, :n_k], window=(-1, 0)
+        )
         _check(out[z, :n_q], lse[z, :, :n_q], ref[0], ref_lse[0])
         assert out[z, n_q:].abs().sum() == 0 and torch.isinf(lse[z, :, n_q:]).all()
 
@@ -162,6 +185,7 @@ def test_low_precision_input_returns_input_dtype_and_fp32_lse():
 def test_gradcheck_fp64():
     q, k, v = (t[:1, :3, :2].clone().requires_grad_(True) for t in _qkv(3, 3))
     bias = torch.randn(1, 2, 3, 3, dtype=torch.float64, requires_grad=True)
-    fn = lambda q, k, v, bias: attention_reference(q, k, v, bias=bias, softcap=3.0,
-                                                   window_size=(1, 0))
+    fn = lambda q, k, v, bias: attention_reference(
+        q, k, v, bias=bias, softcap=3.0, window_size=(1, 0)
+    )
     assert torch.autograd.gradcheck(fn, (q, k, v, bias))
