@@ -1,0 +1,297 @@
+"""`Linear` and `LayerNormLinear` with TransformerEngine's parameter names and split parameters.
+
+Shapes: input `[..., in_features]` (`[s, b, hidden]`, `[b, s, hidden]` or `[t, hidden]`) ->
+output `[..., out_features]`.
+
+Parameters (TE names): `weight [out, in]`, `bias [out]`; with `parameters_split` the weight is one
+`[out, in]` buffer exposed as `{name}_weight` / `{name}_bias` row-slices of it (e.g. `query_weight`,
+`key_weight`, `value_weight`). The forward re-joins the slices without a copy while they still
+sit side by side in one storage; `LayerNormLinear` adds `layer_norm_weight` (and
+`layer_norm_bias` for LayerNorm) in front.
+
+Every TE module checkpoints an `_extra_state` entry (its FP8 metadata). These modules save an
+empty uint8 tensor, as TE does without FP8, and accept TE's entries that carry no FP8 state.
+"""
+
+from __future__ import annotations
+
+import io
+import pickletools
+from collections.abc import Callable, Mapping, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from .normalization import apply_normalization, check_normalization
+from .reference_switch import ReferenceSwitch
+
+# TE's `get_default_init_method()`: normal(0, 0.023).
+DEFAULT_INIT_STD = 0.023
+
+
+def default_init_method(weight: torch.Tensor) -> torch.Tensor:
+    return torch.nn.init.normal_(weight, mean=0.0, std=DEFAULT_INIT_STD)
+
+
+def _pickle_is_none(data: bytes) -> bool:
+    """True when `data` is a pickle of `None`, decided from its opcodes without unpickling."""
+    try:
+        names = [op.name for op, _, _ in pickletools.genops(data)]
+    except Exception:  # not a pickle at all
+        return False
+    return [n for n in names if n not in ("PROTO", "FRAME")] == ["NONE", "STOP"]
+
+
+def check_extra_state(state, where: str = "_extra_state") -> None:
+    """Accept a TE `_extra_state` that carries no FP8 state; raise on anything else.
+
+    TE writes `torch.empty(0, uint8)` (2.x, no FP8), a uint8 tensor or `BytesIO` holding a
+    serialized `None` (1.x), or a serialized dict of FP8 scales and amax histories (FP8 runs).
+    Pickles are inspected by opcode, never executed; `torch.save` payloads load `weights_only`.
+    """
+    if state is None:
+        return
+    if isinstance(state, io.BytesIO):
+        data = state.getvalue()
+    elif isinstance(state, torch.Tensor):
+        if state.numel() == 0:
+            return
+        data = state.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()
+    else:
+        raise ValueError(f"{where}: unsupported extra state of type {type(state).__name__}")
+    if data.startswith(b"PK"):  # torch.save's zip container
+        try:
+            empty = torch.load(io.BytesIO(data), weights_only=True) is None
+        except Exception:
+            empty = False
+    else:
+        empty = _pickle_is_none(data)
+    if not empty:
+        raise ValueError(
+            f"{where} carries FP8 state ({len(data)} bytes); fusedlayers has no FP8 support. "
+            "Save the checkpoint from a run without FP8, or drop the `_extra_state` entries."
+        )
+
+
+class TEExtraState:
+    """Mixin: `_extra_state` checkpoint entry compatible with TE modules without FP8."""
+
+    def get_extra_state(self) -> torch.Tensor:
+        return torch.empty(0, dtype=torch.uint8)
+
+    def set_extra_state(self, state) -> None:
+        check_extra_state(state, f"{type(self).__name__}._extra_state")
+
+
+class _NoopCat(torch.autograd.Function):
+    """Join row-slices that are adjacent in one storage into a single tensor, without a copy.
+
+    The slices are separate Parameters (TE's split names), so autograd must route the joined
+    tensor's gradient back to each slice: the backward splits it along dim 0.
+    """
+
+    @staticmethod
+    def forward(ctx, *parts: torch.Tensor) -> torch.Tensor:
+        ctx.sizes = [p.shape[0] for p in parts]
+        first = parts[0]
+        shape = (sum(ctx.sizes), *first.shape[1:])
+        joined = first.new_empty(0)
+        joined.set_(first.untyped_storage(), first.storage_offset(), shape, first.stride())
+        return joined
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return tuple(grad.split(ctx.sizes, dim=0))
+
+
+def _adjacent(parts: Sequence[torch.Tensor]) -> bool:
+    """Whether contiguous `parts` follow each other in one storage (so one view covers them)."""
+    if not all(p.is_contiguous() for p in parts):
+        return False
+    storage = parts[0].untyped_storage().data_ptr()
+    offset = parts[0].storage_offset()
+    for p in parts:
+        if p.untyped_storage().data_ptr() != storage or p.storage_offset() != offset:
+            return False
+        offset += p.numel()
+    return True
+
+
+def join_rows(parts: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Concatenate along dim 0: a view when adjacent in memory, else `torch.cat` (one copy)."""
+    if len(parts) == 1:
+        return parts[0]
+    if _adjacent(parts):
+        return _NoopCat.apply(*parts)
+    return torch.cat(parts, dim=0)
+
+
+def split_sizes(out_features: int, parameters_split) -> tuple[list[str], list[int]]:
+    """TE's `parameters_split`: None, names (even split) or {name: rows} -> (names, row counts)."""
+    if parameters_split is None:
+        return [""], [out_features]
+    if isinstance(parameters_split, Mapping):
+        names, sizes = list(parameters_split), list(parameters_split.values())
+    else:
+        names = list(parameters_split)
+        if not names or out_features % len(names):
+            raise ValueError(
+                f"out_features ({out_features}) must split evenly into {len(names)} parameters"
+            )
+        sizes = [out_features // len(names)] * len(names)
+    if sum(sizes) != out_features:
+        raise ValueError(f"parameters_split sizes {sizes} do not add up to {out_features}")
+    return [n.rstrip("_") + "_" for n in names], sizes
+
+
+class _SplitWeights(TEExtraState, ReferenceSwitch):
+    """Holds `[out, in]` weight (and `[out]` bias) as TE-named row-slices of one buffer."""
+
+    def _init_weights(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool,
+        init_method: Callable | None,
+        parameters_split,
+        params_dtype: torch.dtype | None,
+        device,
+    ) -> None:
+        self.in_features = in_features
+        self.out_features = out_features
+        self.use_bias = bias
+        names, sizes = split_sizes(out_features, parameters_split)
+        self.weight_names = [f"{n}weight" for n in names]
+        self.bias_names = [f"{n}bias" for n in names] if bias else []
+        factory = dict(dtype=params_dtype or torch.get_default_dtype(), device=device)
+        weight = torch.empty(out_features, in_features, **factory)
+        bias_buffer = torch.zeros(out_features, **factory) if bias else None
+        init = init_method or default_init_method
+        with torch.no_grad():
+            for i, rows in enumerate(weight.split(sizes)):
+                init(rows)
+                self.register_parameter(self.weight_names[i], torch.nn.Parameter(rows))
+                if bias:
+                    self.register_parameter(
+                        self.bias_names[i], torch.nn.Parameter(bias_buffer.split(sizes)[i])
+                    )
+
+    def joined_weight(self) -> torch.Tensor:
+        """`[out, in]`, a view over the split parameters when they are still adjacent."""
+        return join_rows([getattr(self, n) for n in self.weight_names])
+
+    def joined_bias(self) -> torch.Tensor | None:
+        if not self.use_bias:
+            return None
+        return join_rows([getattr(self, n) for n in self.bias_names])
+
+    def _apply(self, fn, recurse=True):
+        # `.to()` / `.cuda()` give every slice its own storage; pack them into one buffer again
+        # so the forward keeps joining them without a copy.
+        result = super()._apply(fn, recurse)
+        for names in (self.weight_names, self.bias_names):
+            params = [getattr(self, n) for n in names]
+            if len(params) > 1 and not _adjacent(params):
+                packed = torch.cat([p.data for p in params], dim=0)
+                for p, rows in zip(params, packed.split([p.shape[0] for p in params])):
+                    p.data = rows
+        return result
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """`x [..., in] @ weight[out, in]^T + bias` in x's dtype (parameters cast like TE's AMP)."""
+    bias = None if bias is None else bias.to(x.dtype)
+    return F.linear(x, weight.to(x.dtype), bias)
+
+
+class Linear(_SplitWeights):
+    """TE's `Linear(in_features, out_features, bias, init_method, parameters_split,
+    return_bias, params_dtype, device)`: `[..., in_features] -> [..., out_features]`."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        init_method: Callable | None = None,
+        parameters_split=None,
+        return_bias: bool = False,
+        params_dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+        use_reference: bool = False,
+    ) -> None:
+        super().__init__(use_reference)
+        self.return_bias = return_bias
+        self._init_weights(
+            in_features, out_features, bias, init_method, parameters_split, params_dtype, device
+        )
+
+    def forward(self, inp: torch.Tensor):
+        """`inp [..., in]` -> `[..., out]` (and the bias `[out]` when `return_bias`)."""
+        bias = self.joined_bias()
+        if self.return_bias:
+            return linear(inp, self.joined_weight(), None), bias
+        return linear(inp, self.joined_weight(), bias)
+
+
+class LayerNormLinear(_SplitWeights):
+    """TE's `LayerNormLinear`: normalization (`layer_norm_weight`, `layer_norm_bias`) then a linear
+    layer; `[..., in_features] -> [..., out_features]`, plus the normalized input
+    `[..., in_features]` when `return_layernorm_output`."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        eps: float = 1e-5,
+        bias: bool = True,
+        normalization: str = "LayerNorm",
+        init_method: Callable | None = None,
+        return_bias: bool = False,
+        return_layernorm_output: bool = False,
+        parameters_split=None,
+        zero_centered_gamma: bool = False,
+        params_dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+        use_reference: bool = False,
+    ) -> None:
+        super().__init__(use_reference)
+        check_normalization(normalization)
+        self.eps = eps
+        self.normalization = normalization
+        self.zero_centered_gamma = zero_centered_gamma
+        self.return_bias = return_bias
+        self.return_layernorm_output = return_layernorm_output
+        factory = dict(dtype=params_dtype or torch.get_default_dtype(), device=device)
+        gamma = 0.0 if zero_centered_gamma else 1.0
+        self.layer_norm_weight = torch.nn.Parameter(torch.full((in_features,), gamma, **factory))
+        if normalization == "LayerNorm":
+            self.layer_norm_bias = torch.nn.Parameter(torch.zeros(in_features, **factory))
+        else:
+            self.register_parameter("layer_norm_bias", None)
+        self._init_weights(
+            in_features, out_features, bias, init_method, parameters_split, params_dtype, device
+        )
+
+    def forward(self, inp: torch.Tensor):
+        """`inp [..., in]` -> `out [..., out]`, then `bias` if `return_bias`, then the normalized
+        input if `return_layernorm_output` (a tuple when anything is added)."""
+        ln_out = apply_normalization(
+            inp,
+            self.layer_norm_weight,
+            self.layer_norm_bias,
+            self.eps,
+            self.normalization,
+            self.zero_centered_gamma,
+        )
+        bias = self.joined_bias()
+        out = linear(ln_out, self.joined_weight(), None if self.return_bias else bias)
+        outputs = (out,)
+        if self.return_bias:
+            outputs += (bias,)
+        if self.return_layernorm_output:
+            outputs += (ln_out,)
+        return outputs if len(outputs) > 1 else out
+
+
+__all__ = ["Linear", "LayerNormLinear", "check_extra_state", "default_init_method"]

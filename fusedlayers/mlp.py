@@ -1,0 +1,138 @@
+"""`LayerNormMLP`: normalization -> FC1 -> activation -> FC2, with TransformerEngine's names.
+
+Shapes: `[..., hidden]` (`[s, b, hidden]`, `[b, s, hidden]` or `[t, hidden]`) -> `[..., hidden]`.
+
+Parameters (TE names): `layer_norm_weight [hidden]`, `layer_norm_bias [hidden]` (LayerNorm only),
+`fc1_weight [ffn * k, hidden]`, `fc1_bias`, `fc2_weight [hidden, ffn]`, `fc2_bias`, where
+`k = 2` for gated activations (FC1 computes both halves) and 1 otherwise.
+
+Activations follow TE's definitions: `gelu` is the tanh approximation, `qgelu(x) = x *
+sigmoid(1.702 x)`, `srelu(x) = relu(x)^2`; a gated `*glu` applies its activation to the first half
+of FC1's output and multiplies by the second half.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from .linear import TEExtraState, default_init_method, linear
+from .normalization import apply_normalization, check_normalization
+from .reference_switch import ReferenceSwitch
+
+
+def _gelu(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
+
+
+def _qgelu(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.sigmoid(1.702 * x)
+
+
+def _srelu(x: torch.Tensor) -> torch.Tensor:
+    return F.relu(x).square()
+
+
+_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "gelu": _gelu,
+    "relu": F.relu,
+    "qgelu": _qgelu,
+    "srelu": _srelu,
+    "silu": F.silu,
+}
+# Gated variant name -> activation applied to the first half.
+_GATED = {"geglu": "gelu", "reglu": "relu", "qgeglu": "qgelu", "sreglu": "srelu", "swiglu": "silu"}
+
+ACTIVATIONS = tuple(_ACTIVATIONS) + tuple(_GATED)
+
+
+def is_gated(activation: str) -> bool:
+    return activation in _GATED
+
+
+def apply_activation(x: torch.Tensor, activation: str) -> torch.Tensor:
+    """`x [..., n]` -> `[..., n]`, or `[..., n / 2]` for a gated activation."""
+    if activation in _GATED:
+        first, second = x.chunk(2, dim=-1)
+        return _ACTIVATIONS[_GATED[activation]](first) * second
+    if activation not in _ACTIVATIONS:
+        raise ValueError(f"activation ({activation!r}) must be one of {ACTIVATIONS}")
+    return _ACTIVATIONS[activation](x)
+
+
+class LayerNormMLP(TEExtraState, ReferenceSwitch):
+    """TE's `LayerNormMLP(hidden_size, ffn_hidden_size, eps, bias, normalization, activation,
+    init_method, output_layer_init_method, return_bias, return_layernorm_output,
+    zero_centered_gamma, params_dtype, device)`."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        ffn_hidden_size: int,
+        eps: float = 1e-5,
+        bias: bool = True,
+        normalization: str = "LayerNorm",
+        activation: str = "gelu",
+        init_method: Callable | None = None,
+        output_layer_init_method: Callable | None = None,
+        return_bias: bool = False,
+        return_layernorm_output: bool = False,
+        zero_centered_gamma: bool = False,
+        params_dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+        use_reference: bool = False,
+    ) -> None:
+        super().__init__(use_reference)
+        check_normalization(normalization)
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"activation ({activation!r}) must be one of {ACTIVATIONS}")
+        self.hidden_size = hidden_size
+        self.ffn_hidden_size = ffn_hidden_size
+        self.eps = eps
+        self.normalization = normalization
+        self.activation = activation
+        self.use_bias = bias
+        self.return_bias = return_bias
+        self.return_layernorm_output = return_layernorm_output
+        self.zero_centered_gamma = zero_centered_gamma
+        factory = dict(dtype=params_dtype or torch.get_default_dtype(), device=device)
+        fc1_rows = 2 * ffn_hidden_size if is_gated(activation) else ffn_hidden_size
+        gamma = 0.0 if zero_centered_gamma else 1.0
+        self.layer_norm_weight = torch.nn.Parameter(torch.full((hidden_size,), gamma, **factory))
+        self.layer_norm_bias = (
+            torch.nn.Parameter(torch.zeros(hidden_size, **factory))
+            if normalization == "LayerNorm"
+            else None
+        )
+        self.fc1_weight = torch.nn.Parameter(torch.empty(fc1_rows, hidden_size, **factory))
+        self.fc1_bias = torch.nn.Parameter(torch.zeros(fc1_rows, **factory)) if bias else None
+        self.fc2_weight = torch.nn.Parameter(torch.empty(hidden_size, ffn_hidden_size, **factory))
+        self.fc2_bias = torch.nn.Parameter(torch.zeros(hidden_size, **factory)) if bias else None
+        with torch.no_grad():
+            (init_method or default_init_method)(self.fc1_weight)
+            (output_layer_init_method or default_init_method)(self.fc2_weight)
+
+    def forward(self, inp: torch.Tensor):
+        """`inp [..., hidden]` -> `out [..., hidden]`, then `fc2_bias` if `return_bias`, then the
+        normalized input if `return_layernorm_output` (a tuple when anything is added)."""
+        ln_out = apply_normalization(
+            inp,
+            self.layer_norm_weight,
+            self.layer_norm_bias,
+            self.eps,
+            self.normalization,
+            self.zero_centered_gamma,
+        )
+        hidden = apply_activation(linear(ln_out, self.fc1_weight, self.fc1_bias), self.activation)
+        out = linear(hidden, self.fc2_weight, None if self.return_bias else self.fc2_bias)
+        outputs = (out,)
+        if self.return_bias:
+            outputs += (self.fc2_bias,)
+        if self.return_layernorm_output:
+            outputs += (ln_out,)
+        return outputs if len(outputs) > 1 else out
+
+
+__all__ = ["LayerNormMLP", "ACTIVATIONS", "apply_activation"]

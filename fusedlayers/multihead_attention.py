@@ -1,0 +1,329 @@
+"""`MultiheadAttention`: TransformerEngine's attention block (QKV projection, RoPE, KV cache,
+`DotProductAttention`, output projection) with TE's arguments, module names and weight layouts.
+
+Shapes per `qkv_format` (`h` heads, `g = num_gqa_groups`, `d = kv_channels`):
+
+    sbhd  hidden_states [s, b, hidden] -> q [s, b, h, d], k/v [s, b, g, d] -> out [s, b, hidden]
+    bshd  hidden_states [b, s, hidden] -> q [b, s, h, d], k/v [b, s, g, d] -> out [b, s, hidden]
+    thd   hidden_states [t, hidden]    -> q [t, h, d],    k/v [t, g, d]    -> out [t, hidden]
+          (with cu_seqlens_q / cu_seqlens_kv int32 [b+1] and max_seqlen_q / max_seqlen_kv)
+
+Cross-attention takes keys and values from `encoder_output` (same format, its own length).
+
+Submodules (TE names, so TE state dicts load): self-attention `layernorm_qkv` (LayerNormLinear,
+with `input_layernorm`) or `qkv` (Linear); cross-attention `layernorm_query` or `query_layer`, and
+`key_value`; then `core_attention` (DotProductAttention) and `proj` (Linear). The QKV rows are
+stored in one of three forms (see `qkv_storage`); any form loads into any other.
+
+The projection output reaches `core_attention` as views: k and v are strided slices of it in every
+form (the TE issue-1195 layout when GQA meets interleaved weights). q is a view too except for
+interleaved weights with `1 < g < h`, where its heads are not equally spaced in memory and one
+copy gathers them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from .dot_product_attention import DotProductAttention
+from .inference import InferenceParams
+from .linear import LayerNormLinear, Linear, check_extra_state
+from .qkv_storage import QKVSpec, install_qkv_storage_hooks, storage_form
+from .reference_switch import ReferenceSwitch
+from .rope import apply_rotary_pos_emb
+
+FORMATS = ("sbhd", "bshd", "thd")
+# With a KV cache the new queries are the last rows of the key sequence, so causal masks align
+# to the bottom-right corner.
+_BOTTOM_RIGHT = {"causal": "causal_bottom_right", "padding_causal": "padding_causal_bottom_right"}
+
+
+def split_qkv(mixed: torch.Tensor, heads: int, groups: int, head_dim: int, interleaved: bool):
+    """Projection output `[..., (h + 2g) * d]` -> q `[..., h, d]`, k, v `[..., g, d]` (views;
+    q is copied only for interleaved rows with `1 < g < h`)."""
+    lead = mixed.shape[:-1]
+    per_group = heads // groups
+    if interleaved:  # rows [g, h/g + 2, d]
+        q, k, v = mixed.view(*lead, groups, per_group + 2, head_dim).split(
+            [per_group, 1, 1], dim=-2
+        )
+    else:  # rows [h/g + 2, g, d] == [all q | all k | all v]
+        q, k, v = mixed.view(*lead, per_group + 2, groups, head_dim).split(
+            [per_group, 1, 1], dim=-3
+        )
+    return (
+        q.reshape(*lead, heads, head_dim),
+        k.reshape(*lead, groups, head_dim),
+        v.reshape(*lead, groups, head_dim),
+    )
+
+
+def split_kv(mixed: torch.Tensor, groups: int, head_dim: int, interleaved: bool):
+    """Cross-attention `key_value` output `[..., 2 * g * d]` -> k, v `[..., g, d]` (views)."""
+    lead = mixed.shape[:-1]
+    if interleaved:  # rows [g, 2, d]
+        k, v = mixed.view(*lead, groups, 2, head_dim).unbind(-2)
+    else:  # rows [2, g, d]
+        k, v = mixed.view(*lead, 2, groups, head_dim).unbind(-3)
+    return k, v
+
+
+class MultiheadAttention(ReferenceSwitch):
+    """TE's `MultiheadAttention`; see the module docstring for shapes and layouts.
+
+    Defaults follow TE (`attention_dropout=0.1`, `attn_mask_type="causal"`, `input_layernorm=False`,
+    `fuse_qkv_params=False`, `qkv_weight_interleaved=True`, ignored when params are not fused),
+    except `device=None` (torch's default device) rather than TE's `"cuda"`.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_attention_heads: int,
+        kv_channels: int | None = None,
+        attention_dropout: float = 0.1,
+        layernorm_epsilon: float = 1e-5,
+        init_method: Callable | None = None,
+        output_layer_init_method: Callable | None = None,
+        layer_number: int | None = None,
+        attn_mask_type: str = "causal",
+        window_size: tuple[int, int] | None = None,
+        num_gqa_groups: int | None = None,
+        return_bias: bool = False,
+        return_layernorm_output: bool = False,
+        input_layernorm: bool = False,
+        attention_type: str = "self",
+        fuse_qkv_params: bool = False,
+        zero_centered_gamma: bool = False,
+        qkv_weight_interleaved: bool = True,
+        rotary_pos_interleaved: bool = False,
+        bias: bool = True,
+        normalization: str = "LayerNorm",
+        qkv_format: str = "sbhd",
+        params_dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+        use_reference: bool = False,
+    ) -> None:
+        super().__init__(use_reference)
+        heads = num_attention_heads
+        groups = heads if num_gqa_groups is None else num_gqa_groups
+        head_dim = kv_channels or hidden_size // heads
+        if heads % groups:
+            raise ValueError(
+                f"num_attention_heads ({heads}) must be divisible by num_gqa_groups ({groups})"
+            )
+        if attention_type not in ("self", "cross"):
+            raise ValueError(f"attention_type ({attention_type!r}) must be 'self' or 'cross'")
+        if qkv_format not in FORMATS:
+            raise ValueError(f"qkv_format ({qkv_format!r}) must be one of {FORMATS}")
+        if layer_number is not None and layer_number < 1:
+            raise ValueError(f"layer_number ({layer_number}) must be a positive integer")
+        self.hidden_size = hidden_size
+        self.num_attention_heads = heads
+        self.num_gqa_groups = groups
+        self.hidden_size_per_attention_head = head_dim
+        self.layer_number = 1 if layer_number is None else layer_number
+        self.attn_mask_type = attn_mask_type
+        self.window_size = window_size
+        self.attention_type = attention_type
+        self.input_layernorm = input_layernorm
+        self.return_bias = return_bias
+        self.return_layernorm_output = return_layernorm_output
+        self.qkv_format = qkv_format
+        self.rotary_pos_interleaved = rotary_pos_interleaved
+        # TE: separate parameters are always [q | k | v], whatever the interleave flag says.
+        self.qkv_weight_interleaved = fuse_qkv_params and qkv_weight_interleaved
+        self.qkv_storage = storage_form(fuse_qkv_params, qkv_weight_interleaved)
+        common = dict(bias=bias, init_method=init_method, params_dtype=params_dtype, device=device)
+        norm = dict(
+            eps=layernorm_epsilon,
+            normalization=normalization,
+            return_layernorm_output=return_layernorm_output,
+            zero_centered_gamma=zero_centered_gamma,
+        )
+        self._build_projections(heads, groups, head_dim, fuse_qkv_params, common, norm)
+        self.core_attention = DotProductAttention(
+            heads,
+            head_dim,
+            num_gqa_groups=groups,
+            attention_dropout=attention_dropout,
+            qkv_format=qkv_format,
+            attn_mask_type=attn_mask_type,
+            window_size=window_size,
+            layer_number=self.layer_number,
+            attention_type=attention_type,
+        )
+        self.proj = Linear(
+            heads * head_dim,
+            hidden_size,
+            bias=bias,
+            init_method=output_layer_init_method,
+            return_bias=return_bias,
+            params_dtype=params_dtype,
+            device=device,
+        )
+        self.register_load_state_dict_pre_hook(_check_core_attention_extra_state)
+        self.use_reference = use_reference  # propagates to every child with the switch
+
+    def _build_projections(self, heads, groups, head_dim, fused, common, norm) -> None:
+        hidden, form = self.hidden_size, self.qkv_storage
+        if self.attention_type == "self":
+            rows = {"query": heads * head_dim, "key": groups * head_dim, "value": groups * head_dim}
+            split = None if fused else rows
+            if self.input_layernorm:
+                self.layernorm_qkv = LayerNormLinear(
+                    hidden, sum(rows.values()), parameters_split=split, **norm, **common
+                )
+                qkv = self.layernorm_qkv
+            else:
+                self.qkv = Linear(hidden, sum(rows.values()), parameters_split=split, **common)
+                qkv = self.qkv
+            spec = QKVSpec(("query", "key", "value"), (heads, groups, groups), groups, head_dim)
+            install_qkv_storage_hooks(qkv, spec, form)
+            return
+        if self.input_layernorm:
+            self.layernorm_query = LayerNormLinear(
+                hidden,
+                heads * head_dim,
+                parameters_split=None if fused else ("query",),
+                **norm,
+                **common,
+            )
+            query_spec = QKVSpec(("query",), (heads,), 1, head_dim)
+            install_qkv_storage_hooks(self.layernorm_query, query_spec, form)
+        else:
+            self.query_layer = Linear(hidden, heads * head_dim, **common)
+        self.key_value = Linear(
+            hidden,
+            2 * groups * head_dim,
+            parameters_split=None if fused else ("key", "value"),
+            **common,
+        )
+        kv_spec = QKVSpec(("key", "value"), (groups, groups), groups, head_dim)
+        install_qkv_storage_hooks(self.key_value, kv_spec, form)
+
+    def _project(self, hidden_states, encoder_output):
+        """-> q, k, v views (see `split_qkv`) and the normalized input (or None)."""
+        heads, groups = self.num_attention_heads, self.num_gqa_groups
+        head_dim, interleaved = self.hidden_size_per_attention_head, self.qkv_weight_interleaved
+        ln_out = None
+        if self.attention_type == "self":
+            if self.input_layernorm:
+                mixed = self.layernorm_qkv(hidden_states)
+                if self.return_layernorm_output:
+                    mixed, ln_out = mixed
+            else:
+                mixed = self.qkv(hidden_states)
+            return (*split_qkv(mixed, heads, groups, head_dim, interleaved), ln_out)
+        if encoder_output is None:
+            raise ValueError("cross-attention needs encoder_output")
+        k, v = split_kv(self.key_value(encoder_output), groups, head_dim, interleaved)
+        if self.input_layernorm:
+            query = self.layernorm_query(hidden_states)
+            if self.return_layernorm_output:
+                query, ln_out = query
+        else:
+            query = self.query_layer(hidden_states)
+        return query.view(*query.shape[:-1], heads, head_dim), k, v, ln_out
+
+    def _rotate(self, q, k, rotary_pos_emb, inference_params, cu_seqlens_q, cu_seqlens_kv):
+        """Apply RoPE to the new q and k; with a KV cache positions start at the cache offset."""
+        q_freqs, k_freqs = (
+            rotary_pos_emb if isinstance(rotary_pos_emb, tuple) else (rotary_pos_emb,) * 2
+        )
+        start = None
+        if inference_params is not None:
+            batch = q.shape[1] if self.qkv_format == "sbhd" else q.shape[0]
+            start = torch.full(
+                (batch,), inference_params.sequence_len_offset, dtype=torch.int32, device=q.device
+            )
+        rope = dict(
+            tensor_format=self.qkv_format,
+            start_positions=start,
+            interleaved=self.rotary_pos_interleaved,
+        )
+        q = apply_rotary_pos_emb(q, q_freqs, cu_seqlens=cu_seqlens_q, **rope)
+        k = apply_rotary_pos_emb(k, k_freqs, cu_seqlens=cu_seqlens_kv, **rope)
+        return q, k
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None = None,
+        encoder_output: torch.Tensor | None = None,
+        attn_mask_type: str | None = None,
+        window_size: tuple[int, int] | None = None,
+        checkpoint_core_attention: bool = False,
+        inference_params: InferenceParams | None = None,
+        rotary_pos_emb: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None = None,
+        core_attention_bias_type: str = "no_bias",
+        core_attention_bias: torch.Tensor | None = None,
+        alibi_slopes: torch.Tensor | None = None,
+        cu_seqlens_q: torch.Tensor | None = None,
+        cu_seqlens_kv: torch.Tensor | None = None,
+        max_seqlen_q: int | None = None,
+        max_seqlen_kv: int | None = None,
+        cu_seqlens_q_padded: torch.Tensor | None = None,
+        cu_seqlens_kv_padded: torch.Tensor | None = None,
+    ):
+        """Attention block; shapes per `qkv_format` in the module docstring.
+
+        `attention_mask` (bool, True = masked out): `[b, 1, 1, s_kv]` for padding masks of
+        self-attention, a `([b, 1, 1, s_q], [b, 1, 1, s_kv])` pair for cross-attention, or
+        broadcastable to `[b, h, s_q, s_kv]` for `"arbitrary"`. `rotary_pos_emb`: one angle table
+        `[s_max, 1, 1, d_rot]` for q and k, or a `(q_table, k_table)` pair. `inference_params`:
+        KV cache (self-attention, sbhd/bshd). `checkpoint_core_attention`: recompute attention in
+        the backward instead of keeping its activations.
+
+        Returns `out`, then the projection bias if `return_bias`, then the normalized input if
+        `input_layernorm and return_layernorm_output` (a tuple when anything is added).
+        """
+        attn_mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
+        window_size = self.window_size if window_size is None else window_size
+        if self.qkv_format == "thd" and self.attention_type == "self" and cu_seqlens_kv is None:
+            cu_seqlens_kv, max_seqlen_kv = cu_seqlens_q, max_seqlen_q
+        q, k, v, ln_out = self._project(hidden_states, encoder_output)
+        if rotary_pos_emb is not None:
+            q, k = self._rotate(q, k, rotary_pos_emb, inference_params, cu_seqlens_q, cu_seqlens_kv)
+        if inference_params is not None and self.attention_type == "self":
+            if self.qkv_format == "thd":
+                raise NotImplementedError("the KV cache supports qkv_format sbhd and bshd")
+            k, v = inference_params.update(self.layer_number, k, v, self.qkv_format)
+            attn_mask_type = _BOTTOM_RIGHT.get(attn_mask_type, attn_mask_type)
+        options = dict(
+            attention_mask=attention_mask,
+            qkv_format=self.qkv_format,
+            cu_seqlens_q=cu_seqlens_q,
+            cu_seqlens_kv=cu_seqlens_kv,
+            cu_seqlens_q_padded=cu_seqlens_q_padded,
+            cu_seqlens_kv_padded=cu_seqlens_kv_padded,
+            max_seqlen_q=max_seqlen_q,
+            max_seqlen_kv=max_seqlen_kv,
+            attn_mask_type=attn_mask_type,
+            window_size=window_size,
+            core_attention_bias_type=core_attention_bias_type,
+            core_attention_bias=core_attention_bias,
+            alibi_slopes=alibi_slopes,
+        )
+
+        context = self.core_attention(
+            q, k, v, checkpoint_core_attention=checkpoint_core_attention, **options
+        )
+        projected = self.proj(context)
+        outputs = projected if self.return_bias else (projected,)
+        if self.input_layernorm and self.return_layernorm_output:
+            outputs += (ln_out,)
+        return outputs if len(outputs) > 1 else outputs[0]
+
+
+def _check_core_attention_extra_state(module, state_dict, prefix, *_args) -> None:
+    # TE 2.x checkpoints carry `core_attention._extra_state` (FP8 attention metadata); accept it
+    # only when it holds no FP8 state, whether or not DotProductAttention keeps extra state.
+    key = f"{prefix}core_attention._extra_state"
+    if key in state_dict:
+        check_extra_state(state_dict[key], key)
+
+
+__all__ = ["MultiheadAttention", "split_qkv", "split_kv"]

@@ -1,0 +1,227 @@
+"""`TransformerLayer`: TransformerEngine's encoder/decoder block with TE's arguments and names.
+
+Shapes per `attn_input_format`: `sbhd` `[s, b, hidden]`, `bshd` `[b, s, hidden]`, `thd`
+`[t, hidden]` (with `cu_seqlens_q`/`cu_seqlens_kv` int32 `[b+1]`); the output has the input's shape.
+
+Data flow (pre-LN by default; `x` the input, `drop` the hidden dropout):
+
+    a = x + drop(self_attention(x))              # self_attention normalizes its input
+    a = a + drop(inter_attention(a, encoder))    # decoder only, cross-attention
+    y = a + drop(layernorm_mlp(a))               # layernorm_mlp normalizes its input
+    y = layernorm(y)                             # output_layernorm only
+
+With `apply_residual_connection_post_layernorm` the residuals are the normalized inputs of each
+block instead. With `output_layernorm` the self-attention has no input norm (`self_attention.qkv`)
+and a final `layernorm` follows, as in TE.
+
+Submodules: `self_attention` (MultiheadAttention), `inter_attention` (decoder), `layernorm_mlp`
+(LayerNormMLP), `layernorm` (`output_layernorm`): a TE `TransformerLayer` state dict loads
+unchanged, with its `_extra_state` entries when they carry no FP8 state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from .inference import InferenceParams
+from .mlp import LayerNormMLP
+from .multihead_attention import MultiheadAttention
+from .normalization import make_norm
+from .reference_switch import ReferenceSwitch
+
+
+class TransformerLayer(ReferenceSwitch):
+    """TE's `TransformerLayer`; see the module docstring.
+
+    Defaults follow TE (`hidden_dropout=0.1`, `attention_dropout=0.1`,
+    `self_attn_mask_type="causal"`, `layer_type="encoder"`, `activation="gelu"`, i.e. the tanh
+    approximation), except `device=None` (torch's default device) rather than TE's `"cuda"`.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        ffn_hidden_size: int,
+        num_attention_heads: int,
+        num_gqa_groups: int | None = None,
+        layernorm_epsilon: float = 1e-5,
+        hidden_dropout: float = 0.1,
+        attention_dropout: float = 0.1,
+        init_method: Callable | None = None,
+        output_layer_init_method: Callable | None = None,
+        layer_number: int | None = None,
+        kv_channels: int | None = None,
+        self_attn_mask_type: str = "causal",
+        window_size: tuple[int, int] | None = None,
+        apply_residual_connection_post_layernorm: bool = False,
+        output_layernorm: bool = False,
+        layer_type: str = "encoder",
+        fuse_qkv_params: bool = False,
+        qkv_weight_interleaved: bool = True,
+        zero_centered_gamma: bool = False,
+        bias: bool = True,
+        activation: str = "gelu",
+        normalization: str = "LayerNorm",
+        attn_input_format: str = "sbhd",
+        rotary_pos_interleaved: bool = False,
+        params_dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+        use_reference: bool = False,
+    ) -> None:
+        super().__init__(use_reference)
+        if layer_type not in ("encoder", "decoder"):
+            raise ValueError(f"layer_type ({layer_type!r}) must be 'encoder' or 'decoder'")
+        self.layer_type = layer_type
+        self.layer_number = layer_number
+        self.hidden_dropout = hidden_dropout
+        self.self_attn_mask_type = self_attn_mask_type
+        self.window_size = window_size
+        self.output_layernorm = output_layernorm
+        self.apply_residual_connection_post_layernorm = apply_residual_connection_post_layernorm
+        self.attn_input_format = attn_input_format
+        attention = dict(
+            hidden_size=hidden_size,
+            num_attention_heads=num_attention_heads,
+            kv_channels=kv_channels,
+            attention_dropout=attention_dropout,
+            layernorm_epsilon=layernorm_epsilon,
+            init_method=init_method,
+            output_layer_init_method=output_layer_init_method,
+            layer_number=layer_number,
+            num_gqa_groups=num_gqa_groups,
+            return_layernorm_output=apply_residual_connection_post_layernorm,
+            fuse_qkv_params=fuse_qkv_params,
+            qkv_weight_interleaved=qkv_weight_interleaved,
+            zero_centered_gamma=zero_centered_gamma,
+            bias=bias,
+            normalization=normalization,
+            qkv_format=attn_input_format,
+            rotary_pos_interleaved=rotary_pos_interleaved,
+            params_dtype=params_dtype,
+            device=device,
+        )
+        self.self_attention = MultiheadAttention(
+            **attention,
+            attn_mask_type=self_attn_mask_type,
+            window_size=window_size,
+            input_layernorm=not output_layernorm,
+            attention_type="self",
+        )
+        if layer_type == "decoder":
+            self.inter_attention = MultiheadAttention(
+                **attention,
+                attn_mask_type="padding",
+                input_layernorm=True,
+                attention_type="cross",
+            )
+        self.layernorm_mlp = LayerNormMLP(
+            hidden_size,
+            ffn_hidden_size,
+            eps=layernorm_epsilon,
+            bias=bias,
+            normalization=normalization,
+            activation=activation,
+            init_method=init_method,
+            output_layer_init_method=output_layer_init_method,
+            return_layernorm_output=apply_residual_connection_post_layernorm,
+            zero_centered_gamma=zero_centered_gamma,
+            params_dtype=params_dtype,
+            device=device,
+        )
+        if output_layernorm:
+            self.layernorm = make_norm(
+                normalization,
+                hidden_size,
+                eps=layernorm_epsilon,
+                zero_centered_gamma=zero_centered_gamma,
+                params_dtype=params_dtype,
+                device=device,
+            )
+        self.use_reference = use_reference  # propagates to every child with the switch
+
+    def _residual(self, out: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        return residual + F.dropout(out, p=self.hidden_dropout, training=self.training)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        self_attn_mask_type: str | None = None,
+        window_size: tuple[int, int] | None = None,
+        encoder_output: torch.Tensor | None = None,
+        enc_dec_attn_mask: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None = None,
+        checkpoint_core_attention: bool = False,
+        inference_params: InferenceParams | None = None,
+        rotary_pos_emb: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None = None,
+        core_attention_bias_type: str = "no_bias",
+        core_attention_bias: torch.Tensor | None = None,
+        alibi_slopes: torch.Tensor | None = None,
+        cu_seqlens_q: torch.Tensor | None = None,
+        cu_seqlens_kv: torch.Tensor | None = None,
+        max_seqlen_q: int | None = None,
+        max_seqlen_kv: int | None = None,
+    ) -> torch.Tensor:
+        """One layer; `hidden_states` and the output are `[s, b, hidden]` / `[b, s, hidden]` /
+        `[t, hidden]` per `attn_input_format`.
+
+        `attention_mask` (bool, True = masked out) feeds self-attention for `padding*` /
+        `arbitrary` mask types; `enc_dec_attn_mask` feeds cross-attention (a `(q_mask, kv_mask)`
+        pair of `[b, 1, 1, s]` padding masks, or None for no mask). For `thd`, `cu_seqlens_q`
+        describes this layer's sequences and `cu_seqlens_kv` the encoder's (cross-attention).
+        """
+        mask_type = self.self_attn_mask_type if self_attn_mask_type is None else self_attn_mask_type
+        window_size = self.window_size if window_size is None else window_size
+        thd = self.attn_input_format == "thd"
+        self_outputs = self.self_attention(
+            hidden_states,
+            attention_mask=attention_mask,
+            attn_mask_type=mask_type,
+            window_size=window_size,
+            checkpoint_core_attention=checkpoint_core_attention,
+            inference_params=inference_params,
+            rotary_pos_emb=rotary_pos_emb,
+            core_attention_bias_type=core_attention_bias_type,
+            core_attention_bias=core_attention_bias,
+            alibi_slopes=alibi_slopes,
+            cu_seqlens_q=cu_seqlens_q,
+            cu_seqlens_kv=cu_seqlens_q if thd else None,
+            max_seqlen_q=max_seqlen_q,
+            max_seqlen_kv=max_seqlen_q if thd else None,
+        )
+        if self.apply_residual_connection_post_layernorm and not self.output_layernorm:
+            attention_out, residual = self_outputs
+        else:
+            attention_out, residual = self_outputs, hidden_states
+        hidden = self._residual(attention_out, residual)
+        if self.layer_type == "decoder":
+            cross_outputs = self.inter_attention(
+                hidden,
+                attention_mask=enc_dec_attn_mask,
+                encoder_output=encoder_output,
+                attn_mask_type="padding" if enc_dec_attn_mask is not None or thd else "no_mask",
+                checkpoint_core_attention=checkpoint_core_attention,
+                cu_seqlens_q=cu_seqlens_q,
+                cu_seqlens_kv=cu_seqlens_kv,
+                max_seqlen_q=max_seqlen_q,
+                max_seqlen_kv=max_seqlen_kv,
+            )
+            if self.apply_residual_connection_post_layernorm:
+                attention_out, residual = cross_outputs
+            else:
+                attention_out, residual = cross_outputs, hidden
+            hidden = self._residual(attention_out, residual)
+        mlp_outputs = self.layernorm_mlp(hidden)
+        if self.apply_residual_connection_post_layernorm:
+            mlp_out, residual = mlp_outputs
+        else:
+            mlp_out, residual = mlp_outputs, hidden
+        output = self._residual(mlp_out, residual)
+        if self.output_layernorm:
+            output = self.layernorm(output)
+        return output
+
+
+__all__ = ["TransformerLayer"]
