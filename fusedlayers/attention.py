@@ -22,6 +22,13 @@ from . import masks, validation
 from ._logging import debug_enabled, log_decision
 from .reference import attention_reference
 
+try:
+    from .kernels import flash_attention
+except ImportError as error:  # Triton missing (no Linux wheel) or broken: the reference serves
+    flash_attention, _KERNELS_MISSING = None, f"kernels unavailable ({error})"
+else:
+    _KERNELS_MISSING = None
+
 BIAS_TYPES = ("no_bias", "pre_scale_bias", "post_scale_bias", "alibi")
 BACKENDS = ("auto", "kernel", "reference")
 
@@ -53,6 +60,10 @@ def _choose_backend(backend: str, q: torch.Tensor) -> tuple[bool, str]:
         raise ValueError(f"backend={backend!r} is not one of {BACKENDS}")
     if backend == "reference":
         return False, "use_reference=True"
+    if _KERNELS_MISSING is not None:
+        if backend == "kernel":
+            raise RuntimeError(f"the Triton kernels cannot run: {_KERNELS_MISSING}")
+        return False, _KERNELS_MISSING
     if q.is_cuda:
         return True, "CUDA tensors"
     if backend == "kernel":
@@ -274,8 +285,6 @@ def _run_reference(p: _Prepared, scale, softcap, dropout_p):
 
 
 def _run_kernel(p: _Prepared, scale, softcap, dropout_p, deterministic):
-    from .kernels import flash_attention
-
     bias = p.bias
     b = p.q.shape[0] if not p.varlen else len(p.varlen["cu_seqlens_q"]) - 1
     h, s_q = p.q.shape[-2], p.q.shape[-3]
