@@ -10,12 +10,17 @@ import logging
 import os
 import sys
 
+import torch
+
 logger = logging.getLogger("fusedlayers")
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 _seen: set[tuple[str, str]] = set()
 
 
 def debug_enabled() -> bool:
+    # Frame inspection cannot be traced; compiled graphs log nothing (the eager call did).
+    if torch.compiler.is_compiling():
+        return False
     return os.environ.get("FUSEDLAYERS_DEBUG", "0") not in ("", "0")
 
 
