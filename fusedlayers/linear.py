@@ -163,6 +163,9 @@ class _SplitWeights(TEExtraState, ReferenceSwitch):
         names, sizes = split_sizes(out_features, parameters_split)
         self.weight_names = [f"{n}weight" for n in names]
         self.bias_names = [f"{n}bias" for n in names] if bias else []
+        if not bias:  # TE keeps the attribute (empty) when there is no bias
+            for n in names:
+                setattr(self, f"{n}bias", None)
         factory = dict(dtype=params_dtype or torch.get_default_dtype(), device=device)
         weight = torch.empty(out_features, in_features, **factory)
         bias_buffer = torch.zeros(out_features, **factory) if bias else None
