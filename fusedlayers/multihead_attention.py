@@ -319,11 +319,15 @@ class MultiheadAttention(ReferenceSwitch):
 
 
 def _check_core_attention_extra_state(module, state_dict, prefix, *_args) -> None:
-    # TE 2.x checkpoints carry `core_attention._extra_state` (FP8 attention metadata); accept it
-    # only when it holds no FP8 state, whether or not DotProductAttention keeps extra state.
+    # TE 2.x checkpoints carry `core_attention._extra_state` (FP8 attention metadata), TE 1.x
+    # ones do not. Accept it when it holds no FP8 state; drop it when DotProductAttention keeps
+    # no extra state of its own, since torch would call it unexpected under strict loading.
     key = f"{prefix}core_attention._extra_state"
-    if key in state_dict:
-        check_extra_state(state_dict[key], key)
+    if key not in state_dict:
+        return
+    check_extra_state(state_dict[key], key)
+    if type(module.core_attention).set_extra_state is torch.nn.Module.set_extra_state:
+        del state_dict[key]
 
 
 __all__ = ["MultiheadAttention", "split_qkv", "split_kv"]
