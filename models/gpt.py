@@ -1,0 +1,219 @@
+"""A decoder-only GPT built from `fusedlayers.TransformerLayer`.
+
+Shapes (b = batch, s = tokens, d = d_model, V = vocab_size):
+    idx [b, s] int64 -> logits [b, s, V] (fp32 under autocast too: the loss wants fp32 logits)
+
+Every use of `TransformerLayer`, `RotaryPositionEmbedding` and `InferenceParams` is in this file.
+The layers run in `config.attn_input_format`; `bshd` is the default because the token batch is
+already batch-first, so it needs no transposes (the other formats are converted at the first and
+last layer only, see `_to_format`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from fusedlayers.inference import InferenceParams
+from fusedlayers.normalization import make_norm
+from fusedlayers.reference_switch import ReferenceSwitch
+from fusedlayers.rope import RotaryPositionEmbedding
+from fusedlayers.transformer_layer import TransformerLayer
+
+from .config import GPTConfig
+
+
+def _normal_init(std: float):
+    return lambda w: torch.nn.init.normal_(w, mean=0.0, std=std)
+
+
+class GPT(ReferenceSwitch):
+    """GPT language model: token (+ learned position) embedding, `n_layer` pre-norm
+    `TransformerLayer`s with causal self-attention (RoPE or learned positions), final norm, LM
+    head (tied to the embedding by default).
+
+    `use_reference=True` (or `model.use_reference = True` later) runs every layer on the
+    pure-PyTorch reference path; on CPU the layers take it automatically.
+    """
+
+    def __init__(
+        self,
+        config: GPTConfig,
+        *,
+        use_reference: bool = False,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__(use_reference)
+        c = self.config = config
+        factory = dict(device=device, dtype=dtype)
+        self.tok_emb = torch.nn.Embedding(c.vocab_size, c.d_model, **factory)
+        self.pos_emb = (
+            torch.nn.Embedding(c.context_length, c.d_model, **factory)
+            if c.pos_emb == "learned"
+            else None
+        )
+        self.rope = (
+            RotaryPositionEmbedding(c.head_dim, rotary_base=c.rope_base, device=device)
+            if c.pos_emb == "rope"
+            else None
+        )
+        self.emb_dropout = torch.nn.Dropout(c.embedding_dropout)
+        # GPT-2's scaled init for the projections that write into the residual stream, so the
+        # residual variance does not grow with depth.
+        out_std = c.init_std / math.sqrt(2 * c.n_layer)
+        self.layers = torch.nn.ModuleList(
+            TransformerLayer(
+                hidden_size=c.d_model,
+                ffn_hidden_size=c.d_ff,
+                num_attention_heads=c.n_head,
+                num_gqa_groups=c.n_kv_head,
+                kv_channels=c.head_dim,
+                layernorm_epsilon=c.layernorm_epsilon,
+                hidden_dropout=c.hidden_dropout,
+                attention_dropout=c.attention_dropout,
+                init_method=_normal_init(c.init_std),
+                output_layer_init_method=_normal_init(out_std),
+                layer_number=i + 1,
+                self_attn_mask_type="causal",
+                attn_input_format=c.attn_input_format,
+                normalization=c.normalization,
+                activation=c.activation,
+                bias=c.bias,
+                fuse_qkv_params=True,
+                params_dtype=dtype,
+                device=device,
+                use_reference=use_reference,
+            )
+            for i in range(c.n_layer)
+        )
+        self.final_norm = make_norm(
+            c.normalization,
+            c.d_model,
+            eps=c.layernorm_epsilon,
+            params_dtype=dtype,
+            device=device,
+            use_reference=use_reference,
+        )
+        self.lm_head = (
+            None if c.tie_embeddings else torch.nn.Linear(c.d_model, c.vocab_size, False, **factory)
+        )
+        self._init_embeddings()
+
+    def _init_embeddings(self) -> None:
+        for module in (self.tok_emb, self.pos_emb, self.lm_head):
+            if module is not None:
+                torch.nn.init.normal_(module.weight, mean=0.0, std=self.config.init_std)
+
+    def num_parameters(self, non_embedding: bool = True) -> int:
+        """Parameter count; by default without the embedding tables (the FLOP-relevant part;
+        a tied LM head is a matmul, so it is counted back in)."""
+        n = sum(p.numel() for p in self.parameters())
+        if non_embedding:
+            n -= 0 if self.pos_emb is None else self.pos_emb.weight.numel()
+            n -= 0 if self.config.tie_embeddings else self.tok_emb.weight.numel()
+        return n
+
+    def _to_format(self, x: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        """[b, s, d] -> the layers' format, plus the layers' extra keyword arguments."""
+        fmt = self.config.attn_input_format
+        if fmt == "sbhd":
+            return x.transpose(0, 1).contiguous(), {}
+        if fmt == "thd":
+            # Equal-length sequences packed back to back: cu_seqlens = 0, s, 2s, ...
+            b, s, d = x.shape
+            cu = torch.arange(0, (b + 1) * s, s, dtype=torch.int32, device=x.device)
+            return x.reshape(b * s, d), dict(cu_seqlens_q=cu, max_seqlen_q=s)
+        return x, {}
+
+    def _from_format(self, h: torch.Tensor, b: int, s: int) -> torch.Tensor:
+        fmt = self.config.attn_input_format
+        if fmt == "sbhd":
+            return h.transpose(0, 1)
+        if fmt == "thd":
+            return h.view(b, s, -1)
+        return h
+
+    def forward(
+        self, idx: torch.Tensor, inference_params: InferenceParams | None = None
+    ) -> torch.Tensor:
+        """idx [b, s] token ids -> logits [b, s, vocab_size] (fp32).
+
+        With `inference_params`, `idx` holds the tokens after the `sequence_len_offset` already
+        cached; the caller advances the offset afterwards (see `generate`).
+        """
+        b, s = idx.shape
+        start = 0 if inference_params is None else inference_params.sequence_len_offset
+        limit = self.config.context_length
+        if start + s > limit:
+            raise ValueError(f"positions {start}..{start + s - 1} exceed context_length {limit}")
+        x = self.tok_emb(idx)  # [b, s, d]
+        if self.pos_emb is not None:
+            x = x + self.pos_emb(torch.arange(start, start + s, device=idx.device))
+        h, extra = self._to_format(self.emb_dropout(x))
+        if self.rope is not None:
+            # The full table: layers index it by absolute position (offset while decoding).
+            extra["rotary_pos_emb"] = self.rope(limit)
+        for layer in self.layers:
+            h = layer(h, inference_params=inference_params, **extra)
+        h = self._from_format(self.final_norm(h), b, s)
+        weight = self.tok_emb.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(h, weight).float()
+
+    @torch.no_grad()
+    def generate(
+        self,
+        idx: torch.Tensor,
+        max_new_tokens: int,
+        *,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        use_cache: bool = True,
+        generator: torch.Generator | None = None,
+    ) -> torch.Tensor:
+        """Continue `idx [b, s]` by `max_new_tokens` sampled tokens -> [b, s + max_new_tokens].
+
+        temperature 0 is greedy decoding; `top_k` keeps the k most likely tokens. With
+        `use_cache` the prompt is run once and every later step feeds only the newest token,
+        reading earlier keys/values from an `InferenceParams` cache; without it every step
+        reruns the whole sequence (the slow baseline the tests compare against).
+        """
+        total, limit = idx.shape[1] + max_new_tokens, self.config.context_length
+        if total > limit:
+            raise ValueError(f"prompt + new tokens ({total}) exceed context_length ({limit})")
+        if use_cache and self.config.attn_input_format == "thd":
+            raise ValueError("generation with a KV cache needs attn_input_format sbhd or bshd")
+        was_training = self.training
+        self.eval()
+        cache = InferenceParams(idx.shape[0], total) if use_cache else None
+        try:
+            new = idx
+            for _ in range(max_new_tokens):
+                logits = self(new if use_cache else idx, inference_params=cache)[:, -1]
+                if cache is not None:
+                    cache.sequence_len_offset += new.shape[1]
+                new = _sample(logits, temperature, top_k, generator)  # [b, 1]
+                idx = torch.cat((idx, new), dim=1)
+        finally:
+            self.train(was_training)
+        return idx
+
+
+def _sample(
+    logits: torch.Tensor, temperature: float, top_k: int | None, generator: torch.Generator | None
+) -> torch.Tensor:
+    """logits [b, V] -> next token ids [b, 1]."""
+    if temperature == 0:
+        return logits.argmax(dim=-1, keepdim=True)
+    logits = logits / temperature
+    if top_k is not None:
+        kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, -math.inf)
+    return torch.multinomial(logits.softmax(dim=-1), 1, generator=generator)
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross entropy: logits [b, s, V], targets [b, s] -> scalar (nats)."""
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
