@@ -1,0 +1,353 @@
+"""Shared attention-kernel helpers: tile masks, score modifications, dropout, launch geometry.
+
+Legend (per program): a query tile holds rows `offs_m` [BLOCK_M] and a key tile columns `offs_n`
+[BLOCK_N], both as positions *within the sequence* (row 0 = the sequence's first token). Every mask
+and score helper works on those positions, so dense, padded and varlen launches share one code path.
+
+Mask semantics (docs/internals.md): query i sees key j iff `i + diag - left <= j` (left >= 0) and
+`j <= i + diag + right` (right >= 0), with `diag = len_k - len_q` when bottom-right aligned, else 0.
+
+Scores inside the kernels live in the log2 domain: `s2 = s * log2(e)`, so `exp2(s2 - m2)` is the
+softmax numerator; the LSE is converted back to natural log when stored.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = tl.constexpr(1.4426950408889634)
+LN2 = tl.constexpr(0.6931471805599453)
+
+# How a launch finds each sequence's first row in memory and its length (`seq_bounds`).
+SEQ_DENSE = 0  # start 0, length = the padded length
+SEQ_DENSE_LENS = 1  # start 0, length = seqlens[z] (right padding)
+SEQ_VARLEN = 2  # start = cu_seqlens[z], length = cu_seqlens[z + 1] - cu_seqlens[z]
+SEQ_VARLEN_OFFSETS = 3  # start = seq_offsets[z], length from cu_seqlens
+
+
+# --------------------------------------------------------------------------------------------------
+# Sequence geometry
+# --------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def seq_bounds(z, cu_seqlens_ptr, seq_offsets_ptr, seqlens_ptr, full_len, SEQ_MODE: tl.constexpr):
+    """(first row in memory, length) of sequence z, both int32 scalars."""
+    if SEQ_MODE == 0:
+        start = z * 0
+        length = full_len + z * 0
+    elif SEQ_MODE == 1:
+        start = z * 0
+        length = tl.load(seqlens_ptr + z)
+    else:
+        cu_lo = tl.load(cu_seqlens_ptr + z)
+        length = tl.load(cu_seqlens_ptr + z + 1) - cu_lo
+        if SEQ_MODE == 3:
+            start = tl.load(seq_offsets_ptr + z)
+        else:
+            start = cu_lo
+    return start, length
+
+
+@triton.jit
+def diagonal_offset(len_q, len_k, BOTTOM_RIGHT: tl.constexpr):
+    """Column of row 0's diagonal: `len_k - len_q` bottom-right aligned, 0 top-left."""
+    if BOTTOM_RIGHT:
+        diag = len_k - len_q
+    else:
+        diag = len_q * 0
+    return diag
+
+
+# --------------------------------------------------------------------------------------------------
+# Visibility
+# --------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def visible_tile(
+    offs_m,
+    offs_n,
+    diag,
+    window_left,
+    window_right,
+    len_q,
+    len_k,
+    HAS_LEFT: tl.constexpr,
+    HAS_RIGHT: tl.constexpr,
+    CHECK_K: tl.constexpr,
+    CHECK_Q: tl.constexpr,
+):
+    """Bool [BLOCK_M, BLOCK_N]: True where query offs_m[i] may attend to key offs_n[j].
+
+    HAS_LEFT / HAS_RIGHT: the window bound is finite (-1 = unbounded, then the runtime value is
+    ignored). CHECK_K / CHECK_Q add the key-length / query-length bound (the backward needs the
+    query bound so padded rows contribute nothing to dK/dV).
+    """
+    rel = offs_n[None, :] - (offs_m[:, None] + diag)  # j - (i + diag), [BLOCK_M, BLOCK_N]
+    visible = rel == rel
+    if HAS_LEFT:
+        visible = visible & (rel >= -window_left)
+    if HAS_RIGHT:
+        visible = visible & (rel <= window_right)
+    if CHECK_K:
+        visible = visible & (offs_n[None, :] < len_k)
+    if CHECK_Q:
+        visible = visible & (offs_m[:, None] < len_q)
+    return visible
+
+
+@triton.jit
+def key_block_range(
+    start_m,
+    diag,
+    window_left,
+    window_right,
+    len_k,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HAS_LEFT: tl.constexpr,
+    HAS_RIGHT: tl.constexpr,
+):
+    """Key range for query rows [start_m, start_m + BLOCK_M), as (lo, full_lo, full_hi, hi).
+
+    Keys outside [lo, hi) are invisible to every row (those blocks are skipped); keys in
+    [full_lo, full_hi) are visible to every row and inside len_k (no mask needed). lo, full_lo and
+    full_hi are multiples of BLOCK_N; lo <= full_lo <= full_hi <= hi. When no key is visible,
+    hi <= lo and every segment is empty.
+    """
+    last_m = start_m + BLOCK_M - 1
+    lo = start_m * 0
+    hi = len_k
+    full_lo = start_m * 0
+    full_hi = len_k
+    if HAS_LEFT:
+        lo = tl.maximum(start_m + diag - window_left, 0)
+        full_lo = tl.maximum(last_m + diag - window_left, 0)
+    if HAS_RIGHT:
+        hi = tl.minimum(last_m + diag + window_right + 1, len_k)
+        full_hi = tl.minimum(start_m + diag + window_right + 1, len_k)
+    lo = (lo // BLOCK_N) * BLOCK_N
+    full_lo = tl.minimum(tl.maximum(tl.cdiv(full_lo, BLOCK_N) * BLOCK_N, lo), tl.maximum(hi, lo))
+    full_hi = (full_hi // BLOCK_N) * BLOCK_N
+    full_hi = tl.minimum(tl.maximum(full_hi, full_lo), tl.maximum(hi, full_lo))
+    return lo, full_lo, full_hi, hi
+
+
+@triton.jit
+def query_block_range(
+    start_n,
+    diag,
+    window_left,
+    window_right,
+    len_q,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HAS_LEFT: tl.constexpr,
+    HAS_RIGHT: tl.constexpr,
+):
+    """Query range for key columns [start_n, start_n + BLOCK_N), as (lo, full_lo, full_hi, hi).
+
+    The mirror of `key_block_range` for loops over query blocks (the backward's dK/dV pass): rows
+    outside [lo, hi) see none of these keys; rows in [full_lo, full_hi) see all of them and are
+    inside len_q. lo, full_lo, full_hi are multiples of BLOCK_M.
+    """
+    last_n = start_n + BLOCK_N - 1
+    lo = start_n * 0
+    hi = len_q
+    full_lo = start_n * 0
+    full_hi = len_q
+    # j <= i + diag + right  <=>  i >= j - diag - right
+    # j >= i + diag - left   <=>  i <= j - diag + left
+    if HAS_RIGHT:
+        lo = tl.maximum(start_n - diag - window_right, 0)
+        full_lo = tl.maximum(last_n - diag - window_right, 0)
+    if HAS_LEFT:
+        hi = tl.minimum(last_n - diag + window_left + 1, len_q)
+        full_hi = tl.minimum(start_n - diag + window_left + 1, len_q)
+    lo = (lo // BLOCK_M) * BLOCK_M
+    full_lo = tl.minimum(tl.maximum(tl.cdiv(full_lo, BLOCK_M) * BLOCK_M, lo), tl.maximum(hi, lo))
+    full_hi = (full_hi // BLOCK_M) * BLOCK_M
+    full_hi = tl.minimum(tl.maximum(full_hi, full_lo), tl.maximum(hi, full_lo))
+    return lo, full_lo, full_hi, hi
+
+
+# --------------------------------------------------------------------------------------------------
+# Score modifications
+# --------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def tanh_f32(x):
+    """tanh in fp32 from exp2, stable at both ends (exp overflow gives 1, underflow gives -1).
+
+    Written out because the libdevice path differs between Triton releases.
+    """
+    return 1.0 - 2.0 / (tl.exp2(x * (2.0 * LOG2E)) + 1.0)
+
+
+@triton.jit
+def load_bias_tile(bias_base, offs_m, offs_n, stride_m, stride_n, len_q, len_k):
+    """fp32 [BLOCK_M, BLOCK_N] tile of an additive bias, 0 outside [len_q, len_k].
+
+    bias_base points at bias[z, h, 0, 0]; offsets are int64 because s_q * s_k can pass 2^31.
+    Strides may be 0 (broadcast dims).
+    """
+    ptrs = (
+        bias_base
+        + offs_m.to(tl.int64)[:, None] * stride_m
+        + offs_n.to(tl.int64)[None, :] * stride_n
+    )
+    mask = (offs_m[:, None] < len_q) & (offs_n[None, :] < len_k)
+    return tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def alibi_tile(slope, offs_m, offs_n, diag):
+    """ALiBi term `-slope * |i + diag - j|`, fp32 [BLOCK_M, BLOCK_N]."""
+    dist = tl.abs(offs_m[:, None] + diag - offs_n[None, :]).to(tl.float32)
+    return -slope * dist
+
+
+@triton.jit
+def scores_log2(
+    qk,
+    sm_scale,
+    softcap,
+    bias_tile,
+    alibi_slope,
+    offs_m,
+    offs_n,
+    diag,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_ALIBI: tl.constexpr,
+):
+    """Log2-domain scores from raw q.k (fp32 [BLOCK_M, BLOCK_N]), in the contract's order.
+
+    s = qk * scale; softcap * tanh(s / softcap); + bias; + alibi; then * log2(e). Masking is the
+    caller's (it needs -inf after all of these). `bias_tile` is ignored unless HAS_BIAS.
+    """
+    if HAS_SOFTCAP:
+        # log2(e) folded into the cap: one multiply per element on the common path.
+        s = tanh_f32(qk * (sm_scale / softcap)) * (softcap * LOG2E)
+    else:
+        # exp2 with log2(e) folded into the scale.
+        s = qk * (sm_scale * LOG2E)
+    if HAS_BIAS:
+        s += bias_tile * LOG2E
+    if HAS_ALIBI:
+        s += alibi_tile(alibi_slope, offs_m, offs_n, diag) * LOG2E
+    return s
+
+
+# --------------------------------------------------------------------------------------------------
+# Dropout
+# --------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def dropout_keep(seed, offset, bh, offs_m, offs_n, dropout_p):
+    """Bool [BLOCK_M, BLOCK_N] keep decision (True with probability 1 - p) for (bh, i, j).
+
+    Counter-based Philox: the 128-bit counter is (j, i, bh, offset) as four uint32 words and the key
+    is the 64-bit seed, so the draw is a pure function of (seed, offset, batch*heads index, i, j),
+    independent of block sizes and launch order, and nothing overflows below 2^32 rows, keys or
+    batch*heads. `offset` contributes its low 32 bits. `bh` = z * num_heads_q + h.
+    """
+    zero = (offs_m[:, None] * 0 + offs_n[None, :] * 0).to(tl.uint32)
+    c0 = offs_n[None, :].to(tl.uint32) + zero
+    c1 = offs_m[:, None].to(tl.uint32) + zero
+    c2 = zero + bh.to(tl.uint32)
+    # to_tensor: an offset of 1 arrives as a specialized constexpr. int64 -> uint32 keeps the
+    # low bits.
+    c3 = zero + tl.to_tensor(offset).to(tl.uint32)
+    r0, _, _, _ = tl.philox(seed, c0, c1, c2, c3)
+    return tl.uint_to_uniform_float(r0) >= dropout_p
+
+
+# --------------------------------------------------------------------------------------------------
+# Host side: one description of dense, padded and varlen launches
+# --------------------------------------------------------------------------------------------------
+
+
+class SeqArgs(NamedTuple):
+    """How kernels locate one operand's sequences; see `seq_bounds`."""
+
+    mode: int
+    cu_seqlens: torch.Tensor | None
+    seq_offsets: torch.Tensor | None
+    seqlens: torch.Tensor | None
+    max_len: int  # padded length (dense) or max_seqlen (varlen): the grid's extent
+    owns_all_rows: bool  # False when some memory rows belong to no sequence (zero-fill outputs)
+
+
+class LaunchGeometry(NamedTuple):
+    batch: int
+    varlen: bool
+    q: SeqArgs
+    k: SeqArgs
+
+
+def strides4(t: torch.Tensor, varlen: bool) -> tuple[int, int, int, int]:
+    """(stride_b, stride_s, stride_h, stride_d) of a dense [b, s, h, d] or varlen [t, h, d] tensor.
+
+    Varlen tensors get stride_b = 0: row i of sequence z lives at (start_z + i) * stride_s.
+    """
+    if varlen:
+        return (0, t.stride(0), t.stride(1), t.stride(2))
+    return (t.stride(0), t.stride(1), t.stride(2), t.stride(3))
+
+
+def _seq_args(x, cu_seqlens, seq_offsets, max_seqlen, seqlens) -> SeqArgs:
+    if cu_seqlens is not None:
+        if seq_offsets is not None:
+            mode = SEQ_VARLEN_OFFSETS
+            return SeqArgs(mode, cu_seqlens, seq_offsets, None, int(max_seqlen), False)
+        # Tokens past cu_seqlens[-1] would be unowned; zero-filling avoids a device sync to check.
+        return SeqArgs(SEQ_VARLEN, cu_seqlens, None, None, int(max_seqlen), False)
+    if seqlens is not None:
+        return SeqArgs(SEQ_DENSE_LENS, None, None, seqlens, x.shape[1], False)
+    return SeqArgs(SEQ_DENSE, None, None, None, x.shape[1], True)
+
+
+def launch_geometry(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    *,
+    cu_seqlens_q=None,
+    cu_seqlens_k=None,
+    seq_offsets_q=None,
+    seq_offsets_k=None,
+    max_seqlen_q=None,
+    max_seqlen_k=None,
+    seqlens_q=None,
+    seqlens_k=None,
+) -> LaunchGeometry:
+    """Normalize a dense / padded / varlen launch (docs/internals.md layouts) for the kernels.
+
+    dense: q [b, s_q, h, d], optional seqlens_q/k int32 [b]; varlen: q [t_q, h, d] with
+    cu_seqlens_q/k int32 [b+1], max_seqlen_q/k and optional seq_offsets_q/k int32 [b+1].
+    """
+    varlen = cu_seqlens_q is not None
+    batch = cu_seqlens_q.shape[0] - 1 if varlen else q.shape[0]
+    return LaunchGeometry(
+        batch=batch,
+        varlen=varlen,
+        q=_seq_args(q, cu_seqlens_q, seq_offsets_q, max_seqlen_q, seqlens_q),
+        k=_seq_args(k, cu_seqlens_k, seq_offsets_k, max_seqlen_k, seqlens_k),
+    )
+
+
+def seed_offset(seed, offset) -> tuple[int, int]:
+    """Python ints from ints or 0-d/1-element tensors (the rng_state's two halves)."""
+    return int(seed), int(offset)
+
+
+def next_pow2_dim(d: int) -> int:
+    """Padded tile width for a head dim: next power of two, at least 16 (tl.dot's minimum K)."""
+    return max(16, triton.next_power_of_2(d))
