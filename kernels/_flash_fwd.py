@@ -1,0 +1,337 @@
+"""Flash-attention forward: one Triton kernel for dense, padded and varlen launches.
+
+Shapes (docs/internals.md):
+    dense  q [b, s_q, h_q, d_qk], k [b, s_k, h_kv, d_qk], v [b, s_k, h_kv, d_v]
+           -> out [b, s_q, h_q, d_v], lse [b, h_q, s_q]
+    varlen q [t_q, h_q, d_qk], k [t_k, h_kv, d_qk], v [t_k, h_kv, d_v]
+           -> out [t_q, h_q, d_v], lse [h_q, t_q]
+lse is fp32 in natural log. Every tensor arrives with its own strides (last dim contiguous), so
+packed and transposed layouts are read in place.
+
+Program (start_m, z * h_q + h) owns BLOCK_M query rows of head h of sequence z. Row i of sequence z
+lives at `z * stride_b + (start_z + i) * stride_s`; varlen launches have stride_b = 0 and start_z
+from the offsets, dense ones start_z = 0 (see `_common.seq_bounds`). Query head h reads KV head
+h // (h_q // h_kv). The key loop visits only blocks the window can reach, and applies the mask only
+on the blocks that need it (`_common.key_block_range`).
+
+Precision: softmax statistics and the accumulator are fp32. fp16/bf16 dots run on tensor cores with
+fp32 accumulation; fp32 inputs use `input_precision="ieee"` (true fp32, about 1e-6 relative error)
+rather than tf32 (about 5e-4), so fp32 results match PyTorch's fp32 attention closely.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import (
+    LN2,
+    diagonal_offset,
+    dropout_keep,
+    key_block_range,
+    launch_geometry,
+    load_bias_tile,
+    next_pow2_dim,
+    scores_log2,
+    seed_offset,
+    seq_bounds,
+    strides4,
+    visible_tile,
+)
+
+# --------------------------------------------------------------------------------------------------
+# Autotune configs and their prune predicate
+# --------------------------------------------------------------------------------------------------
+
+# (BLOCK_M, BLOCK_N, num_warps, num_stages) candidates per padded head dim, for Hopper-class GPUs.
+_CANDIDATES = {
+    16: [(128, 64, 4, 3), (128, 128, 8, 3), (64, 64, 4, 3)],
+    32: [(128, 64, 4, 3), (128, 128, 8, 3), (64, 64, 4, 3)],
+    64: [(128, 64, 4, 3), (128, 128, 8, 3), (64, 64, 4, 3)],
+    128: [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 2)],
+    256: [(64, 64, 4, 2), (128, 64, 8, 2), (64, 32, 4, 2)],
+}
+# The interpreter runs one small config: multi-block loops on tiny shapes, no benchmarking.
+_INTERPRET_CONFIG = (32, 16, 4, 1)
+_SMEM_BUDGET = 200 * 1024  # bytes; H100 allows 227 KiB per block, keep room for layout padding
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _configs() -> list[triton.Config]:
+    cands = {_INTERPRET_CONFIG} if _INTERPRET else {c for cs in _CANDIDATES.values() for c in cs}
+    return [
+        triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)
+        for bm, bn, w, s in sorted(cands)
+    ]
+
+
+def _prune_configs(configs, named_args, **kwargs):
+    """Keep the candidates listed for this head dim that fit in shared memory."""
+    if _INTERPRET:
+        return configs
+    args = {**named_args, **kwargs}
+    block_d, block_dv = args["BLOCK_D"], args["BLOCK_DV"]
+    wanted = set(_CANDIDATES[max(block_d, block_dv)])
+    elem = args["q_ptr"].element_size()
+    kept = []
+    for cfg in configs:
+        bm, bn = cfg.kwargs["BLOCK_M"], cfg.kwargs["BLOCK_N"]
+        if (bm, bn, cfg.num_warps, cfg.num_stages) not in wanted:
+            continue
+        # Q tile resident, K and V tiles multi-buffered by the pipeliner.
+        smem = elem * (bm * block_d + cfg.num_stages * bn * (block_d + block_dv))
+        if smem <= _SMEM_BUDGET:
+            kept.append(cfg)
+    # fp32 at d = 256 overflows every candidate: fall back to the smallest tile.
+    return kept or [min(configs, key=lambda c: c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"])]
+
+
+# --------------------------------------------------------------------------------------------------
+# Kernel
+# --------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _fwd_inner(
+    acc, l_i, m_i, q,
+    k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+    bias_base, stride_bm, stride_bn,
+    offs_m, offs_dk, offs_dv, lo, hi,
+    diag, window_left, window_right, len_q, len_k,
+    sm_scale, softcap, alibi_slope, seed, offset, bh, dropout_p,
+    HEAD_DIM_QK: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """Online softmax over key blocks [lo, hi) for one query tile.
+
+    acc [BLOCK_M, BLOCK_DV] fp32, l_i / m_i [BLOCK_M] fp32 (row sum, row max in log2 units),
+    q [BLOCK_M, BLOCK_D]. MASKED blocks apply the window / key-length mask and bound the K/V loads;
+    unmasked blocks are fully visible and inside len_k, so they skip both.
+    """
+    offs_nb = tl.arange(0, BLOCK_N)
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + offs_nb
+        # Block origin in int64: start_n * stride can pass 2^31 on long sequences.
+        k_ptrs = k_base + tl.cast(start_n, tl.int64) * stride_kn
+        k_ptrs = k_ptrs + offs_nb[:, None] * stride_kn + offs_dk[None, :] * stride_kd
+        v_ptrs = v_base + tl.cast(start_n, tl.int64) * stride_vn
+        v_ptrs = v_ptrs + offs_nb[:, None] * stride_vn + offs_dv[None, :] * stride_vd
+        k_mask = offs_dk[None, :] < HEAD_DIM_QK
+        v_mask = offs_dv[None, :] < HEAD_DIM_V
+        if MASKED:
+            k_mask = k_mask & (offs_n[:, None] < len_k)
+            v_mask = v_mask & (offs_n[:, None] < len_k)
+        k = tl.load(k_ptrs, mask=k_mask, other=0.0)
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        bias_tile = qk  # placeholder, ignored unless HAS_BIAS
+        if HAS_BIAS:
+            bias_tile = load_bias_tile(
+                bias_base, offs_m, offs_n, stride_bm, stride_bn, len_q, len_k
+            )
+        s = scores_log2(
+            qk, sm_scale, softcap, bias_tile, alibi_slope, offs_m, offs_n, diag,
+            HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI,
+        )  # fmt: skip
+        if MASKED:
+            visible = visible_tile(
+                offs_m, offs_n, diag, window_left, window_right, len_q, len_k,
+                HAS_LEFT, HAS_RIGHT, True, False,
+            )  # fmt: skip
+            s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        if MASKED or HAS_BIAS:
+            # A row with nothing visible yet has max -inf: shift by 0 so exp2 gives 0, not NaN.
+            m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(s - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        if HAS_DROPOUT:
+            # The normalizer counts every weight; dropout only thins what reaches V.
+            keep = dropout_keep(seed, offset, bh, offs_m, offs_n, dropout_p)
+            p = tl.where(keep, p, 0.0)
+        v = tl.load(v_ptrs, mask=v_mask, other=0.0)
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.autotune(
+    configs=_configs(),
+    key=["HEAD_DIM_QK", "HEAD_DIM_V", "HAS_LEFT", "HAS_RIGHT", "HAS_BIAS", "HAS_DROPOUT"],
+    prune_configs_by={"early_config_prune": _prune_configs},
+)
+@triton.jit
+def _attn_fwd(
+    q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, bias_ptr, alibi_ptr,
+    cu_q_ptr, offsets_q_ptr, seqlens_q_ptr, cu_k_ptr, offsets_k_ptr, seqlens_k_ptr,
+    stride_qb, stride_qs, stride_qh, stride_qd,
+    stride_kb, stride_ks, stride_kh, stride_kd,
+    stride_vb, stride_vs, stride_vh, stride_vd,
+    stride_ob, stride_os, stride_oh, stride_od,
+    stride_lb, stride_lh, stride_ls,
+    stride_bb, stride_bh, stride_bm, stride_bn,
+    stride_ab, stride_ah,
+    num_heads_q, group, full_len_q, full_len_k,
+    sm_scale, softcap, window_left, window_right, dropout_p, seed, offset,
+    HEAD_DIM_QK: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    SEQ_MODE_Q: tl.constexpr, SEQ_MODE_K: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """One program: BLOCK_M query rows of one (sequence, query head); writes out and lse rows."""
+    tl.static_assert(BLOCK_D >= HEAD_DIM_QK and BLOCK_DV >= HEAD_DIM_V)
+    start_m = tl.program_id(0) * BLOCK_M
+    bh = tl.program_id(1)
+    z = bh // num_heads_q
+    h = bh % num_heads_q
+    start_q, len_q = seq_bounds(z, cu_q_ptr, offsets_q_ptr, seqlens_q_ptr, full_len_q, SEQ_MODE_Q)
+    if start_m >= len_q:
+        return
+    start_k, len_k = seq_bounds(z, cu_k_ptr, offsets_k_ptr, seqlens_k_ptr, full_len_k, SEQ_MODE_K)
+    diag = diagonal_offset(len_q, len_k, BOTTOM_RIGHT)
+    # Batch and head offsets in int64: b * s * h * d can pass 2^31 elements.
+    z64 = z.to(tl.int64)
+    h_kv64 = (h // group).to(tl.int64)
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    rows = (start_q + offs_m).to(tl.int64)
+    offs_dk = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    row_ok = offs_m < len_q
+
+    h64 = h.to(tl.int64)
+    q_ptrs = q_ptr + z64 * stride_qb + h64 * stride_qh
+    q_ptrs = q_ptrs + rows[:, None] * stride_qs + offs_dk[None, :] * stride_qd
+    q = tl.load(q_ptrs, mask=row_ok[:, None] & (offs_dk[None, :] < HEAD_DIM_QK), other=0.0)
+    k_base = k_ptr + z64 * stride_kb + h_kv64 * stride_kh + start_k.to(tl.int64) * stride_ks
+    v_base = v_ptr + z64 * stride_vb + h_kv64 * stride_vh + start_k.to(tl.int64) * stride_vs
+    bias_base = bias_ptr  # unused unless HAS_BIAS
+    if HAS_BIAS:
+        bias_base = bias_ptr + z64 * stride_bb + h64 * stride_bh
+    alibi_slope = sm_scale  # a float placeholder, unused unless HAS_ALIBI
+    if HAS_ALIBI:
+        alibi_slope = tl.load(alibi_ptr + z * stride_ab + h * stride_ah).to(tl.float32)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+    lo, full_lo, full_hi, hi = key_block_range(
+        start_m, diag, window_left, window_right, len_k, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT
+    )
+    # Three segments: masked blocks left of the fully visible band, the band, masked blocks right.
+    for seg in tl.static_range(3):
+        seg_lo = lo if seg == 0 else (full_lo if seg == 1 else full_hi)
+        seg_hi = full_lo if seg == 0 else (full_hi if seg == 1 else hi)
+        acc, l_i, m_i = _fwd_inner(
+            acc, l_i, m_i, q,
+            k_base, v_base, stride_ks, stride_kd, stride_vs, stride_vd,
+            bias_base, stride_bm, stride_bn,
+            offs_m, offs_dk, offs_dv, seg_lo, seg_hi,
+            diag, window_left, window_right, len_q, len_k,
+            sm_scale, softcap, alibi_slope, seed, offset, bh, dropout_p,
+            HEAD_DIM_QK, HEAD_DIM_V, BLOCK_N, seg != 1, HAS_LEFT, HAS_RIGHT,
+            HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI, HAS_DROPOUT, DOT_PRECISION,
+        )  # fmt: skip
+
+    # Rows with no visible key: l_i = 0, acc = 0 -> output 0 and LSE -inf, never 0/0.
+    has_keys = l_i > 0.0
+    l_safe = tl.where(has_keys, l_i, 1.0)
+    inv_l = tl.where(has_keys, 1.0 / l_safe, 0.0)
+    if HAS_DROPOUT:
+        inv_l = inv_l / (1.0 - dropout_p)
+    out = acc * inv_l[:, None]
+    lse = tl.where(has_keys, (m_i + tl.math.log2(l_safe)) * LN2, float("-inf"))
+
+    o_ptrs = out_ptr + z64 * stride_ob + h64 * stride_oh
+    o_ptrs = o_ptrs + rows[:, None] * stride_os + offs_dv[None, :] * stride_od
+    o_mask = row_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V)
+    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=o_mask)
+    l_ptrs = lse_ptr + z64 * stride_lb + h64 * stride_lh + rows * stride_ls
+    tl.store(l_ptrs, lse, mask=row_ok)
+
+
+# --------------------------------------------------------------------------------------------------
+# Launcher
+# --------------------------------------------------------------------------------------------------
+
+
+def _alloc_outputs(q, v, geom):
+    """out [.., h_q, d_v] in q's dtype and lse fp32 (dense [b, h_q, s_q] / varlen [h_q, t_q]).
+
+    Rows no sequence owns are never written: zero-fill out and -inf-fill lse when they can exist.
+    """
+    out_shape = (*q.shape[:-1], v.shape[-1])
+    lse_shape = (q.shape[1], q.shape[0]) if geom.varlen else (q.shape[0], q.shape[2], q.shape[1])
+    if geom.q.owns_all_rows:
+        out = torch.empty(out_shape, dtype=q.dtype, device=q.device)
+        lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
+    else:
+        out = torch.zeros(out_shape, dtype=q.dtype, device=q.device)
+        lse = torch.full(lse_shape, float("-inf"), dtype=torch.float32, device=q.device)
+    return out, lse
+
+
+def _lse_strides(lse, varlen):
+    """(stride_b, stride_h, stride_s): varlen lse [h_q, t_q] has no batch dim."""
+    if varlen:
+        return (0, lse.stride(0), lse.stride(1))
+    return (lse.stride(0), lse.stride(1), lse.stride(2))
+
+
+def flash_attention_forward(
+    q, k, v, *,
+    cu_seqlens_q, cu_seqlens_k, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k,
+    seqlens_q, seqlens_k, softmax_scale, window_left, window_right, bottom_right,
+    bias, alibi_slopes, softcap, dropout_p, seed, offset,
+):  # fmt: skip
+    """Attention forward on validated input; returns (out, lse).
+
+    q [b, s_q, h_q, d_qk] / [t_q, h_q, d_qk]; k [.., h_kv, d_qk]; v [.., h_kv, d_v], any strides
+    with stride(-1) == 1. Varlen when cu_seqlens_q is given (int32 [b+1], with max_seqlen_q/k and
+    optional seq_offsets_q/k int32 [b+1]); dense padding through seqlens_q/k int32 [b].
+    window_left/right: -1 = unbounded; bottom_right aligns the diagonal to the last key.
+    bias: [b, h_q, s_q, s_k] view (any strides, 0 for broadcast dims; varlen: positions within each
+    sequence), any float dtype. alibi_slopes: [b, h_q] view (stride_b may be 0). softcap > 0 caps.
+    dropout_p > 0 drops with the keep-mask of `dropout_keep_mask((seed, offset), ...)`.
+    Returns out [.., h_q, d_v] (q's dtype) and lse fp32 (dense [b, h_q, s_q] / varlen [h_q, t_q]).
+    """
+    geom = launch_geometry(
+        q, k, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seq_offsets_q=seq_offsets_q,
+        seq_offsets_k=seq_offsets_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+        seqlens_q=seqlens_q, seqlens_k=seqlens_k,
+    )  # fmt: skip
+    out, lse = _alloc_outputs(q, v, geom)
+    num_heads_q, num_heads_kv = q.shape[-2], k.shape[-2]
+    d_qk, d_v = q.shape[-1], v.shape[-1]
+    seed, offset = seed_offset(seed, offset)
+    bias_strides = tuple(bias.stride()) if bias is not None else (0, 0, 0, 0)
+    alibi_strides = tuple(alibi_slopes.stride()) if alibi_slopes is not None else (0, 0)
+
+    def grid(meta):
+        return (triton.cdiv(geom.q.max_len, meta["BLOCK_M"]), geom.batch * num_heads_q)
+
+    _attn_fwd[grid](
+        q, k, v, out, lse, bias, alibi_slopes,
+        geom.q.cu_seqlens, geom.q.seq_offsets, geom.q.seqlens,
+        geom.k.cu_seqlens, geom.k.seq_offsets, geom.k.seqlens,
+        *strides4(q, geom.varlen), *strides4(k, geom.varlen), *strides4(v, geom.varlen),
+        *strides4(out, geom.varlen), *_lse_strides(lse, geom.varlen),
+        *bias_strides, *alibi_strides,
+        num_heads_q, num_heads_q // num_heads_kv, geom.q.max_len, geom.k.max_len,
+        float(softmax_scale), float(softcap), int(window_left), int(window_right),
+        float(dropout_p), seed, offset,
+        HEAD_DIM_QK=d_qk, HEAD_DIM_V=d_v,
+        BLOCK_D=next_pow2_dim(d_qk), BLOCK_DV=next_pow2_dim(d_v),
+        SEQ_MODE_Q=geom.q.mode, SEQ_MODE_K=geom.k.mode, BOTTOM_RIGHT=bool(bottom_right),
+        HAS_LEFT=window_left >= 0, HAS_RIGHT=window_right >= 0, HAS_SOFTCAP=softcap > 0,
+        HAS_BIAS=bias is not None, HAS_ALIBI=alibi_slopes is not None,
+        HAS_DROPOUT=dropout_p > 0, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+    )  # fmt: skip
+    return out, lse
