@@ -1,0 +1,335 @@
+"""The attention benchmark's CPU-checkable parts: FLOP counts, presets, writers, the pipeline.
+
+The benchmark itself runs on the lent GPU; here its counting and reporting are checked against
+brute force and synthetic results, and its whole case/check/report pipeline runs on tiny CPU
+shapes with stand-ins for the GPU-only pieces (timing, memory, the Triton kernels).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
+
+import bench_utils as bu  # noqa: E402
+import benchmark_attention as ba  # noqa: E402
+
+
+def brute_force_pairs(s_q: int, s_k: int, window: tuple[int, int]) -> int:
+    """Visible (i, j) pairs by testing each one against the bottom-right window rule."""
+    left, right = window
+    off = s_k - s_q
+    count = 0
+    for i in range(s_q):
+        for j in range(s_k):
+            ok_left = left < 0 or j >= i + off - left
+            ok_right = right < 0 or j <= i + off + right
+            count += ok_left and ok_right
+    return count
+
+
+WINDOWS = [(-1, -1), (-1, 0), (0, 0), (2, 0), (3, 1), (-1, 2), (5, -1), (0, 3), (40, 0)]
+SHAPES = [(1, 1), (7, 7), (5, 9), (9, 5), (16, 3), (3, 16), (33, 33)]
+
+
+@pytest.mark.parametrize("s_q,s_k", SHAPES)
+@pytest.mark.parametrize("window", WINDOWS)
+def test_visible_pairs_matches_brute_force(s_q, s_k, window):
+    assert bu.visible_pairs(s_q, s_k, window) == brute_force_pairs(s_q, s_k, window)
+
+
+def test_top_left_alignment_shifts_the_diagonal():
+    # Top-left causal with s_q < s_k: query i sees keys 0..i.
+    assert bu.visible_pairs(3, 8, (-1, 0), bottom_right=False) == 1 + 2 + 3
+
+
+@pytest.mark.parametrize("s_q,s_k", SHAPES)
+@pytest.mark.parametrize("window", WINDOWS)
+def test_flops_count_visible_pairs(s_q, s_k, window):
+    b, h, d = 3, 5, 16
+    flops = bu.attention_flops(b, h, s_q, s_k, d, window=window)
+    square_causal = window == (-1, 0) and s_q == s_k
+    pairs = s_q * s_k / 2 if square_causal else brute_force_pairs(s_q, s_k, window)
+    assert flops == 4 * b * h * d * pairs
+    assert bu.attention_flops(b, h, s_q, s_k, d, window=window, pass_="fwdbwd") == 3.5 * flops
+
+
+def test_flops_paper_conventions():
+    # The anchors' numbers: dense 4*b*h*s*s*d, causal exactly half of it.
+    dense = bu.attention_flops(4, 16, 4096, 4096, 128)
+    assert dense == 4 * 4 * 16 * 4096 * 4096 * 128
+    assert bu.attention_flops(4, 16, 4096, 4096, 128, causal=True) == dense / 2
+    # Half differs from the exact causal count only by the diagonal: s/2 pairs.
+    assert brute_force_pairs(64, 64, (-1, 0)) - 64 * 64 / 2 == 32
+    # Causal with s_q != s_k is not "half": bottom-right, 2 queries over 5 keys see 4 + 5.
+    assert bu.attention_flops(1, 1, 2, 5, 1, causal=True) == 4 * 9
+
+
+def test_sliding_window_flops_closed_form():
+    s, left = 16384, 4096
+    pairs = sum(min(i, left) + 1 for i in range(s))
+    assert pairs == (left + 1) * s - left * (left + 1) // 2
+    assert (
+        bu.attention_flops(1, 16, s, s, 128, causal=True, window=(left, 0)) == 4 * 16 * 128 * pairs
+    )
+
+
+def test_rel_err_never_passes_nan():
+    ref = torch.ones(4)
+    assert bu.rel_err(ref * 1.01, ref) == pytest.approx(0.01, rel=1e-4)
+    assert bu.rel_err(torch.tensor([1.0, float("nan"), 1, 1]), ref) == float("inf")
+
+
+def test_presets_and_overrides():
+    quick = ba.parse_args([])
+    assert (quick.preset, quick.dtypes, quick.dims) == ("quick", ["bf16"], [64, 128])
+    assert quick.seqlens == [1024, 4096, 16384]
+    assert quick.passes == ["fwd", "fwdbwd"] and quick.causal == [False, True]
+    assert quick.cases == list(ba.CASES) and quick.providers == list(ba.PROVIDERS)
+    full = ba.parse_args(["--full"])
+    assert (full.dtypes, full.dims) == (["bf16", "fp16"], [64, 128, 256])
+    assert full.seqlens == [512, 1024, 2048, 4096, 8192, 16384]
+    picked = ba.parse_args(
+        [
+            "--full",
+            "--dtypes",
+            "fp16",
+            "--dims",
+            "256",
+            "--providers",
+            "fusedlayers,flex",
+            "--passes",
+            "fwd",
+            "--causal",
+            "1",
+            "--cases",
+            "sweep,window",
+        ]
+    )
+    assert (picked.dtypes, picked.dims, picked.seqlens) == (["fp16"], [256], full.seqlens)
+    assert picked.providers == ["fusedlayers", "flex"] and picked.passes == ["fwd"]
+    assert picked.causal == [True] and picked.cases == ["sweep", "window"]
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--quick", "--full"],
+        ["--seqlens", "3000"],
+        ["--dims", "96"],
+        ["--providers", "fa3"],
+        ["--dtypes", "fp8"],
+        ["--passes", "bwd"],
+        ["--extra-seqlen", "5000"],
+    ],
+)
+def test_bad_arguments_are_refused(argv, capsys):
+    with pytest.raises(SystemExit):
+        ba.parse_args(argv)
+
+
+def test_quick_cases_keep_tokens_and_hidden_fixed():
+    cases = ba.build_cases(ba.parse_args(["--quick"]))
+    kinds = [c.kind for c in cases]
+    assert kinds.count("sweep") == 2 * 3 * 2
+    assert (kinds.count("gqa"), kinds.count("varlen"), kinds.count("packed")) == (4, 2, 2)
+    assert kinds.count("window") == 1
+    for c in cases:
+        tokens = sum(c.lengths) if c.lengths else c.b * c.s
+        assert tokens == 16384
+        if c.kind == "sweep":
+            assert c.hq * c.d == 2048 and c.hkv == c.hq
+    assert {(c.hq, c.hkv) for c in cases if c.kind == "gqa"} == {(32, 8), (32, 1)}
+
+
+def test_random_lengths_sum_to_total():
+    lengths = bu.random_lengths(16384, random.Random(0))
+    assert sum(lengths) == 16384 and min(lengths) > 0 and max(lengths) <= 4096
+
+
+def _result(ms, flops=1e12, mem=100.0, status="ok"):
+    if status != "ok":
+        return {"status": status, "error": "RuntimeError: no kernel"}
+    return {
+        "status": "ok",
+        "ms": ms,
+        "flops": flops,
+        "tflops": bu.tflops(flops, ms),
+        "mem_mib": mem,
+        "relerr": {"out": 1e-3},
+    }
+
+
+def _row(**providers):
+    row = {
+        "case": "sweep",
+        "dtype": "bf16",
+        "d": 128,
+        "b": 4,
+        "hq": 16,
+        "hkv": 16,
+        "s_q": 4096,
+        "s_k": 4096,
+        "causal": True,
+        "window": None,
+        "pass": "fwd",
+        "tokens": 16384,
+        "seqs": 4,
+        "subject": "fusedlayers",
+        "mem_baseline": "sdpa-flash",
+        "notes": ["n1"],
+        "providers": providers,
+    }
+    return bu.finish_row(row)
+
+
+def test_ratios_and_memory_flag():
+    row = _row(
+        fusedlayers=_result(2.0, mem=120),
+        **{"sdpa-flash": _result(3.0, mem=100)},
+        flex=_result(1.0),
+        **{"sdpa-cudnn": _result(0, status="error")},
+    )
+    assert row["ratios"] == {"sdpa-flash": 1.5, "flex": 0.5}
+    assert row["mem_flag"]  # 120 > 1.1 * 100
+    ok = _row(fusedlayers=_result(2.0, mem=109), **{"sdpa-flash": _result(3.0, mem=100)})
+    assert not ok["mem_flag"]
+
+
+def test_writers_round_trip(tmp_path):
+    rows = [
+        _row(
+            fusedlayers=_result(2.0),
+            **{"sdpa-flash": _result(4.0)},
+            **{"sdpa-cudnn": _result(0, status="error")},
+        ),
+        _row(fusedlayers=_result(0, status="wrong"), **{"sdpa-flash": _result(4.0)}),
+    ]
+    header = {"date": "2026-11-22", "gpu": "test", "command": "python x.py", "method": ["m"]}
+    text = bu.write_results(str(tmp_path), header, rows, plot=True)
+    assert (tmp_path / "attention.md").read_text() == text
+    data = json.loads((tmp_path / "attention.json").read_text())
+    assert data["rows"] == rows and data["header"] == header
+    lines = text.splitlines()
+    table = [line for line in lines if line.startswith("| bf16")]
+    assert len(table) == 2
+    assert "| 500 |" in table[0] and "| 250 |" in table[0] and "| 2.00 |" in table[0]
+    assert "err[1]" in table[0] and "WRONG" in table[1]
+    assert "- err[1]: RuntimeError: no kernel" in lines and "- n1" in lines
+    assert "- command: python x.py" in lines
+    png = tmp_path / "attention.png"
+    assert png.exists() or "matplotlib" not in sys.modules
+
+
+def test_merge_joins_runs(tmp_path):
+    for i, name in enumerate(("a", "b")):
+        header = {"date": "d", "command": f"run {name}"}
+        rows = [_row(fusedlayers=_result(1.0 + i))]
+        bu.write_results(str(tmp_path / name), header, rows, plot=False)
+    header, rows = bu.merge_results([str(tmp_path / "a"), str(tmp_path / "b")])
+    assert header["command"] == "run a ; run b" and len(rows) == 2
+
+
+def _fake_flash_attn_func(q, k, v, causal=False, window_size=(-1, -1)):
+    left, right = window_size
+    ws = (left, 0) if causal else (left, right)
+    return bu_reference()(q, k, v, window_size=ws, bottom_right=True)
+
+
+def _fake_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal=False, window_size=(-1, -1)):
+    ws = (window_size[0], 0) if causal else window_size
+    return bu_reference()(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_kv=cu_k, window_size=ws)
+
+
+def bu_reference():
+    from fusedlayers.reference import attention_reference
+
+    return attention_reference
+
+
+def _call(fn, value: float) -> float:
+    fn()  # runs the provider's pass, so a failing backward still fails here
+    return value
+
+
+@pytest.fixture
+def cpu_pipeline(monkeypatch):
+    """Tiny shapes on the CPU: the reference stands in for the kernels, a call for the timer."""
+    import fusedlayers
+
+    for name, value in (
+        ("DEVICE", "cpu"),
+        ("TOKENS", 64),
+        ("HIDDEN", 32),
+        ("EXTRA_DIM", 8),
+        ("GQA_HEADS", (4, (2, 1))),
+        ("WINDOW_SEQLEN", 64),
+        ("WINDOW", (8, 0)),
+        ("MASK_REF_BACKENDS", ("MATH",)),
+    ):
+        monkeypatch.setattr(ba, name, value)
+    monkeypatch.setattr(bu, "bench_ms", lambda fn, *args, **kwargs: _call(fn, 1.0))
+    monkeypatch.setattr(bu, "peak_extra_mib", lambda fn, leaves: _call(fn, 10.0))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(fusedlayers, "flash_attn_func", _fake_flash_attn_func, raising=False)
+    monkeypatch.setattr(fusedlayers, "flash_attn_varlen_func", _fake_varlen, raising=False)
+    return fusedlayers
+
+
+def _tiny_run(tmp_path, flags: str) -> list[dict]:
+    """run_all on the tiny CPU shapes; `flags` is the command line after the common part."""
+    common = f"--dims 8 --extra-seqlen 32 --out {tmp_path} "
+    return ba.run_all(ba.parse_args((common + flags).split()), {"command": "test"})
+
+
+def test_pipeline_runs_checks_and_reports_on_cpu(cpu_pipeline, tmp_path):
+    rows = _tiny_run(tmp_path, "--seqlens 16,64 --providers fusedlayers,sdpa-flash,sdpa-cudnn")
+    assert {r["case"] for r in rows} == set(ba.CASES)
+    for row in rows:
+        subject = row["providers"][row["subject"]]
+        assert subject["status"] == "ok", (row["case"], subject)
+        assert max(subject["relerr"].values()) < ba.TOLERANCE["bf16"]
+        assert "dq" in subject["relerr"]
+    sweep = [r for r in rows if r["case"] == "sweep"]
+    assert all(r["providers"]["sdpa-cudnn"]["status"] == "error" for r in sweep)  # no CPU cuDNN
+    varlen = [r for r in rows if r["case"] == "varlen"][0]
+    assert "fusedlayers-dense" in varlen["providers"] and varlen["seqs"] > 1
+    text = (tmp_path / "attention.md").read_text()
+    assert "## Varlen" in text and "## Packed" in text and "## Sliding window" in text
+
+
+def test_a_wrong_provider_is_reported_not_timed(cpu_pipeline, monkeypatch, tmp_path):
+    wrong = lambda *a, **kw: _fake_flash_attn_func(*a, **kw) * 1.5
+    monkeypatch.setattr(cpu_pipeline, "flash_attn_func", wrong)
+    timed = []
+    monkeypatch.setattr(bu, "bench_ms", lambda fn, *a, **kw: timed.append(fn) or 1.0)
+    flags = "--seqlens 64 --cases sweep --causal 1 --providers fusedlayers,sdpa-flash"
+    rows = _tiny_run(tmp_path, flags)
+    assert [r["providers"]["fusedlayers"]["status"] for r in rows] == ["wrong", "wrong"]
+    assert len(timed) == 2  # sdpa-flash's two passes only
+    assert "WRONG" in (tmp_path / "attention.md").read_text()
+
+
+class _NoBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError("backward not supported for this head dim")
+
+
+def test_a_failing_backward_still_times_the_forward(cpu_pipeline, monkeypatch, tmp_path):
+    no_bwd = lambda *a, **kw: _NoBackward.apply(_fake_flash_attn_func(*a, **kw))
+    monkeypatch.setattr(cpu_pipeline, "flash_attn_func", no_bwd)
+    rows = _tiny_run(tmp_path, "--seqlens 64 --cases sweep --causal 0 --providers fusedlayers")
+    fwd, fwdbwd = (r["providers"]["fusedlayers"] for r in rows)
+    assert fwd["status"] == "ok"
+    assert fwdbwd["status"] == "error" and "head dim" in fwdbwd["error"]
