@@ -284,9 +284,13 @@ class MultiheadAttention(ReferenceSwitch):
         window_size = self.window_size if window_size is None else window_size
         if self.qkv_format == "thd" and self.attention_type == "self" and cu_seqlens_kv is None:
             cu_seqlens_kv, max_seqlen_kv = cu_seqlens_q, max_seqlen_q
+            cu_seqlens_kv_padded = cu_seqlens_q_padded
         q, k, v, ln_out = self._project(hidden_states, encoder_output)
         if rotary_pos_emb is not None:
-            q, k = self._rotate(q, k, rotary_pos_emb, inference_params, cu_seqlens_q, cu_seqlens_kv)
+            # Positions count from each sequence's first row in memory (padded offsets if any).
+            cu_q = cu_seqlens_q if cu_seqlens_q_padded is None else cu_seqlens_q_padded
+            cu_kv = cu_seqlens_kv if cu_seqlens_kv_padded is None else cu_seqlens_kv_padded
+            q, k = self._rotate(q, k, rotary_pos_emb, inference_params, cu_q, cu_kv)
         if inference_params is not None and self.attention_type == "self":
             if self.qkv_format == "thd":
                 raise NotImplementedError("the KV cache supports qkv_format sbhd and bshd")

@@ -225,3 +225,25 @@ def test_invalid_arguments():
         MultiheadAttention(HIDDEN, 4, attention_type="both")
     with pytest.raises(ValueError, match="encoder_output"):
         make_mha(attention_type="cross")(inputs("sbhd"))
+
+
+def test_thd_with_padding_between_sequences():
+    """Sequences at padded offsets: RoPE positions and attention follow each sequence's rows."""
+    torch.manual_seed(7)
+    mha = make_mha("interleaved", 2, "thd")
+    lengths, starts = [4, 5, 2], [0, 6, 12]
+    cu = torch.tensor([0, 4, 9, 11], dtype=torch.int32)
+    cu_padded = torch.tensor(starts + [16], dtype=torch.int32)
+    x = torch.randn(16, HIDDEN, dtype=torch.float64, requires_grad=True)
+    table = RotaryPositionEmbedding(HEAD_DIM)(8).double()
+    out = mha(
+        x, cu_seqlens_q=cu, cu_seqlens_q_padded=cu_padded, max_seqlen_q=5, rotary_pos_emb=table
+    )
+    rows = torch.cat([torch.arange(a, a + n) for a, n in zip(starts, lengths)])
+    refs = [
+        oracle.mha_self(mha, x[a : a + n][None], "causal", HEAD_DIM)[0][0]
+        for a, n in zip(starts, lengths)
+    ]
+    ref = torch.cat(refs)
+    torch.testing.assert_close(out[rows], ref, atol=1e-10, rtol=1e-10)
+    assert_same_grads(out[rows], ref, [x, *mha.parameters()])

@@ -174,3 +174,25 @@ def test_invalid_layer_type():
         TransformerLayer(HIDDEN, FFN, HEADS, layer_type="bidirectional")
     with pytest.raises(ValueError, match="activation"):
         TransformerLayer(HIDDEN, FFN, HEADS, activation="tanh")
+
+
+def test_decoder_thd():
+    """Packed decoder: self-attention over cu_seqlens_q, cross-attention to cu_seqlens_kv."""
+    torch.manual_seed(6)
+    layer = make_layer("thd", "interleaved", layer_type="decoder")
+    cu_q, cu_kv = CU_SEQLENS, [0, 4, 6, 12]
+    x = make_input("thd")
+    enc = torch.randn(cu_kv[-1], HIDDEN, dtype=torch.float64, requires_grad=True)
+    out = layer(
+        x,
+        encoder_output=enc,
+        cu_seqlens_q=torch.tensor(cu_q, dtype=torch.int32),
+        cu_seqlens_kv=torch.tensor(cu_kv, dtype=torch.int32),
+        max_seqlen_q=5,
+        max_seqlen_kv=6,
+    )
+    refs = [
+        oracle.transformer_layer(layer, x[a:b][None], enc[c:d][None])[0]
+        for a, b, c, d in zip(cu_q[:-1], cu_q[1:], cu_kv[:-1], cu_kv[1:])
+    ]
+    check(out, torch.cat(refs), [x, enc, *layer.parameters()])
