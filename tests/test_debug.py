@@ -121,3 +121,22 @@ def test_model_state_restored(model_and_batch):
     compare_with_reference(model, x)
     assert model.training and model.layers[0].use_reference and not model.layers[1].use_reference
     assert all(p.grad is None for p in model.parameters())
+
+
+@pytest.mark.parametrize(
+    "fault, expected", [("scale", "core_attention"), ("grad", "self_attention")]
+)
+def test_pinpoints_fault_in_gpt(fault, expected):
+    """Through a whole GPT: a forward fault is named at the core attention itself; a
+    backward-only one at the attention block whose parameter gradients it corrupts."""
+    from fusedlayers.models import GPT, GPTConfig, lm_loss
+
+    torch.manual_seed(torch.seed() % 2**31)
+    model = GPT(GPTConfig.named("tiny", n_layer=3, d_model=64, context_length=32))
+    idx = torch.randint(0, 256, (2, 17))
+    _plant(model.layers[1].self_attention.core_attention, fault)
+    report = compare_with_reference(
+        model, idx[:, :-1], loss_fn=lambda logits: lm_loss(logits, idx[:, 1:])
+    )
+    name = "layers.1.self_attention" + (".core_attention" if expected == "core_attention" else "")
+    assert report.first_divergence == name, str(report)
