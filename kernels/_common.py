@@ -117,8 +117,8 @@ def key_block_range(
 
     Keys outside [lo, hi) are invisible to every row (those blocks are skipped); keys in
     [full_lo, full_hi) are visible to every row and inside len_k (no mask needed). lo, full_lo and
-    full_hi are multiples of BLOCK_N; lo <= full_lo <= full_hi <= hi. When no key is visible,
-    hi <= lo and every segment is empty.
+    full_hi are multiples of BLOCK_N or equal to hi; lo <= full_lo <= full_hi <= hi. When no key
+    is visible, hi <= lo and every segment is empty.
     """
     last_m = start_m + BLOCK_M - 1
     lo = start_m * 0
@@ -154,7 +154,7 @@ def query_block_range(
 
     The mirror of `key_block_range` for loops over query blocks (the backward's dK/dV pass): rows
     outside [lo, hi) see none of these keys; rows in [full_lo, full_hi) see all of them and are
-    inside len_q. lo, full_lo, full_hi are multiples of BLOCK_M.
+    inside len_q. lo, full_lo, full_hi are multiples of BLOCK_M or equal to hi.
     """
     last_n = start_n + BLOCK_N - 1
     lo = start_n * 0
