@@ -1,0 +1,222 @@
+"""Flash-attention backward: the preprocess kernel, the block-size table and the launcher.
+
+Shapes (see docs/internals.md):
+    dense  q/dq [b, s_q, h_q, d_qk], k/dk [b, s_k, h_kv, d_qk], v/dv [b, s_k, h_kv, d_v],
+           out/dout [b, s_q, h_q, d_v], lse [b, h_q, s_q]
+    varlen q/dq [t_q, h_q, d_qk], k/dk [t_k, h_kv, d_qk], v/dv [t_k, h_kv, d_v],
+           out/dout [t_q, h_q, d_v], lse [h_q, t_q]
+    dbias [b, h_q, s_q, s_k] (dense only)
+
+Three launches: delta = rowsum(dO * O) (fp32), then dK/dV (one program per key block and KV head,
+looping over the GQA group's query heads) and dQ (one program per query block and head). Nothing
+is accumulated with atomics, so the gradients are bitwise identical run to run and the
+`deterministic` flag costs nothing.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import launch_geometry, next_pow2_dim, seq_bounds, strides4
+from ._flash_bwd_dkdv import _flash_bwd_dkdv_kernel
+from ._flash_bwd_dq import _flash_bwd_dq_kernel
+
+
+@triton.jit
+def _flash_bwd_preprocess_kernel(
+    OUT, DO, DELTA, CU_Q, OFF_Q, LENS_Q,
+    stride_ob, stride_os, stride_oh, stride_dob, stride_dos, stride_doh,
+    stride_lb, stride_lh, stride_ls, H_Q, MAX_Q, D_V,
+    BLOCK_M: tl.constexpr, HEAD_DIM_V: tl.constexpr, SEQ_MODE_Q: tl.constexpr,
+):  # fmt: skip
+    """delta[z, h, i] = sum_d dO[i, h, d] * O[i, h, d] in fp32, laid out like the LSE.
+
+    Grid: (cdiv(MAX_Q, BLOCK_M), batch * H_Q). Rows past the sequence are left unwritten.
+    """
+    pid_zh = tl.program_id(1)
+    z = (pid_zh // H_Q).to(tl.int64)
+    h = (pid_zh % H_Q).to(tl.int64)
+    start_q, len_q = seq_bounds(z, CU_Q, OFF_Q, LENS_Q, MAX_Q, SEQ_MODE_Q)
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM_V)
+    row_ok = offs_m < len_q
+    rows = start_q.to(tl.int64) + offs_m
+    mask = row_ok[:, None] & (offs_d[None, :] < D_V)
+    o_ptrs = OUT + z * stride_ob + h * stride_oh + rows[:, None] * stride_os + offs_d[None, :]
+    o = tl.load(o_ptrs, mask=mask, other=0.0).to(tl.float32)
+    do_ptrs = DO + z * stride_dob + h * stride_doh + rows[:, None] * stride_dos + offs_d[None, :]
+    do = tl.load(do_ptrs, mask=mask, other=0.0).to(tl.float32)
+    delta_ptrs = DELTA + z * stride_lb + h * stride_lh + rows * stride_ls
+    tl.store(delta_ptrs, tl.sum(o * do, axis=1), mask=row_ok)
+
+
+# Launch shapes per padded head dim (the larger of d_qk and d_v): the one place to tune.
+# dK/dV pass: BLOCK_N1 keys stay resident while BLOCK_M1 query rows stream past; dQ pass: BLOCK_M2
+# query rows stay resident while BLOCK_N2 keys stream past.
+BWD_CONFIGS: dict[int, dict[str, int]] = {
+    64: dict(BLOCK_M1=64, BLOCK_N1=128, BLOCK_M2=128, BLOCK_N2=64, num_warps=8, num_stages=3),
+    128: dict(BLOCK_M1=32, BLOCK_N1=128, BLOCK_M2=128, BLOCK_N2=32, num_warps=8, num_stages=3),
+    256: dict(BLOCK_M1=32, BLOCK_N1=64, BLOCK_M2=64, BLOCK_N2=32, num_warps=8, num_stages=2),
+}
+# The interpreter runs one program at a time: small tiles keep it quick and make the tiny test
+# shapes span several blocks, so block edges and the skipped/unmasked block ranges are exercised.
+INTERPRETER_CONFIG = dict(BLOCK_M1=16, BLOCK_N1=16, BLOCK_M2=16, BLOCK_N2=16, num_warps=4,
+                          num_stages=1)  # fmt: skip
+PREPROCESS_BLOCK_M = 64
+
+
+def bwd_config(head_dim: int, on_cuda: bool) -> dict[str, int]:
+    """Block sizes, num_warps and num_stages for a head dim (the larger of d_qk and d_v)."""
+    if not on_cuda:
+        return INTERPRETER_CONFIG
+    for bound in sorted(BWD_CONFIGS):
+        if head_dim <= bound:
+            return BWD_CONFIGS[bound]
+    raise ValueError(f"head dim ({head_dim}) exceeds the largest supported ({max(BWD_CONFIGS)})")
+
+
+def _lse_strides(lse: torch.Tensor, varlen: bool) -> tuple[int, int, int]:
+    """(batch, head, row) strides of dense [b, h, s] or varlen [h, t] (batch stride 0)."""
+    if varlen:
+        return 0, lse.stride(0), lse.stride(1)
+    return lse.stride(0), lse.stride(1), lse.stride(2)
+
+
+def _new_grad(like: torch.Tensor, owns_all_rows: bool) -> torch.Tensor:
+    """Contiguous gradient buffer; rows no sequence owns are never written, so zero them."""
+    if owns_all_rows:
+        return torch.empty(like.shape, dtype=like.dtype, device=like.device)
+    return torch.zeros(like.shape, dtype=like.dtype, device=like.device)
+
+
+def flash_attention_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    *,
+    cu_seqlens_q: torch.Tensor | None = None,
+    cu_seqlens_k: torch.Tensor | None = None,
+    seq_offsets_q: torch.Tensor | None = None,
+    seq_offsets_k: torch.Tensor | None = None,
+    max_seqlen_q: int | None = None,
+    max_seqlen_k: int | None = None,
+    seqlens_q: torch.Tensor | None = None,
+    seqlens_k: torch.Tensor | None = None,
+    softmax_scale: float,
+    window_left: int = -1,
+    window_right: int = -1,
+    bottom_right: bool = True,
+    bias: torch.Tensor | None = None,
+    bias_requires_grad: bool = False,
+    alibi_slopes: torch.Tensor | None = None,
+    softcap: float = 0.0,
+    dropout_p: float = 0.0,
+    seed: int = 0,
+    offset: int = 0,
+    deterministic: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Gradients of flash attention with respect to q, k, v and, optionally, the bias.
+
+    Takes the forward's inputs (layouts in the module docstring; any strides with stride(-1) == 1),
+    its `out` and fp32 `lse`, and the same mask, bias, ALiBi, softcap and dropout arguments as
+    `flash_attention_forward`. Returns (dq, dk, dv, dbias): dq/dk/dv contiguous with the shapes of
+    q/k/v, zero in rows no sequence owns; dbias [b, h_q, s_q, s_k] in the bias dtype when
+    `bias_requires_grad`, else None. `deterministic` is accepted for API parity only: no kernel
+    uses atomics, so every call is bitwise reproducible at no cost.
+    """
+    geo = launch_geometry(
+        q, k, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seq_offsets_q=seq_offsets_q,
+        seq_offsets_k=seq_offsets_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+        seqlens_q=seqlens_q, seqlens_k=seqlens_k,
+    )  # fmt: skip
+    h_q, h_kv = q.shape[-2], k.shape[-2]
+    lse = lse.contiguous()
+    dq = _new_grad(q, geo.q.owns_all_rows)
+    dk = _new_grad(k, geo.k.owns_all_rows)
+    dv = _new_grad(v, geo.k.owns_all_rows)
+    dbias = None
+    if bias is not None and bias_requires_grad:
+        # Zeros: the dQ pass writes dBias only on the key blocks some query of the block sees.
+        shape = (geo.batch, h_q, geo.q.max_len, geo.k.max_len)
+        dbias = torch.zeros(shape, dtype=bias.dtype, device=q.device)
+    seq_ptrs = _seq_pointers(geo, q)
+    delta = _preprocess(out, dout, lse, geo, seq_ptrs)
+    strides = _strides(q, k, v, dout, lse, geo.varlen)
+    scalars = (h_q, h_kv, geo.q.max_len, geo.k.max_len, q.shape[-1], v.shape[-1],
+               softmax_scale, softcap if softcap > 0 else 1.0, window_left, window_right,
+               dropout_p, seed, offset)  # fmt: skip
+    bias_args = (bias, bias.stride()) if bias is not None else (q, (0, 0, 0, 0))
+    alibi_args = (alibi_slopes, alibi_slopes.stride()) if alibi_slopes is not None else (q, (0, 0))
+    opts = _bwd_options(q, v, geo, bias, alibi_slopes, window_left, window_right, bottom_right,
+                        softcap, dropout_p)  # fmt: skip
+    cfg = bwd_config(max(q.shape[-1], v.shape[-1]), q.is_cuda)
+    opts.update(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    _flash_bwd_dkdv_kernel[(triton.cdiv(geo.k.max_len, cfg["BLOCK_N1"]), geo.batch * h_kv)](
+        q, k, v, dout, lse, delta, dk, dv, bias_args[0], alibi_args[0], *seq_ptrs,
+        *strides, *strides4(dk, geo.varlen)[:3], *strides4(dv, geo.varlen)[:3],
+        *bias_args[1], *alibi_args[1], *scalars,
+        BLOCK_M=cfg["BLOCK_M1"], BLOCK_N=cfg["BLOCK_N1"], **opts,
+    )  # fmt: skip
+    dbias_args = (dbias, dbias.stride()) if dbias is not None else (q, (0, 0, 0, 0))
+    _flash_bwd_dq_kernel[(triton.cdiv(geo.q.max_len, cfg["BLOCK_M2"]), geo.batch * h_q)](
+        q, k, v, dout, lse, delta, dq, bias_args[0], dbias_args[0], alibi_args[0], *seq_ptrs,
+        *strides, *strides4(dq, geo.varlen)[:3], *bias_args[1], *dbias_args[1],
+        *alibi_args[1], *scalars,
+        BLOCK_M=cfg["BLOCK_M2"], BLOCK_N=cfg["BLOCK_N2"], WRITE_DBIAS=dbias is not None, **opts,
+    )  # fmt: skip
+    return dq, dk, dv, dbias
+
+
+def _seq_pointers(geo, dummy: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """(cu_seqlens_q, cu_seqlens_k, seq_offsets_q, seq_offsets_k, seqlens_q, seqlens_k).
+
+    Absent tensors still need a pointer argument; the kernels never dereference it.
+    """
+    tensors = (geo.q.cu_seqlens, geo.k.cu_seqlens, geo.q.seq_offsets, geo.k.seq_offsets,
+               geo.q.seqlens, geo.k.seqlens)  # fmt: skip
+    return tuple(t if t is not None else dummy for t in tensors)
+
+
+def _strides(q, k, v, dout, lse, varlen: bool) -> tuple[int, ...]:
+    """(batch, row, head) strides of q, k, v, dout, then (batch, head, row) of the LSE/delta."""
+    per_operand = [strides4(t, varlen)[:3] for t in (q, k, v, dout)]
+    return (*[s for triple in per_operand for s in triple], *_lse_strides(lse, varlen))
+
+
+def _preprocess(out, dout, lse, geo, seq_ptrs) -> torch.Tensor:
+    """delta = rowsum(dout * out) in fp32, shaped and strided like the (contiguous) LSE."""
+    delta = torch.empty_like(lse)
+    h_q, d_v = out.shape[-2], out.shape[-1]
+    grid = (triton.cdiv(geo.q.max_len, PREPROCESS_BLOCK_M), geo.batch * h_q)
+    _flash_bwd_preprocess_kernel[grid](
+        out, dout, delta, seq_ptrs[0], seq_ptrs[2], seq_ptrs[4],
+        *strides4(out, geo.varlen)[:3], *strides4(dout, geo.varlen)[:3],
+        *_lse_strides(delta, geo.varlen), h_q, geo.q.max_len, d_v,
+        BLOCK_M=PREPROCESS_BLOCK_M, HEAD_DIM_V=next_pow2_dim(d_v), SEQ_MODE_Q=geo.q.mode,
+    )  # fmt: skip
+    return delta
+
+
+def _bwd_options(q, v, geo, bias, alibi_slopes, window_left, window_right, bottom_right, softcap,
+                 dropout_p) -> dict:  # fmt: skip
+    """The constexpr switches both gradient kernels share."""
+    return dict(
+        HEAD_DIM_QK=next_pow2_dim(q.shape[-1]),
+        HEAD_DIM_V=next_pow2_dim(v.shape[-1]),
+        SEQ_MODE_Q=geo.q.mode,
+        SEQ_MODE_K=geo.k.mode,
+        BOTTOM_RIGHT=bool(bottom_right),
+        HAS_LEFT=window_left >= 0,
+        HAS_RIGHT=window_right >= 0,
+        HAS_BIAS=bias is not None,
+        HAS_ALIBI=alibi_slopes is not None,
+        HAS_SOFTCAP=softcap > 0,
+        HAS_DROPOUT=dropout_p > 0,
+        # fp32 inputs get full-precision products (no TF32), as PyTorch's fp32 matmul does.
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+    )

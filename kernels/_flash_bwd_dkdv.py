@@ -1,0 +1,218 @@
+"""Flash-attention backward, dK/dV half: one program per (key block, KV head, sequence).
+
+Each program keeps its key/value tile and the dK/dV accumulators in registers and loops over
+every query head of its GQA group and every query block that can see the tile, so the group sum
+happens in registers: no expanded [b, s, h_q, d] buffer and no atomics, hence bitwise
+deterministic gradients.
+
+Score tiles are [BLOCK_M, BLOCK_N] (queries are rows), the orientation of the shared helpers in
+`_common.py`, so the forward and both backward kernels mask, modify and drop exactly the same
+elements; P and dS are transposed for the dV and dK products.
+"""
+
+import triton
+import triton.language as tl
+
+from ._common import (
+    LOG2E,
+    diagonal_offset,
+    dropout_keep,
+    load_bias_tile,
+    query_block_range,
+    scores_log2,
+    seq_bounds,
+    tanh_f32,
+    visible_tile,
+)
+
+
+@triton.jit
+def _dkdv_block(
+    dk, dv, k, v, q_head, do_head, lse_head, delta_head, bias_head,
+    slope, start_m, offs_n, offs_dq, offs_dv, len_q, len_k, diag, bh,
+    stride_qs, stride_dos, stride_ls, stride_bm, stride_bn,
+    D_QK, D_V, sm_scale, softcap, window_left, window_right, dropout_p, seed, offset,
+    BLOCK_M: tl.constexpr, MASKED: tl.constexpr, HAS_LEFT: tl.constexpr,
+    HAS_RIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """Add one query block's share to dk [BLOCK_N, HEAD_DIM_QK] and dv [BLOCK_N, HEAD_DIM_V].
+
+    k [BLOCK_N, HEAD_DIM_QK], v [BLOCK_N, HEAD_DIM_V] are the resident key/value tiles; `*_head`
+    pointers point at row 0 of this sequence and query head. MASKED=False is only used for
+    blocks the launcher proved fully visible and in bounds, where the mask is skipped.
+    """
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    row_ok = offs_m < len_q
+    q = tl.load(
+        q_head + offs_m[:, None] * stride_qs + offs_dq[None, :],
+        mask=row_ok[:, None] & (offs_dq[None, :] < D_QK), other=0.0,
+    )  # fmt: skip
+    do = tl.load(
+        do_head + offs_m[:, None] * stride_dos + offs_dv[None, :],
+        mask=row_ok[:, None] & (offs_dv[None, :] < D_V), other=0.0,
+    )  # fmt: skip
+    lse = tl.load(lse_head + offs_m * stride_ls, mask=row_ok, other=0.0)
+    # Rows that saw no key carry LSE -inf and only -inf scores: any finite stand-in gives P = 0
+    # instead of exp2(-inf + inf) = NaN.
+    lse2 = tl.where(lse == float("-inf"), 0.0, lse) * LOG2E
+    delta = tl.load(delta_head + offs_m * stride_ls, mask=row_ok, other=0.0)
+
+    qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
+    bias = 0.0
+    if HAS_BIAS:
+        bias = load_bias_tile(bias_head, offs_m, offs_n, stride_bm, stride_bn, len_q, len_k)
+    s2 = scores_log2(
+        qk, sm_scale, softcap, bias, slope, offs_m, offs_n, diag, HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI
+    )
+    if MASKED:
+        vis = visible_tile(
+            offs_m, offs_n, diag, window_left, window_right, len_q, len_k,
+            HAS_LEFT, HAS_RIGHT, True, True,
+        )  # fmt: skip
+        s2 = tl.where(vis, s2, float("-inf"))
+    p = tl.math.exp2(s2 - lse2[:, None])
+
+    dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
+    if HAS_DROPOUT:
+        keep = dropout_keep(seed, offset, bh, offs_m, offs_n, dropout_p)
+        rescale = 1.0 / (1.0 - dropout_p)
+        # dV sees the dropped, rescaled probabilities; dP flows back through the same mask.
+        p_out = tl.where(keep, p * rescale, 0.0)
+        dp = tl.where(keep, dp * rescale, 0.0)
+    else:
+        p_out = p
+    dv += tl.dot(tl.trans(p_out.to(do.dtype)), do, input_precision=DOT_PRECISION)
+    ds = p * (dp - delta[:, None])
+    if HAS_SOFTCAP:
+        # Chain rule through softcap * tanh(x / softcap): the derivative is 1 - tanh^2.
+        t = tanh_f32(qk * (sm_scale / softcap))
+        ds = ds * (1.0 - t * t)
+    dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=DOT_PRECISION)
+    return dk, dv
+
+
+@triton.jit
+def _dkdv_head(
+    dk, dv, k, v, q_head, do_head, lse_head, delta_head, bias_head,
+    slope, start_n, offs_n, offs_dq, offs_dv, len_q, len_k, diag, bh,
+    stride_qs, stride_dos, stride_ls, stride_bm, stride_bn,
+    D_QK, D_V, sm_scale, softcap, window_left, window_right, dropout_p, seed, offset,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr,
+    HAS_RIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """One query head's contribution: masked edge blocks, unmasked interior, masked edge.
+
+    Query blocks outside [lo, hi) see none of this program's keys and are skipped.
+    """
+    lo, full_lo, full_hi, hi = query_block_range(
+        start_n, diag, window_left, window_right, len_q, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT
+    )
+    if start_n + BLOCK_N > len_k:
+        # The last key block hangs past len_k: every tile needs the key bound.
+        full_lo = hi
+        full_hi = hi
+    for start_m in range(lo, full_lo, BLOCK_M):
+        dk, dv = _dkdv_block(
+            dk, dv, k, v, q_head, do_head, lse_head, delta_head, bias_head,
+            slope, start_m, offs_n, offs_dq, offs_dv, len_q, len_k, diag, bh,
+            stride_qs, stride_dos, stride_ls, stride_bm, stride_bn,
+            D_QK, D_V, sm_scale, softcap, window_left, window_right, dropout_p, seed, offset,
+            BLOCK_M, True, HAS_LEFT, HAS_RIGHT, HAS_BIAS, HAS_ALIBI, HAS_SOFTCAP, HAS_DROPOUT,
+            DOT_PRECISION,
+        )  # fmt: skip
+    for start_m in range(full_lo, full_hi, BLOCK_M):
+        dk, dv = _dkdv_block(
+            dk, dv, k, v, q_head, do_head, lse_head, delta_head, bias_head,
+            slope, start_m, offs_n, offs_dq, offs_dv, len_q, len_k, diag, bh,
+            stride_qs, stride_dos, stride_ls, stride_bm, stride_bn,
+            D_QK, D_V, sm_scale, softcap, window_left, window_right, dropout_p, seed, offset,
+            BLOCK_M, False, HAS_LEFT, HAS_RIGHT, HAS_BIAS, HAS_ALIBI, HAS_SOFTCAP, HAS_DROPOUT,
+            DOT_PRECISION,
+        )  # fmt: skip
+    for start_m in range(full_hi, hi, BLOCK_M):
+        dk, dv = _dkdv_block(
+            dk, dv, k, v, q_head, do_head, lse_head, delta_head, bias_head,
+            slope, start_m, offs_n, offs_dq, offs_dv, len_q, len_k, diag, bh,
+            stride_qs, stride_dos, stride_ls, stride_bm, stride_bn,
+            D_QK, D_V, sm_scale, softcap, window_left, window_right, dropout_p, seed, offset,
+            BLOCK_M, True, HAS_LEFT, HAS_RIGHT, HAS_BIAS, HAS_ALIBI, HAS_SOFTCAP, HAS_DROPOUT,
+            DOT_PRECISION,
+        )  # fmt: skip
+    return dk, dv
+
+
+@triton.jit
+def _flash_bwd_dkdv_kernel(
+    Q, K, V, DO, LSE, DELTA, DK, DV, BIAS, ALIBI,
+    CU_Q, CU_K, OFF_Q, OFF_K, LENS_Q, LENS_K,
+    stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh, stride_dob, stride_dos, stride_doh,
+    stride_lb, stride_lh, stride_ls, stride_dkb, stride_dks, stride_dkh,
+    stride_dvb, stride_dvs, stride_dvh,
+    stride_bb, stride_bh, stride_bm, stride_bn, stride_ab, stride_ah,
+    H_Q, H_KV, MAX_Q, MAX_K, D_QK, D_V,
+    sm_scale, softcap, window_left, window_right, dropout_p, seed, offset,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HEAD_DIM_QK: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+    SEQ_MODE_Q: tl.constexpr, SEQ_MODE_K: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """dK and dV for one key block of one KV head, summed over the GQA group.
+
+    Grid: (cdiv(MAX_K, BLOCK_N), batch * H_KV). dK leaves already multiplied by sm_scale.
+    """
+    start_n = tl.program_id(0) * BLOCK_N
+    pid_zh = tl.program_id(1)
+    # int64 from here on: batch * stride and row * stride overflow int32 on long sequences.
+    z = (pid_zh // H_KV).to(tl.int64)
+    h_kv = (pid_zh % H_KV).to(tl.int64)
+    start_q, len_q = seq_bounds(z, CU_Q, OFF_Q, LENS_Q, MAX_Q, SEQ_MODE_Q)
+    start_k, len_k = seq_bounds(z, CU_K, OFF_K, LENS_K, MAX_K, SEQ_MODE_K)
+    if start_n >= len_k:
+        return
+    start_q = start_q.to(tl.int64)
+    start_k = start_k.to(tl.int64)
+    diag = diagonal_offset(len_q, len_k, BOTTOM_RIGHT)
+    group = H_Q // H_KV
+
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_dq = tl.arange(0, HEAD_DIM_QK)
+    offs_dv = tl.arange(0, HEAD_DIM_V)
+    col_ok = offs_n[:, None] < len_k
+    k_ptrs = K + z * stride_kb + h_kv * stride_kh + (start_k + offs_n[:, None]) * stride_ks
+    k = tl.load(k_ptrs + offs_dq[None, :], mask=col_ok & (offs_dq[None, :] < D_QK), other=0.0)
+    v_ptrs = V + z * stride_vb + h_kv * stride_vh + (start_k + offs_n[:, None]) * stride_vs
+    v = tl.load(v_ptrs + offs_dv[None, :], mask=col_ok & (offs_dv[None, :] < D_V), other=0.0)
+    dk = tl.zeros([BLOCK_N, HEAD_DIM_QK], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, HEAD_DIM_V], dtype=tl.float32)
+    for g in range(group):
+        h = h_kv * group + g
+        slope = 0.0
+        if HAS_ALIBI:
+            slope = tl.load(ALIBI + z * stride_ab + h * stride_ah)
+        lse_at = z * stride_lb + h * stride_lh + start_q * stride_ls
+        dk, dv = _dkdv_head(
+            dk, dv, k, v,
+            Q + z * stride_qb + h * stride_qh + start_q * stride_qs,
+            DO + z * stride_dob + h * stride_doh + start_q * stride_dos,
+            LSE + lse_at, DELTA + lse_at, BIAS + z * stride_bb + h * stride_bh,
+            slope, start_n, offs_n, offs_dq, offs_dv, len_q, len_k, diag, z * H_Q + h,
+            stride_qs, stride_dos, stride_ls, stride_bm, stride_bn,
+            D_QK, D_V, sm_scale, softcap, window_left, window_right, dropout_p, seed, offset,
+            BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_BIAS, HAS_ALIBI, HAS_SOFTCAP,
+            HAS_DROPOUT, DOT_PRECISION,
+        )  # fmt: skip
+    dk_ptrs = DK + z * stride_dkb + h_kv * stride_dkh + (start_k + offs_n[:, None]) * stride_dks
+    tl.store(
+        dk_ptrs + offs_dq[None, :], (dk * sm_scale).to(DK.dtype.element_ty),
+        mask=col_ok & (offs_dq[None, :] < D_QK),
+    )  # fmt: skip
+    dv_ptrs = DV + z * stride_dvb + h_kv * stride_dvh + (start_k + offs_n[:, None]) * stride_dvs
+    tl.store(
+        dv_ptrs + offs_dv[None, :], dv.to(DV.dtype.element_ty),
+        mask=col_ok & (offs_dv[None, :] < D_V),
+    )  # fmt: skip

@@ -1,0 +1,230 @@
+"""The flash-attention backward launcher, run under the Triton interpreter, against fp64 autograd.
+
+`flash_attention_backward` is called directly with `out`/`lse` from the reference run in the
+input dtype (what a forward in that dtype returns), so these checks isolate the backward. Pass
+rule: each gradient's max error against fp64 autograd through `attention_reference` is at most
+3x the error of the same gradient computed by PyTorch from input-dtype tensors, plus one unit of
+the dtype at the gradient's magnitude. fp16/fp32 only: the interpreter's bf16 dot is broken
+(Triton issue 11584); bf16 runs in tests/gpu/test_backward_gpu.py.
+
+Layouts: dense q [b, s_q, h, d], k/v [b, s_k, h_kv, d(_v)]; varlen q [t_q, h, d] with
+cu_seqlens / seq_offsets; lse dense [b, h, s_q] / varlen [h, t_q].
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from fusedlayers.kernels import dropout_keep_mask
+from fusedlayers.kernels._flash_bwd import flash_attention_backward
+
+from fusedlayers.reference import attention_reference
+
+F16, F32 = torch.float16, torch.float32
+
+
+def _randn(g: torch.Generator, *shape: int, dtype=F32) -> torch.Tensor:
+    return torch.randn(shape, generator=g).to(dtype)
+
+
+def _reference(tensors: dict, dtype: torch.dtype, ref_kwargs: dict):
+    """(out, lse, {dq, dk, dv[, dbias]}) from attention_reference on copies in `dtype`."""
+    leaves = {n: tensors[n].detach().to(dtype).requires_grad_() for n in ("q", "k", "v")}
+    bias = None
+    if tensors.get("bias_leaf") is not None:
+        leaves["bias"] = tensors["bias_leaf"].detach().to(dtype).requires_grad_()
+        bias = leaves["bias"].expand(tensors["bias_shape"])
+    out, lse = attention_reference(
+        leaves["q"], leaves["k"], leaves["v"], bias=bias, return_lse=True, **ref_kwargs
+    )
+    grads = torch.autograd.grad(out, list(leaves.values()), tensors["dout"].to(dtype))
+    return out.detach(), lse, {f"d{n}": gr for n, gr in zip(leaves, grads)}
+
+
+def _assert_rule(name: str, actual: torch.Tensor, high: torch.Tensor, low: torch.Tensor):
+    assert actual.shape == high.shape, f"{name}: shape {tuple(actual.shape)} != {high.shape}"
+    assert torch.isfinite(actual).all(), f"{name}: non-finite gradient"
+    error = (actual.double() - high).abs().max().item()
+    pytorch_error = (low.double() - high).abs().max().item()
+    atol = torch.finfo(actual.dtype).eps * max(high.abs().max().item(), 1e-3)
+    bound = 3.0 * pytorch_error + atol
+    assert error <= bound, (
+        f"{name}: kernel max error {error:.3e} > 3 x PyTorch {low.dtype} error "
+        f"{pytorch_error:.3e} + atol {atol:.1e}"
+    )
+
+
+def _check(tensors: dict, dtype, ref_kwargs: dict, kernel_kwargs: dict) -> dict:
+    """Run the backward on the low-precision forward results and apply the pass rule."""
+    _, _, high = _reference(tensors, torch.float64, ref_kwargs)
+    out, lse, low = _reference(tensors, dtype, ref_kwargs)
+    cast = {n: tensors[n].to(dtype) for n in ("q", "k", "v", "dout")}
+    bias = tensors.get("bias_leaf")
+    dq, dk, dv, dbias = flash_attention_backward(
+        cast["dout"], cast["q"], cast["k"], cast["v"], out, lse,
+        bias=None if bias is None else bias.to(dtype).expand(tensors["bias_shape"]),
+        bias_requires_grad=bias is not None, **kernel_kwargs,
+    )  # fmt: skip
+    got = dict(dq=dq, dk=dk, dv=dv)
+    if bias is not None:
+        # The launcher returns the full [b, h, s_q, s_k] gradient; expand()'s backward sums it.
+        got["dbias"] = dbias.sum_to_size(bias.shape)
+    else:
+        assert dbias is None
+    for name, value in got.items():
+        _assert_rule(name, value, high[name], low[name])
+    return got
+
+
+def _dense(seed, b, s_q, s_k, h, h_kv, d, d_v=None, dtype=F32) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    d_v = d_v or d
+    return dict(
+        q=_randn(g, b, s_q, h, d, dtype=dtype),
+        k=_randn(g, b, s_k, h_kv, d, dtype=dtype),
+        v=_randn(g, b, s_k, h_kv, d_v, dtype=dtype),
+        dout=_randn(g, b, s_q, h, d_v, dtype=dtype),
+    )
+
+
+def _mask_kwargs(scale, window, bottom_right, **extra) -> tuple[dict, dict]:
+    """Matching (reference kwargs, kernel kwargs) for the mask and score options."""
+    ref = dict(softmax_scale=scale, window_size=window, bottom_right=bottom_right, **extra)
+    kern = dict(
+        softmax_scale=scale, window_left=window[0], window_right=window[1],
+        bottom_right=bottom_right, **extra,
+    )  # fmt: skip
+    return ref, kern
+
+
+# (b, s_q, s_k, h, h_kv, d, d_v, dtype, window, bottom_right): shapes span several 16-wide blocks
+# with ragged edges; windows make the launcher skip blocks and run unmasked interior blocks.
+DENSE_CASES = {
+    "mha-full-d40-fp32": (1, 40, 33, 2, 2, 40, None, F32, (-1, -1), True),
+    "gqa-causal-br-d59-dv24": (1, 24, 40, 4, 2, 59, 24, F16, (-1, 0), True),
+    "mqa-causal-tl-d8": (2, 40, 24, 2, 1, 8, None, F16, (-1, 0), False),
+    "window-br-d80": (1, 33, 47, 2, 1, 80, None, F16, (5, 3), True),
+    "narrow-band-tl": (1, 48, 48, 2, 2, 16, None, F32, (1, 0), False),
+    "long-window-tl-dv64": (1, 64, 64, 1, 1, 32, 64, F16, (20, -1), False),
+}
+
+
+@pytest.mark.parametrize("case", DENSE_CASES.values(), ids=DENSE_CASES.keys())
+def test_dense_gradients(case):
+    b, s_q, s_k, h, h_kv, d, d_v, dtype, window, bottom_right = case
+    tensors = _dense(s_q * 7 + d, b, s_q, s_k, h, h_kv, d, d_v, dtype)
+    ref, kern = _mask_kwargs(d**-0.5, window, bottom_right)
+    _check(tensors, dtype, ref, kern)
+
+
+def test_softcap_alibi_and_scale():
+    tensors = _dense(1, 2, 24, 40, 2, 1, 32, dtype=F32)
+    slopes = torch.rand(2, 2, generator=torch.Generator().manual_seed(2)) * 0.5
+    ref, kern = _mask_kwargs(0.4, (-1, 0), True, softcap=2.5, alibi_slopes=slopes)
+    _check(tensors, F32, ref, kern)
+
+
+@pytest.mark.parametrize(
+    "bias_shape,dtype",
+    [((2, 2, 24, 33), F16), ((1, 2, 24, 33), F32), ((2, 1, 1, 33), F32)],
+    ids=["full-fp16", "shared-batch", "key-only"],
+)
+def test_bias_gradient(bias_shape, dtype):
+    """dBias, also for bias views broadcast (stride 0) over batch, heads or queries."""
+    tensors = _dense(3, 2, 24, 33, 2, 2, 16, dtype=dtype)
+    tensors["bias_leaf"] = _randn(torch.Generator().manual_seed(4), *bias_shape, dtype=dtype)
+    tensors["bias_shape"] = (2, 2, 24, 33)
+    ref, kern = _mask_kwargs(0.25, (9, 4), False)
+    _check(tensors, dtype, ref, kern)
+
+
+def test_dropout_regenerates_the_forward_mask():
+    """The reference gets the kernels' own keep-mask, so any mismatch in the dropped set fails."""
+    tensors = _dense(5, 1, 40, 36, 4, 2, 16, dtype=F16)
+    seed, offset, p = 987654, 321, 0.3
+    keep = dropout_keep_mask((seed, offset), 1, 4, 40, 36, p, "cpu")
+    ref, kern = _mask_kwargs(0.25, (12, 0), True, dropout_p=p)
+    ref["dropout_mask"] = keep
+    _check(tensors, F16, ref, dict(kern, seed=seed, offset=offset))
+
+
+def _varlen_meta(lens_q, lens_k, gap):
+    def offsets(lens):
+        starts = [gap * (z + 1) + sum(lens[:z]) for z in range(len(lens) + 1)]
+        return torch.tensor(starts, dtype=torch.int32)
+
+    def cumulative(lens):
+        return torch.tensor([sum(lens[:z]) for z in range(len(lens) + 1)], dtype=torch.int32)
+
+    return cumulative(lens_q), cumulative(lens_k), offsets(lens_q), offsets(lens_k)
+
+
+def test_varlen_with_gaps_and_an_empty_sequence():
+    """thd with padded offsets: rows between sequences get zero gradients, empty sequence too."""
+    lens_q, lens_k, gap = [17, 0, 30, 5], [20, 9, 30, 1], 3
+    cu_q, cu_k, off_q, off_k = _varlen_meta(lens_q, lens_k, gap)
+    g = torch.Generator().manual_seed(6)
+    t_q, t_k, h, h_kv, d = int(off_q[-1]) + 2, int(off_k[-1]) + 2, 2, 1, 24
+    tensors = dict(
+        q=_randn(g, t_q, h, d, dtype=F16), k=_randn(g, t_k, h_kv, d, dtype=F16),
+        v=_randn(g, t_k, h_kv, d, dtype=F16), dout=_randn(g, t_q, h, d, dtype=F16),
+    )  # fmt: skip
+    ref, kern = _mask_kwargs(0.2, (-1, 0), True)
+    ref.update(cu_seqlens_q=cu_q, cu_seqlens_kv=cu_k)
+    ref.update(cu_seqlens_q_padded=off_q, cu_seqlens_kv_padded=off_k)
+    kern.update(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, seq_offsets_q=off_q, seq_offsets_k=off_k)
+    kern.update(max_seqlen_q=max(lens_q), max_seqlen_k=max(lens_k))
+    got = _check(tensors, F16, ref, kern)
+    owned_k = torch.zeros(t_k, dtype=torch.bool)
+    for start, n in zip(off_k.tolist(), lens_k):
+        owned_k[start : start + n] = True
+    assert (got["dk"][~owned_k] == 0).all() and (got["dv"][~owned_k] == 0).all()
+    assert (got["dq"][: int(off_q[0])] == 0).all()
+
+
+def test_dense_right_padding():
+    """seqlens: rows past each sequence's length get zero gradients."""
+    tensors = _dense(7, 2, 33, 40, 2, 2, 16, dtype=F32)
+    seqlens_q = torch.tensor([33, 9], dtype=torch.int32)
+    seqlens_k = torch.tensor([17, 40], dtype=torch.int32)
+    ref, kern = _mask_kwargs(0.25, (-1, 0), False, seqlens_q=seqlens_q)
+    ref["seqlens_kv"] = seqlens_k
+    got = _check(tensors, F32, ref, dict(kern, seqlens_k=seqlens_k))
+    assert (got["dq"][1, 9:] == 0).all()
+    assert (got["dk"][0, 17:] == 0).all() and (got["dv"][0, 17:] == 0).all()
+
+
+def test_rows_without_visible_keys_get_zero_gradients():
+    """Bottom-right causal with s_q > s_k: the first s_q - s_k queries see nothing (LSE -inf)."""
+    tensors = _dense(8, 1, 40, 16, 2, 1, 16, dtype=F16)
+    ref, kern = _mask_kwargs(0.25, (-1, 0), True)
+    got = _check(tensors, F16, ref, kern)
+    assert (got["dq"][:, :24] == 0).all()
+
+
+def test_strided_views_of_packed_buffers():
+    """q/k/v sliced from one [b, s, h + 2, d] projection (GQA, TE issue 1195), strided dout/out."""
+    g = torch.Generator().manual_seed(9)
+    qkv = _randn(g, 2, 20, 4 + 2, 32, dtype=F16)
+    q, k, v = qkv[:, :, :4], qkv[:, :, 4:5], qkv[:, :, 5:6]
+    dout = _randn(g, 2, 4, 20, 32, dtype=F16).transpose(1, 2)
+    tensors = dict(q=q, k=k, v=v, dout=dout)
+    ref, kern = _mask_kwargs(0.2, (6, 0), True)
+    _, _, high = _reference(tensors, torch.float64, ref)
+    out, lse, low = _reference(tensors, F16, ref)
+    out_strided = torch.empty(2, 4, 20, 32, dtype=F16).transpose(1, 2).copy_(out)
+    grads = flash_attention_backward(dout, q, k, v, out_strided, lse, **kern)
+    for name, value in zip(("dq", "dk", "dv"), grads):
+        assert value.is_contiguous()
+        _assert_rule(name, value, high[name], low[name])
+
+
+def test_deterministic_flag_changes_nothing():
+    tensors = _dense(10, 1, 24, 40, 2, 1, 16, dtype=F16)
+    _, kern = _mask_kwargs(0.25, (-1, -1), True)
+    out, lse, _ = _reference(tensors, F16, _mask_kwargs(0.25, (-1, -1), True)[0])
+    args = (tensors["dout"], tensors["q"], tensors["k"], tensors["v"], out, lse)
+    first = flash_attention_backward(*args, **kern, deterministic=False)
+    second = flash_attention_backward(*args, **kern, deterministic=True)
+    for a, b in zip(first[:3], second[:3]):
+        assert torch.equal(a, b)
