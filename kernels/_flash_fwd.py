@@ -8,11 +8,11 @@ Shapes (docs/internals.md):
 lse is fp32 in natural log. Every tensor arrives with its own strides (last dim contiguous), so
 packed and transposed layouts are read in place.
 
-Program (start_m, z * h_q + h) owns BLOCK_M query rows of head h of sequence z. Row i of sequence z
-lives at `z * stride_b + (start_z + i) * stride_s`; varlen launches have stride_b = 0 and start_z
-from the offsets, dense ones start_z = 0 (see `_common.seq_bounds`). Query head h reads KV head
-h // (h_q // h_kv). The key loop visits only blocks the window can reach, and applies the mask only
-on the blocks that need it (`_common.key_block_range`).
+Each program owns BLOCK_M query rows of head h of sequence z (1-D grid, query blocks fastest).
+Row i of sequence z lives at `z * stride_b + (start_z + i) * stride_s`; varlen launches have
+stride_b = 0 and start_z from the offsets, dense ones start_z = 0 (see `_common.seq_bounds`).
+Query head h reads KV head h // (h_q // h_kv). The key loop visits only blocks the window can
+reach, and applies the mask only on the blocks that need it (`_common.key_block_range`).
 
 Precision: softmax statistics and the accumulator are fp32. fp16/bf16 dots run on tensor cores with
 fp32 accumulation; fp32 inputs use `input_precision="ieee"` (true fp32, about 1e-6 relative error)
@@ -188,8 +188,16 @@ def _attn_fwd(
 ):  # fmt: skip
     """One program: BLOCK_M query rows of one (sequence, query head); writes out and lse rows."""
     tl.static_assert(BLOCK_D >= HEAD_DIM_QK and BLOCK_DV >= HEAD_DIM_V)
-    start_m = tl.program_id(0) * BLOCK_M
-    bh = tl.program_id(1)
+    # A 1-D grid, query blocks fastest: b * h may pass the 65535 limit of grid axis 1, and
+    # neighbouring programs share one head's K/V in L2.
+    num_m = tl.cdiv(full_len_q, BLOCK_M)
+    pid = tl.program_id(0)
+    bh = pid // num_m
+    m_idx = pid % num_m
+    if HAS_RIGHT:
+        # Causal-like windows: the last query blocks see the most keys; start them first.
+        m_idx = num_m - 1 - m_idx
+    start_m = m_idx * BLOCK_M
     z = bh // num_heads_q
     h = bh % num_heads_q
     start_q, len_q = seq_bounds(z, cu_q_ptr, offsets_q_ptr, seqlens_q_ptr, full_len_q, SEQ_MODE_Q)
@@ -315,7 +323,7 @@ def flash_attention_forward(
     alibi_strides = tuple(alibi_slopes.stride()) if alibi_slopes is not None else (0, 0)
 
     def grid(meta):
-        return (triton.cdiv(geom.q.max_len, meta["BLOCK_M"]), geom.batch * num_heads_q)
+        return (triton.cdiv(geom.q.max_len, meta["BLOCK_M"]) * geom.batch * num_heads_q,)
 
     _attn_fwd[grid](
         q, k, v, out, lse, bias, alibi_slopes,
