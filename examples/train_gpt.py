@@ -1,0 +1,351 @@
+"""Train a byte-level GPT on the shipped Shakespeare corpus (data/shakespeare.txt.gz).
+
+    python examples/train_gpt.py            # CPU: `tiny`, ~8 min on 2 cores; GPU: `gpt-50m` bf16
+    python examples/train_gpt.py --resume           # continue from runs/gpt/last.safetensors
+    torchrun --nproc_per_node 2 examples/train_gpt.py --config gpt-50m   # DDP, same global batch
+
+`--batch-size` is the global batch in sequences: under torchrun each rank computes its slice of the
+same batch a single process would draw, so loss curves are comparable across world sizes. Batches
+are a pure function of (seed, step), which makes `--resume` continue the exact data stream.
+
+Writes to `--out-dir`: `last.safetensors` (+ `last.train.safetensors`), `loss.png`, `log.jsonl`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import math
+import os
+import sys
+import time
+from contextlib import nullcontext
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from fusedlayers.models import (
+    GPT,
+    CheckpointError,
+    GPTConfig,
+    lm_loss,
+    load_train_state,
+    load_weights,
+    save_checkpoint,
+)
+from torch.nn.parallel import DistributedDataParallel
+
+ROOT = Path(__file__).resolve().parent.parent
+CORPUS = ROOT / "data" / "shakespeare.txt.gz"
+VAL_FRACTION = 0.05
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--config", default=None, help="tiny | gpt-50m | gpt-125m (default by device)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--steps", type=int, default=None, help="default 1000")
+    p.add_argument("--batch-size", type=int, default=None, help="global batch in sequences")
+    p.add_argument("--context-length", type=int, default=None, help="override the config's")
+    p.add_argument("--lr", type=float, default=None, help="peak learning rate")
+    p.add_argument("--dropout", type=float, default=None, help="hidden dropout (GPU default 0.1)")
+    p.add_argument("--warmup", type=int, default=100)
+    p.add_argument("--weight-decay", type=float, default=0.1)
+    p.add_argument("--grad-clip", type=float, default=1.0)
+    p.add_argument("--eval-interval", type=int, default=100)
+    p.add_argument("--eval-batches", type=int, default=8)
+    p.add_argument("--ckpt-interval", type=int, default=500)
+    p.add_argument("--out-dir", type=Path, default=ROOT / "runs" / "gpt")
+    p.add_argument("--resume", action="store_true", help="continue from OUT_DIR/last.safetensors")
+    p.add_argument("--stop-at", type=int, default=None, help="checkpoint and exit at this step")
+    p.add_argument("--seed", type=int, default=1337)
+    p.add_argument("--sample-tokens", type=int, default=300)
+    p.add_argument("--use-reference", action="store_true", help="pure-PyTorch attention path")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
+    return p.parse_args(argv)
+
+
+def apply_device_defaults(args: argparse.Namespace) -> None:
+    """Fill unset options: `tiny` in fp32 on CPU, `gpt-50m` in bf16 autocast on GPU."""
+    gpu = args.device.startswith("cuda")
+    # GPU: ~33M tokens, about 7 passes over the corpus, so dropout keeps a 50M model from
+    # memorizing it; CPU: ~4M tokens, too few to overfit.
+    defaults = (
+        dict(config="gpt-50m", steps=1000, batch_size=32, lr=6e-4, dropout=0.1)
+        if gpu
+        else dict(config="tiny", steps=1000, batch_size=16, lr=3e-3, dropout=0.0)
+    )
+    for key, value in defaults.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+
+
+def setup_distributed(device: str) -> tuple[int, int, torch.device]:
+    """(rank, world size, this rank's device); initializes the process group under torchrun."""
+    if "RANK" not in os.environ:
+        return 0, 1, torch.device(device)
+    local_rank = int(os.environ["LOCAL_RANK"])
+    if device.startswith("cuda"):
+        torch.cuda.set_device(local_rank)
+        dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
+        return dist.get_rank(), dist.get_world_size(), torch.device("cuda", local_rank)
+    dist.init_process_group("gloo")
+    return dist.get_rank(), dist.get_world_size(), torch.device(device)
+
+
+def load_corpus(path: Path = CORPUS) -> tuple[torch.Tensor, torch.Tensor]:
+    """Byte tokens (vocabulary 256) of the corpus, split into train and held-out tail: uint8 [n]."""
+    data = torch.frombuffer(bytearray(gzip.decompress(path.read_bytes())), dtype=torch.uint8)
+    n_val = int(len(data) * VAL_FRACTION)
+    return data[:-n_val], data[-n_val:]
+
+
+def get_batch(
+    data: torch.Tensor, batch: int, ctx: int, seed: int, step: int, rank: int, world: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's slice of global batch `step`: inputs and next-byte targets, int64 [b/world, ctx].
+
+    Every rank draws the same global offsets from a generator seeded by (seed, step), so the data
+    does not depend on the world size or on where a run was resumed.
+    """
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + step)
+    starts = torch.randint(len(data) - ctx - 1, (batch,), generator=gen)
+    per_rank = batch // world
+    starts = starts[rank * per_rank : (rank + 1) * per_rank]
+    rows = torch.stack([data[i : i + ctx + 1] for i in starts.tolist()]).long()
+    return rows[:, :-1], rows[:, 1:]
+
+
+def lr_at(step: int, args: argparse.Namespace) -> float:
+    """Linear warmup, then cosine decay to 10% of the peak at the last step."""
+    if step < args.warmup:
+        return args.lr * (step + 1) / args.warmup
+    progress = (step - args.warmup) / max(1, args.steps - args.warmup)
+    return args.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, progress))))
+
+
+def make_optimizer(model: torch.nn.Module, args: argparse.Namespace) -> torch.optim.AdamW:
+    """AdamW; matrices decay, norms, biases and embeddings do not (nanoGPT's split keeps
+    embeddings decaying; byte embeddings are few and dense, so we leave them alone)."""
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        (decay if p.dim() >= 2 and "emb" not in name else no_decay).append(p)
+    groups = [
+        {"params": decay, "weight_decay": args.weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+    fused = args.device.startswith("cuda")
+    return torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), fused=fused)
+
+
+@torch.no_grad()
+def evaluate(model, data, args, ctx, rank, world, autocast) -> float:
+    """Mean loss over `eval_batches` fixed held-out batches (same batches at every eval)."""
+    model.eval()
+    total = torch.zeros((), device=args.torch_device)
+    for i in range(args.eval_batches):
+        x, y = get_batch(data, args.batch_size, ctx, args.seed + 1, i, rank, world)
+        with autocast:
+            total += lm_loss(model(x.to(args.torch_device)), y.to(args.torch_device))
+    if world > 1:
+        dist.all_reduce(total)
+    model.train()
+    return total.item() / (args.eval_batches * world)
+
+
+class Progress:
+    """One-line progress bar on stderr: step, loss, tokens/s, elapsed and ETA."""
+
+    def __init__(self, total: int, start: int, enabled: bool) -> None:
+        self.total, self.start, self.enabled = total, start, enabled
+        self.t0 = time.perf_counter()
+
+    def update(self, step: int, loss: float, tokens_per_s: float) -> None:
+        if not self.enabled:
+            return
+        done = step + 1 - self.start
+        elapsed = time.perf_counter() - self.t0
+        eta = elapsed / done * (self.total - step - 1)
+        frac = (step + 1) / self.total
+        bar = "#" * int(30 * frac) + "-" * (30 - int(30 * frac))
+        sys.stderr.write(
+            f"\r[{bar}] {step + 1}/{self.total} loss {loss:.3f} {tokens_per_s:,.0f} tok/s "
+            f"elapsed {_hms(elapsed)} eta {_hms(eta)}"
+        )
+        sys.stderr.flush()
+
+    def newline(self) -> None:
+        if self.enabled:
+            sys.stderr.write("\n")
+
+
+def _hms(seconds: float) -> str:
+    m, s = divmod(int(seconds), 60)
+    return f"{m // 60:d}:{m % 60:02d}:{s:02d}"
+
+
+def plot_losses(history: list[dict], path: Path) -> None:
+    """Train and validation loss against step, to a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    train = [(h["step"], h["train_loss"]) for h in history if "train_loss" in h]
+    val = [(h["step"], h["val_loss"]) for h in history if "val_loss" in h]
+    if train:
+        ax.plot(*zip(*train), label="train", alpha=0.6)
+    if val:
+        ax.plot(*zip(*val), "o-", label="validation")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (nats/byte)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def sample_text(model: GPT, prompt: str, n: int, device: torch.device, seed: int) -> str:
+    """Decode `n` bytes after `prompt` (temperature 0.8, top-k 40) with the KV cache."""
+    n = min(n, model.config.context_length - len(prompt))
+    idx = torch.tensor([list(prompt.encode())], device=device)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    out = model.generate(idx, n, temperature=0.8, top_k=40, generator=gen)
+    return bytes(out[0].tolist()).decode("utf-8", errors="replace")
+
+
+def build(args: argparse.Namespace, device: torch.device) -> tuple[GPT, GPTConfig]:
+    overrides = {} if args.context_length is None else {"context_length": args.context_length}
+    config = GPTConfig.named(args.config, vocab_size=256, hidden_dropout=args.dropout, **overrides)
+    torch.manual_seed(args.seed)
+    model = GPT(config, use_reference=args.use_reference, device=device)
+    return model, config
+
+
+def resume(args: argparse.Namespace, model: GPT, optimizer, rank: int) -> tuple[int, list]:
+    """(step, history) from OUT_DIR/last.safetensors with --resume, else (0, [])."""
+    if not args.resume:
+        return 0, []
+    ckpt = args.out_dir / "last.safetensors"
+    try:
+        load_weights(ckpt, model)
+        state = load_train_state(ckpt, optimizer)
+    except CheckpointError as e:
+        raise SystemExit(f"--resume: {e}") from e
+    if rank == 0:
+        print(f"resumed from {ckpt} at step {state['step']}")
+    return state["step"], state["extra"].get("history", [])
+
+
+def train(args: argparse.Namespace) -> None:
+    """Set up (distributed, data, model, optimizer, resume), then run the loop."""
+    rank, world, device = setup_distributed(args.device)
+    args.torch_device = device
+    if args.batch_size % world:
+        raise SystemExit(f"--batch-size {args.batch_size} must be divisible by world size {world}")
+    data = load_corpus()
+    core, config = build(args, device)
+    optimizer = make_optimizer(core, args)
+    step, history = resume(args, core, optimizer, rank)
+    model = core
+    if world > 1:
+        model = DistributedDataParallel(
+            core, device_ids=[device.index] if device.type == "cuda" else None
+        )
+    if rank == 0:
+        print(
+            f"{args.config}: {core.num_parameters():,} parameters, format "
+            f"{config.attn_input_format}, {world} process(es) on {device}, "
+            f"global batch {args.batch_size} x {config.context_length} tokens"
+        )
+    loop = dict(model=model, core=core, optimizer=optimizer, data=data, args=args)
+    step = run(**loop, step=step, history=history, rank=rank, world=world)
+    if rank == 0 and step == args.steps:
+        finish(core, history, args, device)
+    if world > 1:
+        dist.destroy_process_group()
+
+
+def run(model, core, optimizer, data, args, step, history, rank, world) -> int:
+    """Train from `step` to `--steps` (or `--stop-at`), evaluating and checkpointing on the
+    way; appends to `history` and returns the step reached."""
+    train_data, val_data = data
+    ctx = core.config.context_length
+    autocast = (
+        torch.autocast("cuda", dtype=torch.bfloat16)
+        if args.torch_device.type == "cuda"
+        else nullcontext()
+    )
+
+    def validate() -> None:
+        val = evaluate(model, val_data, args, ctx, rank, world, autocast)
+        history.append({"step": step, "val_loss": val})
+        if rank == 0:
+            print(f"step {step}: val loss {val:.4f}", flush=True)
+
+    if step == 0:
+        validate()
+    last = min(args.steps, args.stop_at or args.steps)
+    progress = Progress(args.steps, step, enabled=rank == 0)
+    while step < last:
+        t0 = time.perf_counter()
+        loss = train_step(model, optimizer, train_data, args, ctx, step, rank, world, autocast)
+        # train_step ends in .item(), so this times finished GPU work (evals excluded).
+        tokens_per_s = args.batch_size * ctx / (time.perf_counter() - t0)
+        history.append({"step": step, "train_loss": loss})
+        progress.update(step, loss, tokens_per_s)
+        step += 1
+        if step % args.eval_interval == 0 or step == args.steps:
+            progress.newline()
+            validate()
+        if rank == 0 and (step % args.ckpt_interval == 0 or step == last):
+            save_checkpoint(
+                args.out_dir / "last.safetensors", core, optimizer, step, {"history": history}
+            )
+    return step
+
+
+def train_step(model, optimizer, data, args, ctx, step, rank, world, autocast) -> float:
+    """One optimizer step on global batch `step`; returns the loss averaged over ranks."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr_at(step, args)
+    x, y = get_batch(data, args.batch_size, ctx, args.seed, step, rank, world)
+    x, y = x.to(args.torch_device, non_blocking=True), y.to(args.torch_device, non_blocking=True)
+    with autocast:
+        loss = lm_loss(model(x), y)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    loss = loss.detach()
+    if world > 1:
+        dist.all_reduce(loss, op=dist.ReduceOp.AVG)
+    return loss.item()
+
+
+def finish(model: GPT, history: list[dict], args: argparse.Namespace, device) -> None:
+    """Loss curve, JSON log and a text sample."""
+    plot_losses(history, args.out_dir / "loss.png")
+    with open(args.out_dir / "log.jsonl", "w") as f:
+        f.writelines(json.dumps(h) + "\n" for h in history)
+    vals = [h["val_loss"] for h in history if "val_loss" in h]
+    if vals:
+        print(f"validation loss: first {vals[0]:.4f}, last {vals[-1]:.4f}")
+    print(f"wrote {args.out_dir / 'loss.png'}, {args.out_dir / 'last.safetensors'}")
+    print("sample:\n" + sample_text(model, "ROMEO:\n", args.sample_tokens, device, args.seed))
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    apply_device_defaults(args)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    train(args)
+
+
+if __name__ == "__main__":
+    main()
