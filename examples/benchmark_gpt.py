@@ -1,0 +1,189 @@
+"""Training throughput: the fusedlayers GPT against the same model in plain PyTorch with SDPA.
+
+    python examples/benchmark_gpt.py                      # gpt-125m, context 2048, batch 8, H100
+    python examples/benchmark_gpt.py --compile --json runs/bench.json
+
+Both models have the same architecture and parameter count (pre-norm RMSNorm, fused QKV, RoPE,
+SwiGLU, tied embeddings), run under bf16 autocast with fp32 master weights, and take the same
+fused AdamW step on the same random batch. The plain model calls
+`F.scaled_dot_product_attention` pinned to the cuDNN backend.
+
+Reported per model: ms/step, tokens/s and model FLOPs utilization, counting
+`6 * N + 6 * n_layer * s * d_model` FLOPs per token (N = non-embedding parameters plus the LM
+head matmul; the second term is causal attention's QK^T and PV, forward and backward).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from fusedlayers.models import GPT, GPTConfig, lm_loss
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+PEAK_BF16_TFLOPS = {"H100": 989.4, "H200": 989.4, "A100": 312.0}
+
+
+class PlainBlock(torch.nn.Module):
+    """Pre-norm block: x [b, s, d] -> x + attn(norm(x)) -> + swiglu_mlp(norm(.))."""
+
+    def __init__(self, c: GPTConfig) -> None:
+        super().__init__()
+        self.c = c
+        kv = c.n_kv_head * c.head_dim
+        self.norm1 = torch.nn.RMSNorm(c.d_model, eps=c.layernorm_epsilon)
+        self.qkv = torch.nn.Linear(c.d_model, c.d_model + 2 * kv, bias=False)
+        self.proj = torch.nn.Linear(c.d_model, c.d_model, bias=False)
+        self.norm2 = torch.nn.RMSNorm(c.d_model, eps=c.layernorm_epsilon)
+        self.fc1 = torch.nn.Linear(c.d_model, 2 * c.d_ff, bias=False)
+        self.fc2 = torch.nn.Linear(c.d_ff, c.d_model, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        c, (b, s, _) = self.c, x.shape
+        kv = c.n_kv_head * c.head_dim
+        q, k, v = self.qkv(self.norm1(x)).split([c.d_model, kv, kv], dim=-1)
+        q = _rope(q.view(b, s, c.n_head, c.head_dim), cos, sin).transpose(1, 2)  # [b, h, s, d]
+        k = _rope(k.view(b, s, c.n_kv_head, c.head_dim), cos, sin).transpose(1, 2)
+        v = v.view(b, s, c.n_kv_head, c.head_dim).transpose(1, 2)
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            a = F.scaled_dot_product_attention(
+                q, k, v, is_causal=True, enable_gqa=c.n_kv_head != c.n_head
+            )
+        x = x + self.proj(a.transpose(1, 2).reshape(b, s, c.d_model))
+        gate, up = self.fc1(self.norm2(x)).chunk(2, dim=-1)
+        return x + self.fc2(F.silu(gate) * up)
+
+
+def _rope(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE on t [b, s, h, d] with cos/sin [s, 1, d] (fp32), returned in t's dtype."""
+    first, second = t.float().chunk(2, dim=-1)
+    rotated = torch.cat((-second, first), dim=-1)
+    return (t.float() * cos + rotated * sin).to(t.dtype)
+
+
+class PlainGPT(torch.nn.Module):
+    """The GPT of `fusedlayers.models` written with torch.nn modules and SDPA: idx [b, s] ->
+    logits [b, s, V] fp32."""
+
+    def __init__(self, c: GPTConfig) -> None:
+        super().__init__()
+        self.c = c
+        self.tok_emb = torch.nn.Embedding(c.vocab_size, c.d_model)
+        self.layers = torch.nn.ModuleList(PlainBlock(c) for _ in range(c.n_layer))
+        self.final_norm = torch.nn.RMSNorm(c.d_model, eps=c.layernorm_epsilon)
+        inv_freq = 1.0 / c.rope_base ** (torch.arange(0, c.head_dim, 2) / c.head_dim)
+        angles = torch.outer(torch.arange(c.context_length).float(), inv_freq)
+        angles = torch.cat((angles, angles), dim=-1)[:, None, :]  # [s, 1, d]
+        self.register_buffer("cos", angles.cos(), persistent=False)
+        self.register_buffer("sin", angles.sin(), persistent=False)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        s = idx.shape[1]
+        x = self.tok_emb(idx)
+        for layer in self.layers:
+            x = layer(x, self.cos[:s], self.sin[:s])
+        return F.linear(self.final_norm(x), self.tok_emb.weight).float()
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--config", default="gpt-125m")
+    p.add_argument("--context-length", type=int, default=2048)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--compile", action="store_true", help="torch.compile both models")
+    p.add_argument("--peak-tflops", type=float, default=None, help="default: by GPU name")
+    p.add_argument("--json", type=Path, default=None, help="also write the results here")
+    return p.parse_args()
+
+
+def flops_per_token(model: torch.nn.Module, c: GPTConfig) -> float:
+    """6N + 6 * n_layer * s * d (see the module docstring); N counts the tied LM head once."""
+    n = sum(p.numel() for p in model.parameters())
+    return 6 * n + 6 * c.n_layer * c.context_length * c.d_model
+
+
+def bench(model: torch.nn.Module, c: GPTConfig, args: argparse.Namespace) -> dict[str, float]:
+    """Warm up, then time `steps` full training steps (forward, backward, fused AdamW)."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    step_fn = torch.compile(model) if args.compile else model
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    idx = torch.randint(
+        0, c.vocab_size, (args.batch_size, c.context_length + 1), device="cuda", generator=gen
+    )
+    x, y = idx[:, :-1], idx[:, 1:]
+
+    def step() -> torch.Tensor:
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = lm_loss(step_fn(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    for _ in range(args.warmup):
+        loss = step()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    for _ in range(args.steps):
+        loss = step()
+    torch.cuda.synchronize()
+    seconds = (time.perf_counter() - t0) / args.steps
+    tokens = args.batch_size * c.context_length / seconds
+    peak = args.peak_tflops or next(
+        (v for k, v in PEAK_BF16_TFLOPS.items() if k in torch.cuda.get_device_name()), 989.4
+    )
+    return {
+        "ms_per_step": seconds * 1e3,
+        "tokens_per_s": tokens,
+        "mfu": tokens * flops_per_token(model, c) / (peak * 1e12),
+        "final_loss": loss.item(),
+        "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30,
+    }
+
+
+def main() -> None:
+    args = parse_args()
+    c = GPTConfig.named(args.config, context_length=args.context_length)
+    torch.manual_seed(0)
+    results = {}
+    for name, make in (
+        ("fusedlayers", lambda: GPT(c)),
+        ("pytorch_sdpa_cudnn", lambda: PlainGPT(c)),
+    ):
+        model = make().cuda()
+        results[name] = bench(model, c, args)
+        results[name]["parameters"] = sum(p.numel() for p in model.parameters())
+        del model
+        torch.cuda.empty_cache()
+    f, p = results["fusedlayers"], results["pytorch_sdpa_cudnn"]
+    if f["parameters"] != p["parameters"]:
+        raise SystemExit(f"models differ in size: {f['parameters']} vs {p['parameters']}")
+    print(
+        f"{torch.cuda.get_device_name()}, {args.config} ({f['parameters'] / 1e6:.1f}M), "
+        f"batch {args.batch_size} x {c.context_length}, compile={args.compile}"
+    )
+    print("| model | ms/step | tokens/s | MFU | peak mem GiB |\n|---|---|---|---|---|")
+    for name, r in results.items():
+        print(
+            f"| {name} | {r['ms_per_step']:.1f} | {r['tokens_per_s']:,.0f} | "
+            f"{r['mfu']:.1%} | {r['peak_mem_gib']:.1f} |"
+        )
+    print(f"speedup (tokens/s): {f['tokens_per_s'] / p['tokens_per_s']:.3f}x")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(
+            json.dumps(
+                {"args": vars(args) | {"json": str(args.json)}, "results": results}, indent=2
+            )
+        )
+
+
+if __name__ == "__main__":
+    main()
