@@ -95,6 +95,23 @@ def _prune_configs(configs, named_args, **kwargs):
 
 
 @triton.jit
+def _load_rows(ptrs, offs_n, len_k, offs_d, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+               CHECK_N: tl.constexpr):  # fmt: skip
+    """[BLOCK_N, BLOCK_D] K or V tile; masks only what can be out of bounds (0 there)."""
+    if CHECK_N:
+        mask = offs_n[:, None] < len_k
+        if HEAD_DIM != BLOCK_D:
+            mask = mask & (offs_d[None, :] < HEAD_DIM)
+        tile = tl.load(ptrs, mask=mask, other=0.0)
+    elif HEAD_DIM != BLOCK_D:
+        tile = tl.load(ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
+    else:
+        # Full tile: an unmasked load keeps the widest vector accesses.
+        tile = tl.load(ptrs)
+    return tile
+
+
+@triton.jit
 def _fwd_inner(
     acc, l_i, m_i, q,
     k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
@@ -102,8 +119,9 @@ def _fwd_inner(
     offs_m, offs_dk, offs_dv, lo, hi,
     diag, window_left, window_right, len_q, len_k,
     sm_scale, softcap, alibi_slope, seed, offset, bh, dropout_p,
-    HEAD_DIM_QK: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_N: tl.constexpr,
-    MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+    HEAD_DIM_QK: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
@@ -121,12 +139,7 @@ def _fwd_inner(
         k_ptrs = k_ptrs + offs_nb[:, None] * stride_kn + offs_dk[None, :] * stride_kd
         v_ptrs = v_base + tl.cast(start_n, tl.int64) * stride_vn
         v_ptrs = v_ptrs + offs_nb[:, None] * stride_vn + offs_dv[None, :] * stride_vd
-        k_mask = offs_dk[None, :] < HEAD_DIM_QK
-        v_mask = offs_dv[None, :] < HEAD_DIM_V
-        if MASKED:
-            k_mask = k_mask & (offs_n[:, None] < len_k)
-            v_mask = v_mask & (offs_n[:, None] < len_k)
-        k = tl.load(k_ptrs, mask=k_mask, other=0.0)
+        k = _load_rows(k_ptrs, offs_n, len_k, offs_dk, HEAD_DIM_QK, BLOCK_D, MASKED)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         bias_tile = qk  # placeholder, ignored unless HAS_BIAS
         if HAS_BIAS:
@@ -155,7 +168,7 @@ def _fwd_inner(
             # The normalizer counts every weight; dropout only thins what reaches V.
             keep = dropout_keep(seed, offset, bh, offs_m, offs_n, dropout_p)
             p = tl.where(keep, p, 0.0)
-        v = tl.load(v_ptrs, mask=v_mask, other=0.0)
+        v = _load_rows(v_ptrs, offs_n, len_k, offs_dv, HEAD_DIM_V, BLOCK_DV, MASKED)
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
         m_i = m_new
     return acc, l_i, m_i
@@ -244,7 +257,7 @@ def _attn_fwd(
             offs_m, offs_dk, offs_dv, seg_lo, seg_hi,
             diag, window_left, window_right, len_q, len_k,
             sm_scale, softcap, alibi_slope, seed, offset, bh, dropout_p,
-            HEAD_DIM_QK, HEAD_DIM_V, BLOCK_N, seg != 1, HAS_LEFT, HAS_RIGHT,
+            HEAD_DIM_QK, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, seg != 1, HAS_LEFT, HAS_RIGHT,
             HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI, HAS_DROPOUT, DOT_PRECISION,
         )  # fmt: skip
 
