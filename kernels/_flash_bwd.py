@@ -33,13 +33,14 @@ def _flash_bwd_preprocess_kernel(
 ):  # fmt: skip
     """delta[z, h, i] = sum_d dO[i, h, d] * O[i, h, d] in fp32, laid out like the LSE.
 
-    Grid: (cdiv(MAX_Q, BLOCK_M), batch * H_Q). Rows past the sequence are left unwritten.
+    Grid: (cdiv(MAX_Q, BLOCK_M) * batch * H_Q,). Rows past the sequence are left unwritten.
     """
-    pid_zh = tl.program_id(1)
+    num_m = tl.cdiv(MAX_Q, BLOCK_M)
+    pid_zh = tl.program_id(0) // num_m
     z = (pid_zh // H_Q).to(tl.int64)
     h = (pid_zh % H_Q).to(tl.int64)
     start_q, len_q = seq_bounds(z, CU_Q, OFF_Q, LENS_Q, MAX_Q, SEQ_MODE_Q)
-    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_m = (tl.program_id(0) % num_m) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM_V)
     row_ok = offs_m < len_q
     rows = start_q.to(tl.int64) + offs_m
@@ -53,22 +54,25 @@ def _flash_bwd_preprocess_kernel(
 
 
 # Launch shapes per padded head dim (the larger of d_qk and d_v): the one place to tune.
-# dK/dV pass: BLOCK_N1 keys stay resident while BLOCK_M1 query rows stream past; dQ pass: BLOCK_M2
-# query rows stay resident while BLOCK_N2 keys stream past.
+# dK/dV pass (suffix 1): BLOCK_N1 keys stay resident while BLOCK_M1 query rows stream past.
+# dQ pass (suffix 2): BLOCK_M2 query rows stay resident while BLOCK_N2 keys stream past.
 BWD_CONFIGS: dict[int, dict[str, int]] = {
-    64: dict(BLOCK_M1=64, BLOCK_N1=128, BLOCK_M2=128, BLOCK_N2=64, num_warps=8, num_stages=3),
-    128: dict(BLOCK_M1=32, BLOCK_N1=128, BLOCK_M2=128, BLOCK_N2=32, num_warps=8, num_stages=3),
-    256: dict(BLOCK_M1=32, BLOCK_N1=64, BLOCK_M2=64, BLOCK_N2=32, num_warps=8, num_stages=2),
-}
+    64: dict(BLOCK_M1=64, BLOCK_N1=128, WARPS1=8, STAGES1=3,
+             BLOCK_M2=128, BLOCK_N2=64, WARPS2=8, STAGES2=3),
+    128: dict(BLOCK_M1=32, BLOCK_N1=128, WARPS1=8, STAGES1=3,
+              BLOCK_M2=128, BLOCK_N2=32, WARPS2=8, STAGES2=3),
+    256: dict(BLOCK_M1=32, BLOCK_N1=64, WARPS1=8, STAGES1=2,
+              BLOCK_M2=64, BLOCK_N2=32, WARPS2=8, STAGES2=2),
+}  # fmt: skip
 # The interpreter runs one program at a time: small tiles keep it quick and make the tiny test
 # shapes span several blocks, so block edges and the skipped/unmasked block ranges are exercised.
-INTERPRETER_CONFIG = dict(BLOCK_M1=16, BLOCK_N1=16, BLOCK_M2=16, BLOCK_N2=16, num_warps=4,
-                          num_stages=1)  # fmt: skip
+INTERPRETER_CONFIG = dict(BLOCK_M1=16, BLOCK_N1=16, WARPS1=4, STAGES1=1,
+                          BLOCK_M2=16, BLOCK_N2=16, WARPS2=4, STAGES2=1)  # fmt: skip
 PREPROCESS_BLOCK_M = 64
 
 
 def bwd_config(head_dim: int, on_cuda: bool) -> dict[str, int]:
-    """Block sizes, num_warps and num_stages for a head dim (the larger of d_qk and d_v)."""
+    """Block sizes, warps and pipeline stages of both passes for a head dim (max of d_qk, d_v)."""
     if not on_cuda:
         return INTERPRETER_CONFIG
     for bound in sorted(BWD_CONFIGS):
@@ -155,19 +159,20 @@ def flash_attention_backward(
     opts = _bwd_options(q, v, geo, bias, alibi_slopes, window_left, window_right, bottom_right,
                         softcap, dropout_p)  # fmt: skip
     cfg = bwd_config(max(q.shape[-1], v.shape[-1]), q.is_cuda)
-    opts.update(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    _flash_bwd_dkdv_kernel[(triton.cdiv(geo.k.max_len, cfg["BLOCK_N1"]), geo.batch * h_kv)](
+    _flash_bwd_dkdv_kernel[(triton.cdiv(geo.k.max_len, cfg["BLOCK_N1"]) * geo.batch * h_kv,)](
         q, k, v, dout, lse, delta, dk, dv, bias_args[0], alibi_args[0], *seq_ptrs,
         *strides, *strides4(dk, geo.varlen)[:3], *strides4(dv, geo.varlen)[:3],
         *bias_args[1], *alibi_args[1], *scalars,
         BLOCK_M=cfg["BLOCK_M1"], BLOCK_N=cfg["BLOCK_N1"], **opts,
+        num_warps=cfg["WARPS1"], num_stages=cfg["STAGES1"],
     )  # fmt: skip
     dbias_args = (dbias, dbias.stride()) if dbias is not None else (q, (0, 0, 0, 0))
-    _flash_bwd_dq_kernel[(triton.cdiv(geo.q.max_len, cfg["BLOCK_M2"]), geo.batch * h_q)](
+    _flash_bwd_dq_kernel[(triton.cdiv(geo.q.max_len, cfg["BLOCK_M2"]) * geo.batch * h_q,)](
         q, k, v, dout, lse, delta, dq, bias_args[0], dbias_args[0], alibi_args[0], *seq_ptrs,
         *strides, *strides4(dq, geo.varlen)[:3], *bias_args[1], *dbias_args[1],
         *alibi_args[1], *scalars,
         BLOCK_M=cfg["BLOCK_M2"], BLOCK_N=cfg["BLOCK_N2"], WRITE_DBIAS=dbias is not None, **opts,
+        num_warps=cfg["WARPS2"], num_stages=cfg["STAGES2"],
     )  # fmt: skip
     return dq, dk, dv, dbias
 
@@ -192,7 +197,7 @@ def _preprocess(out, dout, lse, geo, seq_ptrs) -> torch.Tensor:
     """delta = rowsum(dout * out) in fp32, shaped and strided like the (contiguous) LSE."""
     delta = torch.empty_like(lse)
     h_q, d_v = out.shape[-2], out.shape[-1]
-    grid = (triton.cdiv(geo.q.max_len, PREPROCESS_BLOCK_M), geo.batch * h_q)
+    grid = (triton.cdiv(geo.q.max_len, PREPROCESS_BLOCK_M) * geo.batch * h_q,)
     _flash_bwd_preprocess_kernel[grid](
         out, dout, delta, seq_ptrs[0], seq_ptrs[2], seq_ptrs[4],
         *strides4(out, geo.varlen)[:3], *strides4(dout, geo.varlen)[:3],

@@ -163,10 +163,14 @@ def _flash_bwd_dkdv_kernel(
 ):  # fmt: skip
     """dK and dV for one key block of one KV head, summed over the GQA group.
 
-    Grid: (cdiv(MAX_K, BLOCK_N), batch * H_KV). dK leaves already multiplied by sm_scale.
+    Grid: (cdiv(MAX_K, BLOCK_N) * batch * H_KV,). dK leaves already multiplied by sm_scale.
     """
-    start_n = tl.program_id(0) * BLOCK_N
-    pid_zh = tl.program_id(1)
+    # A 1-D grid, key blocks fastest: batch * heads may pass the 65535 limit of grid axis 1, and
+    # neighbouring programs share one group's q/dO in L2. Under causal-like windows the first key
+    # blocks see the most queries, so they also start first.
+    num_n = tl.cdiv(MAX_K, BLOCK_N)
+    pid_zh = tl.program_id(0) // num_n
+    start_n = (tl.program_id(0) % num_n) * BLOCK_N
     # int64 from here on: batch * stride and row * stride overflow int32 on long sequences.
     z = (pid_zh // H_KV).to(tl.int64)
     h_kv = (pid_zh % H_KV).to(tl.int64)

@@ -154,10 +154,17 @@ def _flash_bwd_dq_kernel(
 ):  # fmt: skip
     """dQ (and dBias) for one query block of one query head; head h reads KV head h // group.
 
-    Grid: (cdiv(MAX_Q, BLOCK_M), batch * H_Q). dQ leaves already multiplied by sm_scale.
+    Grid: (cdiv(MAX_Q, BLOCK_M) * batch * H_Q,). dQ leaves already multiplied by sm_scale.
     """
-    start_m = tl.program_id(0) * BLOCK_M
-    pid_zh = tl.program_id(1)
+    # A 1-D grid, query blocks fastest: batch * heads may pass the 65535 limit of grid axis 1, and
+    # neighbouring programs share one head's K/V in L2.
+    num_m = tl.cdiv(MAX_Q, BLOCK_M)
+    pid_zh = tl.program_id(0) // num_m
+    m_idx = tl.program_id(0) % num_m
+    if HAS_RIGHT:
+        # Causal-like windows: the last query blocks see the most keys; start them first.
+        m_idx = num_m - 1 - m_idx
+    start_m = m_idx * BLOCK_M
     # int64 from here on: batch * stride and row * stride overflow int32 on long sequences.
     z = (pid_zh // H_Q).to(tl.int64)
     h = (pid_zh % H_Q).to(tl.int64)
