@@ -25,15 +25,17 @@ import torch.nn.functional as F
 from fusedlayers.models import GPT, GPTConfig, lm_loss
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from fusedlayers.qkv_storage import QKVSpec, split_fused
+
 PEAK_BF16_TFLOPS = {"H100": 989.4, "H200": 989.4, "A100": 312.0}
 
 
 class PlainBlock(torch.nn.Module):
     """Pre-norm block: x [b, s, d] -> x + attn(norm(x)) -> + swiglu_mlp(norm(.))."""
 
-    def __init__(self, c: GPTConfig) -> None:
+    def __init__(self, c: GPTConfig, sdpa_backend: SDPBackend) -> None:
         super().__init__()
-        self.c = c
+        self.c, self.sdpa_backend = c, sdpa_backend
         kv = c.n_kv_head * c.head_dim
         self.norm1 = torch.nn.RMSNorm(c.d_model, eps=c.layernorm_epsilon)
         self.qkv = torch.nn.Linear(c.d_model, c.d_model + 2 * kv, bias=False)
@@ -49,7 +51,7 @@ class PlainBlock(torch.nn.Module):
         q = _rope(q.view(b, s, c.n_head, c.head_dim), cos, sin).transpose(1, 2)  # [b, h, s, d]
         k = _rope(k.view(b, s, c.n_kv_head, c.head_dim), cos, sin).transpose(1, 2)
         v = v.view(b, s, c.n_kv_head, c.head_dim).transpose(1, 2)
-        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        with sdpa_kernel(self.sdpa_backend):
             a = F.scaled_dot_product_attention(
                 q, k, v, is_causal=True, enable_gqa=c.n_kv_head != c.n_head
             )
@@ -67,13 +69,16 @@ def _rope(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
 
 class PlainGPT(torch.nn.Module):
     """The GPT of `fusedlayers.models` written with torch.nn modules and SDPA: idx [b, s] ->
-    logits [b, s, V] fp32."""
+    logits [b, s, V] fp32. Only the configuration the benchmark uses is supported."""
 
-    def __init__(self, c: GPTConfig) -> None:
+    def __init__(self, c: GPTConfig, sdpa_backend: SDPBackend = SDPBackend.CUDNN_ATTENTION) -> None:
         super().__init__()
+        arch = (c.pos_emb, c.normalization, c.activation, c.tie_embeddings, c.bias)
+        if arch != ("rope", "RMSNorm", "swiglu", True, False):
+            raise ValueError(f"PlainGPT implements RoPE/RMSNorm/SwiGLU/tied/no-bias, got {arch}")
         self.c = c
         self.tok_emb = torch.nn.Embedding(c.vocab_size, c.d_model)
-        self.layers = torch.nn.ModuleList(PlainBlock(c) for _ in range(c.n_layer))
+        self.layers = torch.nn.ModuleList(PlainBlock(c, sdpa_backend) for _ in range(c.n_layer))
         self.final_norm = torch.nn.RMSNorm(c.d_model, eps=c.layernorm_epsilon)
         inv_freq = 1.0 / c.rope_base ** (torch.arange(0, c.head_dim, 2) / c.head_dim)
         angles = torch.outer(torch.arange(c.context_length).float(), inv_freq)
@@ -87,6 +92,30 @@ class PlainGPT(torch.nn.Module):
         for layer in self.layers:
             x = layer(x, self.cos[:s], self.sin[:s])
         return F.linear(self.final_norm(x), self.tok_emb.weight).float()
+
+
+def copy_from_fused(plain: PlainGPT, gpt: GPT) -> None:
+    """Load the fusedlayers GPT's weights into `plain`, so both benchmark the same function
+    (TE's interleaved fused QKV rows are regrouped into plain [q | k | v])."""
+    c, src = gpt.config, gpt.state_dict()
+    spec = QKVSpec(
+        ("query", "key", "value"), (c.n_head, c.n_kv_head, c.n_kv_head), c.n_kv_head, c.head_dim
+    )
+    dst = {"tok_emb.weight": src["tok_emb.weight"], "final_norm.weight": src["final_norm.weight"]}
+    for i in range(c.n_layer):
+        fused, plain_prefix = f"layers.{i}.", f"layers.{i}."
+        qkv = src[fused + "self_attention.layernorm_qkv.weight"]
+        dst |= {
+            plain_prefix + "norm1.weight": src[
+                fused + "self_attention.layernorm_qkv.layer_norm_weight"
+            ],
+            plain_prefix + "qkv.weight": torch.cat(split_fused(qkv, spec, "interleaved")),
+            plain_prefix + "proj.weight": src[fused + "self_attention.proj.weight"],
+            plain_prefix + "norm2.weight": src[fused + "layernorm_mlp.layer_norm_weight"],
+            plain_prefix + "fc1.weight": src[fused + "layernorm_mlp.fc1_weight"],
+            plain_prefix + "fc2.weight": src[fused + "layernorm_mlp.fc2_weight"],
+        }
+    plain.load_state_dict(dst)
 
 
 def parse_args() -> argparse.Namespace:
@@ -152,15 +181,13 @@ def main() -> None:
     args = parse_args()
     c = GPTConfig.named(args.config, context_length=args.context_length)
     torch.manual_seed(0)
+    models = {"fusedlayers": GPT(c).cuda(), "pytorch_sdpa_cudnn": PlainGPT(c).cuda()}
+    copy_from_fused(models["pytorch_sdpa_cudnn"], models["fusedlayers"])
     results = {}
-    for name, make in (
-        ("fusedlayers", lambda: GPT(c)),
-        ("pytorch_sdpa_cudnn", lambda: PlainGPT(c)),
-    ):
-        model = make().cuda()
+    for name, model in models.items():
+        # Same initial weights and batch: the final losses below should agree to bf16 noise.
         results[name] = bench(model, c, args)
         results[name]["parameters"] = sum(p.numel() for p in model.parameters())
-        del model
         torch.cuda.empty_cache()
     f, p = results["fusedlayers"], results["pytorch_sdpa_cudnn"]
     if f["parameters"] != p["parameters"]:
@@ -175,6 +202,10 @@ def main() -> None:
             f"| {name} | {r['ms_per_step']:.1f} | {r['tokens_per_s']:,.0f} | "
             f"{r['mfu']:.1%} | {r['peak_mem_gib']:.1f} |"
         )
+    print(
+        f"loss after {args.warmup + args.steps} steps: fusedlayers {f['final_loss']:.4f}, "
+        f"plain {p['final_loss']:.4f}"
+    )
     print(f"speedup (tokens/s): {f['tokens_per_s'] / p['tokens_per_s']:.3f}x")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
