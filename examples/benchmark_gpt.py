@@ -16,6 +16,7 @@ head matmul; the second term is causal attention's QK^T and PV, forward and back
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -125,7 +126,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--compile", action="store_true", help="torch.compile both models")
+    p.add_argument("--formats", default="bshd", help="comma-separated attn_input_formats")
+    p.add_argument("--compile", action="store_true", help="torch.compile every model")
     p.add_argument("--peak-tflops", type=float, default=None, help="default: by GPU name")
     p.add_argument("--json", type=Path, default=None, help="also write the results here")
     return p.parse_args()
@@ -177,43 +179,51 @@ def bench(model: torch.nn.Module, c: GPTConfig, args: argparse.Namespace) -> dic
     }
 
 
+def build_models(c: GPTConfig, formats: list[str]) -> dict[str, torch.nn.Module]:
+    """One fusedlayers GPT per attn_input_format and the plain model, all with equal weights."""
+    torch.manual_seed(0)
+    first = GPT(dataclasses.replace(c, attn_input_format=formats[0])).cuda()
+    models = {f"fusedlayers[{formats[0]}]": first}
+    for fmt in formats[1:]:
+        model = GPT(dataclasses.replace(c, attn_input_format=fmt)).cuda()
+        model.load_state_dict(first.state_dict())
+        models[f"fusedlayers[{fmt}]"] = model
+    models["pytorch_sdpa_cudnn"] = PlainGPT(c).cuda()
+    copy_from_fused(models["pytorch_sdpa_cudnn"], first)
+    return models
+
+
 def main() -> None:
     args = parse_args()
     c = GPTConfig.named(args.config, context_length=args.context_length)
-    torch.manual_seed(0)
-    models = {"fusedlayers": GPT(c).cuda(), "pytorch_sdpa_cudnn": PlainGPT(c).cuda()}
-    copy_from_fused(models["pytorch_sdpa_cudnn"], models["fusedlayers"])
     results = {}
-    for name, model in models.items():
-        # Same initial weights and batch: the final losses below should agree to bf16 noise.
+    for name, model in build_models(c, args.formats.split(",")).items():
+        # Same initial weights and batch: the final losses should agree to bf16 noise.
         results[name] = bench(model, c, args)
         results[name]["parameters"] = sum(p.numel() for p in model.parameters())
+        model.cpu()
         torch.cuda.empty_cache()
-    f, p = results["fusedlayers"], results["pytorch_sdpa_cudnn"]
-    if f["parameters"] != p["parameters"]:
-        raise SystemExit(f"models differ in size: {f['parameters']} vs {p['parameters']}")
+    plain = results["pytorch_sdpa_cudnn"]
+    sizes = {r["parameters"] for r in results.values()}
+    if len(sizes) != 1:
+        raise SystemExit(f"models differ in size: {sizes}")
     print(
-        f"{torch.cuda.get_device_name()}, {args.config} ({f['parameters'] / 1e6:.1f}M), "
-        f"batch {args.batch_size} x {c.context_length}, compile={args.compile}"
+        f"{torch.cuda.get_device_name()}, {args.config} ({plain['parameters'] / 1e6:.1f}M), "
+        f"batch {args.batch_size} x {c.context_length}, compile={args.compile}, "
+        f"{args.warmup} warm-up + {args.steps} timed steps"
     )
-    print("| model | ms/step | tokens/s | MFU | peak mem GiB |\n|---|---|---|---|---|")
+    print("| model | ms/step | tokens/s | MFU | vs plain | peak mem GiB | final loss |")
+    print("|---|---|---|---|---|---|---|")
     for name, r in results.items():
         print(
-            f"| {name} | {r['ms_per_step']:.1f} | {r['tokens_per_s']:,.0f} | "
-            f"{r['mfu']:.1%} | {r['peak_mem_gib']:.1f} |"
+            f"| {name} | {r['ms_per_step']:.1f} | {r['tokens_per_s']:,.0f} | {r['mfu']:.1%} | "
+            f"{r['tokens_per_s'] / plain['tokens_per_s']:.3f}x | {r['peak_mem_gib']:.1f} | "
+            f"{r['final_loss']:.4f} |"
         )
-    print(
-        f"loss after {args.warmup + args.steps} steps: fusedlayers {f['final_loss']:.4f}, "
-        f"plain {p['final_loss']:.4f}"
-    )
-    print(f"speedup (tokens/s): {f['tokens_per_s'] / p['tokens_per_s']:.3f}x")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(
-            json.dumps(
-                {"args": vars(args) | {"json": str(args.json)}, "results": results}, indent=2
-            )
-        )
+        record = {"args": vars(args) | {"json": str(args.json)}, "results": results}
+        args.json.write_text(json.dumps(record, indent=2))
 
 
 if __name__ == "__main__":
