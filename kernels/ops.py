@@ -1,0 +1,333 @@
+"""The kernel entry `flash_attention`, as torch.library custom ops.
+
+Two ops, `fusedlayers::flash_attn_fwd` and `fusedlayers::flash_attn_bwd`, wrap the Triton
+launchers. Each has a fake (meta) implementation, so torch.compile traces through them without a
+graph break, and the forward op carries its own autograd formula that calls the backward op.
+
+Shapes (docs/internals.md):
+    dense   q [b, s_q, h_q, d_qk], k [b, s_k, h_kv, d_qk], v [b, s_k, h_kv, d_v]
+            -> out [b, s_q, h_q, d_v] (dtype of q), lse [b, h_q, s_q] (fp32, natural log)
+    varlen  q [t_q, h_q, d_qk], k [t_k, h_kv, d_qk], v [t_k, h_kv, d_v]
+            -> out [t_q, h_q, d_v], lse [h_q, t_q]
+Outputs and gradients are always returned contiguous: the fake implementations promise exactly
+that, and the real ones make it true whatever buffers the launchers allocate.
+"""
+
+import inspect
+
+import torch
+
+from ._flash_bwd import flash_attention_backward
+from ._flash_fwd import flash_attention_forward
+
+Tensor = torch.Tensor
+
+# Seeds and offsets are drawn below 2**31 so that they fit the kernels' int32 Philox key words.
+_RNG_BOUND = 2**31 - 1
+
+
+def _seed_offset(rng_state: Tensor | None) -> tuple[int, int]:
+    """(seed, offset) as Python ints; (0, 0) without dropout."""
+    if rng_state is None:
+        return 0, 0
+    seed, offset = rng_state.tolist()
+    return int(seed), int(offset)
+
+
+def _fwd_shapes(q: Tensor, v: Tensor, varlen: bool) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(out shape, lse shape) for dense [b, s, h, d] or varlen [t, h, d] inputs."""
+    out_shape = (*q.shape[:-1], v.shape[-1])
+    if varlen:
+        return out_shape, (q.shape[1], q.shape[0])
+    return out_shape, (q.shape[0], q.shape[2], q.shape[1])
+
+
+def _forward_impl(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens_q: Tensor | None,
+    cu_seqlens_k: Tensor | None,
+    seq_offsets_q: Tensor | None,
+    seq_offsets_k: Tensor | None,
+    max_seqlen_q: int | None,
+    max_seqlen_k: int | None,
+    seqlens_q: Tensor | None,
+    seqlens_k: Tensor | None,
+    softmax_scale: float,
+    window_left: int,
+    window_right: int,
+    bottom_right: bool,
+    bias: Tensor | None,
+    alibi_slopes: Tensor | None,
+    softcap: float,
+    dropout_p: float,
+    rng_state: Tensor | None,
+    deterministic: bool,
+) -> tuple[Tensor, Tensor]:
+    """Forward attention: (out, lse). `deterministic` only travels to the backward."""
+    seed, offset = _seed_offset(rng_state)
+    out, lse = flash_attention_forward(
+        q,
+        k,
+        v,
+        cu_seqlens_q=cu_seqlens_q,
+        cu_seqlens_k=cu_seqlens_k,
+        seq_offsets_q=seq_offsets_q,
+        seq_offsets_k=seq_offsets_k,
+        max_seqlen_q=max_seqlen_q,
+        max_seqlen_k=max_seqlen_k,
+        seqlens_q=seqlens_q,
+        seqlens_k=seqlens_k,
+        softmax_scale=softmax_scale,
+        window_left=window_left,
+        window_right=window_right,
+        bottom_right=bottom_right,
+        bias=bias,
+        alibi_slopes=alibi_slopes,
+        softcap=softcap,
+        dropout_p=dropout_p,
+        seed=seed,
+        offset=offset,
+    )
+    # A launcher may hand back views of larger buffers; the fake promises contiguous outputs.
+    return out.contiguous(), lse.contiguous()
+
+
+flash_attn_fwd = torch.library.custom_op("fusedlayers::flash_attn_fwd", mutates_args=())(
+    _forward_impl
+)
+
+
+@flash_attn_fwd.register_fake
+def _(q, k, v, cu_seqlens_q, *args) -> tuple[Tensor, Tensor]:
+    out_shape, lse_shape = _fwd_shapes(q, v, cu_seqlens_q is not None)
+    return q.new_empty(out_shape), q.new_empty(lse_shape, dtype=torch.float32)
+
+
+def _backward_impl(
+    dout: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    cu_seqlens_q: Tensor | None,
+    cu_seqlens_k: Tensor | None,
+    seq_offsets_q: Tensor | None,
+    seq_offsets_k: Tensor | None,
+    max_seqlen_q: int | None,
+    max_seqlen_k: int | None,
+    seqlens_q: Tensor | None,
+    seqlens_k: Tensor | None,
+    softmax_scale: float,
+    window_left: int,
+    window_right: int,
+    bottom_right: bool,
+    bias: Tensor | None,
+    bias_requires_grad: bool,
+    alibi_slopes: Tensor | None,
+    softcap: float,
+    dropout_p: float,
+    rng_state: Tensor | None,
+    deterministic: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Backward attention: (dq, dk, dv, dbias); dbias is empty [0] unless `bias_requires_grad`.
+
+    dbias, when asked for, has the shape of `bias` ([b, h_q, s_q, s_k], before autograd sums it
+    over the broadcast dims of the expanded view the caller passed).
+    """
+    seed, offset = _seed_offset(rng_state)
+    dq, dk, dv, dbias = flash_attention_backward(
+        dout,
+        q,
+        k,
+        v,
+        out,
+        lse,
+        cu_seqlens_q=cu_seqlens_q,
+        cu_seqlens_k=cu_seqlens_k,
+        seq_offsets_q=seq_offsets_q,
+        seq_offsets_k=seq_offsets_k,
+        max_seqlen_q=max_seqlen_q,
+        max_seqlen_k=max_seqlen_k,
+        seqlens_q=seqlens_q,
+        seqlens_k=seqlens_k,
+        softmax_scale=softmax_scale,
+        window_left=window_left,
+        window_right=window_right,
+        bottom_right=bottom_right,
+        bias=bias,
+        bias_requires_grad=bias_requires_grad,
+        alibi_slopes=alibi_slopes,
+        softcap=softcap,
+        dropout_p=dropout_p,
+        seed=seed,
+        offset=offset,
+        deterministic=deterministic,
+    )
+    if bias_requires_grad:
+        dbias = dbias.reshape(bias.shape).to(bias.dtype).contiguous()
+    else:
+        dbias = q.new_empty(0)
+    return (
+        dq.to(q.dtype).contiguous(),
+        dk.to(k.dtype).contiguous(),
+        dv.to(v.dtype).contiguous(),
+        dbias,
+    )
+
+
+flash_attn_bwd = torch.library.custom_op("fusedlayers::flash_attn_bwd", mutates_args=())(
+    _backward_impl
+)
+_BWD_SIGNATURE = inspect.signature(_backward_impl)
+
+
+@flash_attn_bwd.register_fake
+def _(dout, q, k, v, *args, **kwargs) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    named = _BWD_SIGNATURE.bind(dout, q, k, v, *args, **kwargs).arguments
+    bias, bias_requires_grad = named["bias"], named["bias_requires_grad"]
+    dbias = bias.new_empty(bias.shape) if bias_requires_grad else q.new_empty(0)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dbias
+
+
+# The backward hands back one gradient per forward argument, in this order.
+_FWD_ARGS = tuple(inspect.signature(_forward_impl).parameters)
+_TENSOR_INPUTS = (
+    "q",
+    "k",
+    "v",
+    "cu_seqlens_q",
+    "cu_seqlens_k",
+    "seq_offsets_q",
+    "seq_offsets_k",
+    "seqlens_q",
+    "seqlens_k",
+    "bias",
+    "alibi_slopes",
+    "rng_state",
+)
+_SCALAR_INPUTS = (
+    "max_seqlen_q",
+    "max_seqlen_k",
+    "softmax_scale",
+    "window_left",
+    "window_right",
+    "bottom_right",
+    "softcap",
+    "dropout_p",
+    "deterministic",
+)
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    named = dict(zip(_FWD_ARGS, inputs))
+    out, lse = output
+    ctx.save_for_backward(out, lse, *(named[name] for name in _TENSOR_INPUTS))
+    ctx.scalars = {name: named[name] for name in _SCALAR_INPUTS}
+    bias = named["bias"]
+    ctx.bias_requires_grad = bias is not None and bias.requires_grad
+
+
+def _backward(ctx, dout, dlse):
+    # The LSE is an output for inspection, not a differentiable one: its gradient is ignored.
+    out, lse, *saved = ctx.saved_tensors
+    tensors = dict(zip(_TENSOR_INPUTS, saved))
+    dq, dk, dv, dbias = flash_attn_bwd(
+        # Autograd may pass an expanded (stride 0) gradient; the kernels need stride(-1) == 1.
+        dout.contiguous(),
+        tensors.pop("q"),
+        tensors.pop("k"),
+        tensors.pop("v"),
+        out,
+        lse,
+        bias_requires_grad=ctx.bias_requires_grad,
+        **tensors,
+        **ctx.scalars,
+    )
+    grads = dict(q=dq, k=dk, v=dv, bias=dbias if ctx.bias_requires_grad else None)
+    return tuple(grads.get(name) for name in _FWD_ARGS)
+
+
+flash_attn_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+def flash_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    cu_seqlens_q: Tensor | None = None,
+    cu_seqlens_k: Tensor | None = None,
+    seq_offsets_q: Tensor | None = None,
+    seq_offsets_k: Tensor | None = None,
+    max_seqlen_q: int | None = None,
+    max_seqlen_k: int | None = None,
+    seqlens_q: Tensor | None = None,
+    seqlens_k: Tensor | None = None,
+    softmax_scale: float,
+    window_size: tuple[int, int] = (-1, -1),
+    bottom_right: bool = True,
+    bias: Tensor | None = None,
+    alibi_slopes: Tensor | None = None,
+    softcap: float = 0.0,
+    dropout_p: float = 0.0,
+    rng_state: Tensor | None = None,
+    deterministic: bool = False,
+) -> tuple[Tensor, Tensor]:
+    """Flash attention on validated input; differentiable in q, k, v and bias.
+
+    Args:
+        q, k, v: dense q [b, s_q, h_q, d_qk], k [b, s_k, h_kv, d_qk], v [b, s_k, h_kv, d_v], or
+            varlen [t, h, d] with `cu_seqlens_*`; any strides with stride(-1) == 1 (packed views
+            are read in place). Query head `i` reads KV head `i // (h_q // h_kv)`.
+        cu_seqlens_q/k: varlen int32 [b+1] cumulative lengths; `seq_offsets_q/k` int32 [b+1]
+            first row of each sequence in memory (None = cu_seqlens); `max_seqlen_q/k` ints.
+        seqlens_q/k: dense int32 [b] valid lengths of a right-padded batch (None = full).
+        softmax_scale: multiplies q . k.
+        window_size: (left, right); query i sees key j iff i + off - left <= j <= i + off + right,
+            -1 = unbounded; off = s_k - s_q of the sequence if `bottom_right` else 0.
+        bias: dense only, additive [b, h_q, s_q, s_k] view (broadcast dims stride 0).
+        alibi_slopes: fp32 [b, h_q] view; adds -slope * |i + off - j|.
+        softcap: `softcap * tanh(s / softcap)` on the scaled scores when > 0.
+        dropout_p, rng_state: drop probability and int64 CPU [2] (seed, offset); drawn from
+            torch's default generator when None and dropout_p > 0. The backward regenerates the
+            same keep-mask (`dropout_keep_mask`).
+        deterministic: bitwise-reproducible gradients.
+
+    Returns:
+        out: dense [b, s_q, h_q, d_v] / varlen [t_q, h_q, d_v], dtype of q; rows with no
+            visible key are 0.
+        lse: fp32 dense [b, h_q, s_q] / varlen [h_q, t_q], natural log; -inf on empty rows.
+    """
+    if dropout_p > 0 and rng_state is None:
+        # torch.randint on the default generator: reproducible under torch.manual_seed, and
+        # traceable by torch.compile (the state is an op input, not a Python-side int).
+        rng_state = torch.randint(0, _RNG_BOUND, (2,), dtype=torch.int64)
+    return flash_attn_fwd(
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        seq_offsets_q,
+        seq_offsets_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        seqlens_q,
+        seqlens_k,
+        float(softmax_scale),
+        int(window_size[0]),
+        int(window_size[1]),
+        bool(bottom_right),
+        bias,
+        alibi_slopes,
+        float(softcap),
+        float(dropout_p),
+        rng_state if dropout_p > 0 else None,
+        bool(deterministic),
+    )
+
+
+__all__ = ["flash_attention", "flash_attn_fwd", "flash_attn_bwd"]
