@@ -263,9 +263,9 @@ def dropout_keep(seed, offset, bh, offs_m, offs_n, dropout_p):
     c0 = offs_n[None, :].to(tl.uint32) + zero
     c1 = offs_m[:, None].to(tl.uint32) + zero
     c2 = zero + bh.to(tl.uint32)
-    # to_tensor: an offset of 1 arrives as a specialized constexpr. int64 -> uint32 keeps the
-    # low bits.
-    c3 = zero + tl.to_tensor(offset).to(tl.uint32)
+    # Widen first: the offset may be an int32, an int64 or (value 1) a specialized constexpr;
+    # int64 -> uint32 then keeps the low bits.
+    c3 = (zero.to(tl.int64) + offset).to(tl.uint32)
     r0, _, _, _ = tl.philox(seed, c0, c1, c2, c3)
     return tl.uint_to_uniform_float(r0) >= dropout_p
 

@@ -236,12 +236,24 @@ def _ranges_kernel(params_ptr, out_ptr, BLOCK_M: tl.constexpr, BLOCK_N: tl.const
     """Per program: params (start, diag, left, right, length) -> key and query ranges."""
     pid = tl.program_id(0)
     p = params_ptr + pid * 5
-    start, diag, left, right, n = (tl.load(p + i) for i in range(5))
-    kr = key_block_range(start, diag, left, right, n, BLOCK_M, BLOCK_N, True, True)
-    qr = query_block_range(start, diag, left, right, n, BLOCK_M, BLOCK_N, True, True)
-    for i in tl.static_range(4):
-        tl.store(out_ptr + pid * 8 + i, kr[i])
-        tl.store(out_ptr + pid * 8 + 4 + i, qr[i])
+    start = tl.load(p)
+    diag = tl.load(p + 1)
+    left = tl.load(p + 2)
+    right = tl.load(p + 3)
+    n = tl.load(p + 4)
+    k_lo, k_full_lo, k_full_hi, k_hi = key_block_range(
+        start, diag, left, right, n, BLOCK_M, BLOCK_N, True, True
+    )
+    q_lo, q_full_lo, q_full_hi, q_hi = query_block_range(
+        start, diag, left, right, n, BLOCK_M, BLOCK_N, True, True
+    )
+    offs = tl.arange(0, 8)
+    # Written as one 8-wide row: the key range, then the query range.
+    row = tl.where(offs == 0, k_lo, 0) + tl.where(offs == 1, k_full_lo, 0)
+    row += tl.where(offs == 2, k_full_hi, 0) + tl.where(offs == 3, k_hi, 0)
+    row += tl.where(offs == 4, q_lo, 0) + tl.where(offs == 5, q_full_lo, 0)
+    row += tl.where(offs == 6, q_full_hi, 0) + tl.where(offs == 7, q_hi, 0)
+    tl.store(out_ptr + pid * 8 + offs, row)
 
 
 def _check_range(res, tile, n, visible, block):
