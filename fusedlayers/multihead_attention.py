@@ -110,16 +110,7 @@ class MultiheadAttention(ReferenceSwitch):
         heads = num_attention_heads
         groups = heads if num_gqa_groups is None else num_gqa_groups
         head_dim = kv_channels or hidden_size // heads
-        if heads % groups:
-            raise ValueError(
-                f"num_attention_heads ({heads}) must be divisible by num_gqa_groups ({groups})"
-            )
-        if attention_type not in ("self", "cross"):
-            raise ValueError(f"attention_type ({attention_type!r}) must be 'self' or 'cross'")
-        if qkv_format not in FORMATS:
-            raise ValueError(f"qkv_format ({qkv_format!r}) must be one of {FORMATS}")
-        if layer_number is not None and layer_number < 1:
-            raise ValueError(f"layer_number ({layer_number}) must be a positive integer")
+        _check_arguments(heads, groups, attention_type, qkv_format, layer_number)
         self.hidden_size = hidden_size
         self.num_attention_heads = heads
         self.num_gqa_groups = groups
@@ -320,6 +311,19 @@ class MultiheadAttention(ReferenceSwitch):
         if self.input_layernorm and self.return_layernorm_output:
             outputs += (ln_out,)
         return outputs if len(outputs) > 1 else outputs[0]
+
+
+def _check_arguments(heads, groups, attention_type, qkv_format, layer_number) -> None:
+    if heads % groups:
+        raise ValueError(
+            f"num_attention_heads ({heads}) must be divisible by num_gqa_groups ({groups})"
+        )
+    if attention_type not in ("self", "cross"):
+        raise ValueError(f"attention_type ({attention_type!r}) must be 'self' or 'cross'")
+    if qkv_format not in FORMATS:
+        raise ValueError(f"qkv_format ({qkv_format!r}) must be one of {FORMATS}")
+    if layer_number is not None and layer_number < 1:
+        raise ValueError(f"layer_number ({layer_number}) must be a positive integer")
 
 
 def _check_core_attention_extra_state(module, state_dict, prefix, *_args) -> None:

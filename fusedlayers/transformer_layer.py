@@ -117,30 +117,32 @@ class TransformerLayer(ReferenceSwitch):
                 input_layernorm=True,
                 attention_type="cross",
             )
-        self.layernorm_mlp = LayerNormMLP(
-            hidden_size,
-            ffn_hidden_size,
-            eps=layernorm_epsilon,
-            bias=bias,
-            normalization=normalization,
-            activation=activation,
-            init_method=init_method,
-            output_layer_init_method=output_layer_init_method,
-            return_layernorm_output=apply_residual_connection_post_layernorm,
-            zero_centered_gamma=zero_centered_gamma,
-            params_dtype=params_dtype,
-            device=device,
-        )
-        if output_layernorm:
-            self.layernorm = make_norm(
-                normalization,
-                hidden_size,
-                eps=layernorm_epsilon,
-                zero_centered_gamma=zero_centered_gamma,
-                params_dtype=params_dtype,
-                device=device,
-            )
+        self._build_mlp(ffn_hidden_size, activation, attention)
         self.use_reference = use_reference  # propagates to every child with the switch
+
+    def _build_mlp(self, ffn_hidden_size: int, activation: str, shared: dict) -> None:
+        """`layernorm_mlp` and, with `output_layernorm`, the final `layernorm`, configured like
+        the attention blocks (`shared` holds their keyword arguments)."""
+        norm = {key: shared[key] for key in ("zero_centered_gamma", "params_dtype", "device")}
+        self.layernorm_mlp = LayerNormMLP(
+            shared["hidden_size"],
+            ffn_hidden_size,
+            eps=shared["layernorm_epsilon"],
+            bias=shared["bias"],
+            normalization=shared["normalization"],
+            activation=activation,
+            init_method=shared["init_method"],
+            output_layer_init_method=shared["output_layer_init_method"],
+            return_layernorm_output=shared["return_layernorm_output"],
+            **norm,
+        )
+        if self.output_layernorm:
+            self.layernorm = make_norm(
+                shared["normalization"],
+                shared["hidden_size"],
+                eps=shared["layernorm_epsilon"],
+                **norm,
+            )
 
     def _residual(self, out: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         return residual + F.dropout(out, p=self.hidden_dropout, training=self.training)

@@ -43,11 +43,16 @@ def activation(x, name):
 
 
 def rope(x, positions, d_rot, base=10000.0, interleaved=False):
-    """Rotate x [b, s, h, d] at integer positions [b, s] as complex numbers, pair by pair."""
+    """Rotate x [b, s, h, d] at integer positions [b, s] as complex numbers, pair by pair.
+
+    The angles are rounded to fp32 the way TE's (and our) angle table is built, so the oracle
+    checks the rotation itself to fp64 precision; the table has its own test.
+    """
     out = x.clone()
     n = d_rot // 2
+    inv_freq = 1.0 / base ** (torch.arange(0, d_rot, 2, dtype=torch.float32) / d_rot)
     for j in range(n):
-        theta = positions.double() / base ** (2 * j / d_rot)
+        theta = (positions.float() * inv_freq[j]).double()
         rot = torch.polar(torch.ones_like(theta), theta)[:, :, None]
         a, b = (2 * j, 2 * j + 1) if interleaved else (j, j + n)
         z = torch.complex(x[..., a].double(), x[..., b].double()) * rot
