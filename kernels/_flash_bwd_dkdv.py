@@ -5,9 +5,12 @@ every query head of its GQA group and every query block that can see the tile, s
 happens in registers: no expanded [b, s, h_q, d] buffer and no atomics, hence bitwise
 deterministic gradients.
 
-Score tiles are [BLOCK_M, BLOCK_N] (queries are rows), the orientation of the shared helpers in
-`_common.py`, so the forward and both backward kernels mask, modify and drop exactly the same
-elements; P and dS are transposed for the dV and dK products.
+Score tiles here are key-major, [BLOCK_N, BLOCK_M] (keys are rows): q^T and dO^T are read
+transposed through their strides, so P^T and dS^T come straight out of the products and feed the
+dV and dK products with no transpose of a register tile. The masks, ALiBi term and dropout draws
+come from the same `_common.py` helpers as the forward's (query-major tiles, transposed here), so
+forward and backward mask, modify and drop exactly the same elements; those transposes only run
+on tiles that need them (block edges, ALiBi, dropout), never on the unmasked interior.
 """
 
 import triton
@@ -15,6 +18,7 @@ import triton.language as tl
 
 from ._common import (
     LOG2E,
+    alibi_tile,
     diagonal_offset,
     dropout_keep,
     load_bias_tile,
@@ -44,9 +48,9 @@ def _dkdv_block(
     """
     offs_m = start_m + tl.arange(0, BLOCK_M)
     row_ok = offs_m < len_q
-    q = tl.load(
-        q_head + offs_m[:, None] * stride_qs + offs_dq[None, :],
-        mask=row_ok[:, None] & (offs_dq[None, :] < D_QK), other=0.0,
+    q_t = tl.load(
+        q_head + offs_m[None, :] * stride_qs + offs_dq[:, None],
+        mask=row_ok[None, :] & (offs_dq[:, None] < D_QK), other=0.0,
     )  # fmt: skip
     do = tl.load(
         do_head + offs_m[:, None] * stride_dos + offs_dv[None, :],
@@ -58,37 +62,41 @@ def _dkdv_block(
     lse2 = tl.where(lse == float("-inf"), 0.0, lse) * LOG2E
     delta = tl.load(delta_head + offs_m * stride_ls, mask=row_ok, other=0.0)
 
-    qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
+    qk = tl.dot(k, q_t, input_precision=DOT_PRECISION)  # [BLOCK_N, BLOCK_M]
     bias = 0.0
     if HAS_BIAS:
-        bias = load_bias_tile(bias_head, offs_m, offs_n, stride_bm, stride_bn, len_q, len_k)
+        # Key and query roles swapped: the same helper reads the bias tile transposed.
+        bias = load_bias_tile(bias_head, offs_n, offs_m, stride_bn, stride_bm, len_k, len_q)
     s2 = scores_log2(
-        qk, sm_scale, softcap, bias, slope, offs_m, offs_n, diag, HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI
+        qk, sm_scale, softcap, bias, slope, offs_m, offs_n, diag, HAS_SOFTCAP, HAS_BIAS, False
     )
+    if HAS_ALIBI:
+        # Added after the bias, as scores_log2 orders them.
+        s2 += tl.trans(alibi_tile(slope, offs_m, offs_n, diag)) * LOG2E
     if MASKED:
         vis = visible_tile(
             offs_m, offs_n, diag, window_left, window_right, len_q, len_k,
             HAS_LEFT, HAS_RIGHT, True, True,
         )  # fmt: skip
-        s2 = tl.where(vis, s2, float("-inf"))
-    p = tl.math.exp2(s2 - lse2[:, None])
+        s2 = tl.where(tl.trans(vis.to(tl.int8)) != 0, s2, float("-inf"))
+    p = tl.math.exp2(s2 - lse2[None, :])
 
-    dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
+    dp = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)  # [BLOCK_N, BLOCK_M]
     if HAS_DROPOUT:
-        keep = dropout_keep(seed, offset, bh, offs_m, offs_n, dropout_p)
+        keep = tl.trans(dropout_keep(seed, offset, bh, offs_m, offs_n, dropout_p).to(tl.int8)) != 0
         rescale = 1.0 / (1.0 - dropout_p)
         # dV sees the dropped, rescaled probabilities; dP flows back through the same mask.
         p_out = tl.where(keep, p * rescale, 0.0)
         dp = tl.where(keep, dp * rescale, 0.0)
     else:
         p_out = p
-    dv += tl.dot(tl.trans(p_out.to(do.dtype)), do, input_precision=DOT_PRECISION)
-    ds = p * (dp - delta[:, None])
+    dv += tl.dot(p_out.to(do.dtype), do, input_precision=DOT_PRECISION)
+    ds = p * (dp - delta[None, :])
     if HAS_SOFTCAP:
         # Chain rule through softcap * tanh(x / softcap): the derivative is 1 - tanh^2.
         t = tanh_f32(qk * (sm_scale / softcap))
         ds = ds * (1.0 - t * t)
-    dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=DOT_PRECISION)
+    dk += tl.dot(ds.to(q_t.dtype), tl.trans(q_t), input_precision=DOT_PRECISION)
     return dk, dv
 
 
