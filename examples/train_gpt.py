@@ -23,9 +23,14 @@ import time
 from contextlib import nullcontext
 from pathlib import Path
 
-import torch
-import torch.distributed as dist
-from fusedlayers.models import (
+# Spinning OpenMP workers collapse CPU throughput when the cores are shared with anything else
+# (measured on 2 busy cores: 370 tokens/s spinning vs 5,000 passive); passive waiting costs
+# little on an idle machine. libgomp reads this once, when torch loads it.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from fusedlayers.models import (  # noqa: E402
     GPT,
     CheckpointError,
     GPTConfig,
@@ -34,7 +39,7 @@ from fusedlayers.models import (
     load_weights,
     save_checkpoint,
 )
-from torch.nn.parallel import DistributedDataParallel
+from torch.nn.parallel import DistributedDataParallel  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 CORPUS = ROOT / "data" / "shakespeare.txt.gz"
@@ -62,6 +67,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=1337)
     p.add_argument("--sample-tokens", type=int, default=300)
     p.add_argument("--use-reference", action="store_true", help="pure-PyTorch attention path")
+    p.add_argument(
+        "--compare-to", type=Path, default=None, help="run dir whose log.jsonl to overlay/diff"
+    )
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
     return p.parse_args(argv)
 
@@ -185,20 +193,20 @@ def _hms(seconds: float) -> str:
     return f"{m // 60:d}:{m % 60:02d}:{s:02d}"
 
 
-def plot_losses(history: list[dict], path: Path) -> None:
-    """Train and validation loss against step, to a PNG."""
+def plot_losses(runs: dict[str, list[dict]], path: Path) -> None:
+    """Train and validation loss against step for each named run, to one PNG."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    train = [(h["step"], h["train_loss"]) for h in history if "train_loss" in h]
-    val = [(h["step"], h["val_loss"]) for h in history if "val_loss" in h]
-    if train:
-        ax.plot(*zip(*train), label="train", alpha=0.6)
-    if val:
-        ax.plot(*zip(*val), "o-", label="validation")
+    for name, history in runs.items():
+        for key, style in (("train_loss", "-"), ("val_loss", "o-")):
+            points = [(h["step"], h[key]) for h in history if key in h]
+            if points:
+                label = f"{name} {key.split('_')[0]}".strip()
+                ax.plot(*zip(*points), style, label=label, alpha=0.7, markersize=3)
     ax.set_xlabel("step")
     ax.set_ylabel("loss (nats/byte)")
     ax.grid(alpha=0.3)
@@ -206,6 +214,19 @@ def plot_losses(history: list[dict], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def compare_runs(history: list[dict], other: list[dict]) -> str:
+    """Max |loss difference| over the steps both runs logged, for train and validation."""
+    parts = []
+    for key in ("train_loss", "val_loss"):
+        mine = {h["step"]: h[key] for h in history if key in h}
+        theirs = {h["step"]: h[key] for h in other if key in h}
+        common = sorted(mine.keys() & theirs.keys())
+        if common:
+            diff = max(abs(mine[s] - theirs[s]) for s in common)
+            parts.append(f"{key} max |diff| {diff:.2e} over {len(common)} steps")
+    return "; ".join(parts) or "no common steps"
 
 
 def sample_text(model: GPT, prompt: str, n: int, device: torch.device, seed: int) -> str:
@@ -327,8 +348,13 @@ def train_step(model, optimizer, data, args, ctx, step, rank, world, autocast) -
 
 
 def finish(model: GPT, history: list[dict], args: argparse.Namespace, device) -> None:
-    """Loss curve, JSON log and a text sample."""
-    plot_losses(history, args.out_dir / "loss.png")
+    """Loss curve (overlaid on `--compare-to`'s), JSON log and a text sample."""
+    runs = {"": history}
+    if args.compare_to:
+        other = [json.loads(x) for x in (args.compare_to / "log.jsonl").read_text().splitlines()]
+        runs = {"this run": history, str(args.compare_to): other}
+        print(f"vs {args.compare_to}: {compare_runs(history, other)}")
+    plot_losses(runs, args.out_dir / "loss.png")
     with open(args.out_dir / "log.jsonl", "w") as f:
         f.writelines(json.dumps(h) + "\n" for h in history)
     vals = [h["val_loss"] for h in history if "val_loss" in h]

@@ -68,12 +68,22 @@ def test_ddp_two_processes_match_one(train_gpt, tmp_path):
     args = [*ARGS, "--steps", "4", "--eval-interval", "2", "--sample-tokens", "4"]
     train_gpt.main([*args, "--out-dir", str(tmp_path / "one")])
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
-    subprocess.run(
-        [*cmd, str(SCRIPT), *args, "--out-dir", str(tmp_path / "two")],
+    run = subprocess.run(
+        [
+            *cmd,
+            str(SCRIPT),
+            *args,
+            "--out-dir",
+            str(tmp_path / "two"),
+            "--compare-to",
+            str(tmp_path / "one"),
+        ],
         check=True,
         capture_output=True,
+        text=True,
         timeout=240,
     )
+    assert f"vs {tmp_path / 'one'}: train_loss max |diff|" in run.stdout
     one, two = _history(tmp_path / "one"), _history(tmp_path / "two")
     assert [h["step"] for h in one] == [h["step"] for h in two]
     for a, b in zip(one, two):
