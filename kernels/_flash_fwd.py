@@ -306,6 +306,53 @@ def _lse_strides(lse, varlen):
     return (lse.stride(0), lse.stride(1), lse.stride(2))
 
 
+def forward_launch(
+    q, k, v, *,
+    cu_seqlens_q, cu_seqlens_k, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k,
+    seqlens_q, seqlens_k, softmax_scale, window_left, window_right, bottom_right,
+    bias, alibi_slopes, softcap, dropout_p, seed, offset,
+):  # fmt: skip
+    """Everything `_attn_fwd` needs: (out, lse, grid, args, constexprs), outputs allocated.
+
+    Split from the launch so tools can run one explicit config (`_attn_fwd.fn[grid](...)`).
+    """
+    geom = launch_geometry(
+        q, k, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seq_offsets_q=seq_offsets_q,
+        seq_offsets_k=seq_offsets_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+        seqlens_q=seqlens_q, seqlens_k=seqlens_k,
+    )  # fmt: skip
+    out, lse = _alloc_outputs(q, v, geom)
+    num_heads_q, num_heads_kv = q.shape[-2], k.shape[-2]
+    d_qk, d_v = q.shape[-1], v.shape[-1]
+    seed, offset = seed_offset(seed, offset)
+    bias_strides = tuple(bias.stride()) if bias is not None else (0, 0, 0, 0)
+    alibi_strides = tuple(alibi_slopes.stride()) if alibi_slopes is not None else (0, 0)
+
+    def grid(meta):
+        return (triton.cdiv(geom.q.max_len, meta["BLOCK_M"]) * geom.batch * num_heads_q,)
+
+    args = (
+        q, k, v, out, lse, bias, alibi_slopes,
+        geom.q.cu_seqlens, geom.q.seq_offsets, geom.q.seqlens,
+        geom.k.cu_seqlens, geom.k.seq_offsets, geom.k.seqlens,
+        *strides4(q, geom.varlen), *strides4(k, geom.varlen), *strides4(v, geom.varlen),
+        *strides4(out, geom.varlen), *_lse_strides(lse, geom.varlen),
+        *bias_strides, *alibi_strides,
+        num_heads_q, num_heads_q // num_heads_kv, geom.q.max_len, geom.k.max_len,
+        float(softmax_scale), float(softcap), int(window_left), int(window_right),
+        float(dropout_p), seed, offset,
+    )  # fmt: skip
+    constexprs = dict(
+        HEAD_DIM_QK=d_qk, HEAD_DIM_V=d_v,
+        BLOCK_D=next_pow2_dim(d_qk), BLOCK_DV=next_pow2_dim(d_v),
+        SEQ_MODE_Q=geom.q.mode, SEQ_MODE_K=geom.k.mode, BOTTOM_RIGHT=bool(bottom_right),
+        HAS_LEFT=window_left >= 0, HAS_RIGHT=window_right >= 0, HAS_SOFTCAP=softcap > 0,
+        HAS_BIAS=bias is not None, HAS_ALIBI=alibi_slopes is not None,
+        HAS_DROPOUT=dropout_p > 0, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+    )  # fmt: skip
+    return out, lse, grid, args, constexprs
+
+
 def flash_attention_forward(
     q, k, v, *,
     cu_seqlens_q, cu_seqlens_k, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k,
@@ -323,36 +370,14 @@ def flash_attention_forward(
     dropout_p > 0 drops with the keep-mask of `dropout_keep_mask((seed, offset), ...)`.
     Returns out [.., h_q, d_v] (q's dtype) and lse fp32 (dense [b, h_q, s_q] / varlen [h_q, t_q]).
     """
-    geom = launch_geometry(
-        q, k, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seq_offsets_q=seq_offsets_q,
+    out, lse, grid, args, constexprs = forward_launch(
+        q, k, v,
+        cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seq_offsets_q=seq_offsets_q,
         seq_offsets_k=seq_offsets_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
-        seqlens_q=seqlens_q, seqlens_k=seqlens_k,
+        seqlens_q=seqlens_q, seqlens_k=seqlens_k, softmax_scale=softmax_scale,
+        window_left=window_left, window_right=window_right, bottom_right=bottom_right,
+        bias=bias, alibi_slopes=alibi_slopes, softcap=softcap, dropout_p=dropout_p,
+        seed=seed, offset=offset,
     )  # fmt: skip
-    out, lse = _alloc_outputs(q, v, geom)
-    num_heads_q, num_heads_kv = q.shape[-2], k.shape[-2]
-    d_qk, d_v = q.shape[-1], v.shape[-1]
-    seed, offset = seed_offset(seed, offset)
-    bias_strides = tuple(bias.stride()) if bias is not None else (0, 0, 0, 0)
-    alibi_strides = tuple(alibi_slopes.stride()) if alibi_slopes is not None else (0, 0)
-
-    def grid(meta):
-        return (triton.cdiv(geom.q.max_len, meta["BLOCK_M"]) * geom.batch * num_heads_q,)
-
-    _attn_fwd[grid](
-        q, k, v, out, lse, bias, alibi_slopes,
-        geom.q.cu_seqlens, geom.q.seq_offsets, geom.q.seqlens,
-        geom.k.cu_seqlens, geom.k.seq_offsets, geom.k.seqlens,
-        *strides4(q, geom.varlen), *strides4(k, geom.varlen), *strides4(v, geom.varlen),
-        *strides4(out, geom.varlen), *_lse_strides(lse, geom.varlen),
-        *bias_strides, *alibi_strides,
-        num_heads_q, num_heads_q // num_heads_kv, geom.q.max_len, geom.k.max_len,
-        float(softmax_scale), float(softcap), int(window_left), int(window_right),
-        float(dropout_p), seed, offset,
-        HEAD_DIM_QK=d_qk, HEAD_DIM_V=d_v,
-        BLOCK_D=next_pow2_dim(d_qk), BLOCK_DV=next_pow2_dim(d_v),
-        SEQ_MODE_Q=geom.q.mode, SEQ_MODE_K=geom.k.mode, BOTTOM_RIGHT=bool(bottom_right),
-        HAS_LEFT=window_left >= 0, HAS_RIGHT=window_right >= 0, HAS_SOFTCAP=softcap > 0,
-        HAS_BIAS=bias is not None, HAS_ALIBI=alibi_slopes is not None,
-        HAS_DROPOUT=dropout_p > 0, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-    )  # fmt: skip
+    _attn_fwd[grid](*args, **constexprs)
     return out, lse
