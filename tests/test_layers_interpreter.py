@@ -1,6 +1,6 @@
 """MultiheadAttention with its attention on the Triton kernels under the CPU interpreter, against
 the same module on the reference path: the projection's strided q/k/v views (TE issue 1195's
-layouts among them) must be read correctly by the kernels. On CUDA the GPU
+layouts among them) must be read correctly by the kernels, forward and backward. On CUDA the GPU
 tests cover this in low precision; here it runs in fp32 on every CPU test run."""
 
 from __future__ import annotations
@@ -70,7 +70,12 @@ def test_kernels_read_projection_views(kernels_on_cpu, form, groups, fmt):
         kwargs = dict(cu_seqlens_q=cu, max_seqlen_q=7)
     else:
         x = torch.randn((7, 2, HIDDEN) if fmt == "sbhd" else (2, 7, HIDDEN))
-    with torch.no_grad():
-        torch.testing.assert_close(
-            kernel(x, **kwargs), reference(x, **kwargs), atol=2e-5, rtol=2e-5
-        )
+    outs, grads = [], []
+    for module in (kernel, reference):
+        inp = x.clone().requires_grad_()
+        out = module(inp, **kwargs)
+        outs.append(out)
+        grads.append(torch.autograd.grad(out.sin().sum(), [inp, *module.parameters()]))
+    torch.testing.assert_close(outs[0], outs[1], atol=2e-5, rtol=2e-5)
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, atol=2e-5, rtol=2e-5)
