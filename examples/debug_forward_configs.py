@@ -5,7 +5,7 @@ subprocess; the table says OK (with the max error against the fp32 reference ove
 IMA (illegal memory access) or WRONG. `--sanitize` reruns one variant under compute-sanitizer.
 
     python examples/debug_forward_configs.py [--jobs 12] [--repeat 20]
-    python examples/debug_forward_configs.py --sanitize d40dv24 64,64,4,3,32
+    python examples/debug_forward_configs.py --sanitize d40dv24 64,64,4,3,64,32
 """
 
 from __future__ import annotations
@@ -32,13 +32,13 @@ def _next_pow2(n: int) -> int:
 
 
 def variants() -> list[tuple[str, str]]:
-    """(case, 'BM,BN,W,S,BLOCK_DV') for every config, with the natural and a 64-wide V tile."""
+    """(case, 'BM,BN,W,S,BLOCK_D,BLOCK_DV') per config: natural tile widths, and at least 64."""
     out = []
     for name, case in CASES.items():
-        natural = _next_pow2(case[-1])
+        natural = (_next_pow2(case[-2]), _next_pow2(case[-1]))
         for cfg in CONFIGS:
-            for block_dv in sorted({natural, max(natural, 64)}):
-                out.append((name, ",".join(map(str, (*cfg, block_dv)))))
+            for widths in sorted({natural, tuple(max(w, 64) for w in natural)}):
+                out.append((name, ",".join(map(str, (*cfg, *widths)))))
     return out
 
 
@@ -50,7 +50,7 @@ def worker(name: str, spec: str, repeat: int) -> None:
     from fusedlayers.reference import attention_reference
 
     dtype, b, h, h_kv, s_q, s_k, d, d_v = CASES[name]
-    bm, bn, warps, stages, block_dv = map(int, spec.split(","))
+    bm, bn, warps, stages, block_d, block_dv = map(int, spec.split(","))
     none = dict.fromkeys(
         ("cu_seqlens_q", "cu_seqlens_k", "seq_offsets_q", "seq_offsets_k", "max_seqlen_q")
         + ("max_seqlen_k", "seqlens_q", "seqlens_k", "bias", "alibi_slopes")
@@ -66,7 +66,7 @@ def worker(name: str, spec: str, repeat: int) -> None:
             q, k, v, **none, softmax_scale=d**-0.5, window_left=-1, window_right=-1,
             bottom_right=True, softcap=0.0, dropout_p=0.0, seed=0, offset=0,
         )  # fmt: skip
-        consts.update(BLOCK_DV=block_dv, BLOCK_M=bm, BLOCK_N=bn)
+        consts.update(BLOCK_D=block_d, BLOCK_DV=block_dv, BLOCK_M=bm, BLOCK_N=bn)
         _attn_fwd.fn[grid](*args, **consts, num_warps=warps, num_stages=stages)
         torch.cuda.synchronize()
         ref = attention_reference(q.float(), k.float(), v.float(), softmax_scale=d**-0.5)
@@ -109,7 +109,7 @@ def main() -> None:
         jobs = [pool.submit(run_variant, n, s, opts.repeat) for n, s in variants()]
         for job in jobs:
             name, spec, status = job.result()
-            print(f"{name:<14} BM,BN,W,S,BLOCK_DV={spec:<18} {status}", flush=True)
+            print(f"{name:<14} BM,BN,W,S,BLOCK_D,BLOCK_DV={spec:<20} {status}", flush=True)
 
 
 if __name__ == "__main__":

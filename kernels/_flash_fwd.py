@@ -342,9 +342,14 @@ def forward_launch(
         float(softmax_scale), float(softcap), int(window_left), int(window_right),
         float(dropout_p), seed, offset,
     )  # fmt: skip
+    # Tiles at least 64 wide for 16-bit inputs: Triton 3.6 on the H100 hit an illegal address once
+    # on an fp16 launch with a 32-wide V tile (d 40 / d_v 24, tiny lengths), not yet isolated
+    # (examples/debug_forward_configs.py). Wider tiles take the masked path every head dim in
+    # 33..64 takes on the GPU tests; the cost is extra tensor-core work for d <= 32 only.
+    min_width = 64 if q.element_size() == 2 else 16
     constexprs = dict(
         HEAD_DIM_QK=d_qk, HEAD_DIM_V=d_v,
-        BLOCK_D=next_pow2_dim(d_qk), BLOCK_DV=next_pow2_dim(d_v),
+        BLOCK_D=max(min_width, next_pow2_dim(d_qk)), BLOCK_DV=max(min_width, next_pow2_dim(d_v)),
         SEQ_MODE_Q=geom.q.mode, SEQ_MODE_K=geom.k.mode, BOTTOM_RIGHT=bool(bottom_right),
         HAS_LEFT=window_left >= 0, HAS_RIGHT=window_right >= 0, HAS_SOFTCAP=softcap > 0,
         HAS_BIAS=bias is not None, HAS_ALIBI=alibi_slopes is not None,
