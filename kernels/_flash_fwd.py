@@ -8,7 +8,7 @@ Shapes (docs/internals.md):
 lse is fp32 in natural log. Every tensor arrives with its own strides (last dim contiguous), so
 packed and transposed layouts are read in place.
 
-Each program owns BLOCK_M query rows of head h of sequence z (1-D grid, query blocks fastest).
+Each program owns BLOCK_M query rows of head h of sequence z (1-D grid, see `_program_tile`).
 Row i of sequence z lives at `z * stride_b + (start_z + i) * stride_s`; varlen launches have
 stride_b = 0 and start_z from the offsets, dense ones start_z = 0 (see `_common.seq_bounds`).
 Query head h reads KV head h // (h_q // h_kv). The key loop visits only blocks the window can
@@ -174,6 +174,37 @@ def _fwd_inner(
     return acc, l_i, m_i
 
 
+@triton.jit
+def _program_tile(full_len_q, BLOCK_M: tl.constexpr, REVERSE_M: tl.constexpr):
+    """(batch * head index, first query row) of this program on the 1-D grid.
+
+    Query blocks vary fastest: b * h may pass the 65535 limit of grid axis 1, and neighbouring
+    programs share one head's K/V in L2. REVERSE_M (causal-like windows) starts the last query
+    blocks, which see the most keys, first.
+    """
+    num_m = tl.cdiv(full_len_q, BLOCK_M)
+    pid = tl.program_id(0)
+    m_idx = pid % num_m
+    if REVERSE_M:
+        m_idx = num_m - 1 - m_idx
+    return pid // num_m, m_idx * BLOCK_M
+
+
+@triton.jit
+def _normalize(acc, l_i, m_i, dropout_p, HAS_DROPOUT: tl.constexpr):
+    """Output rows acc / l (times 1 / (1 - p) with dropout) and the natural-log LSE.
+
+    Rows with no visible key have l = 0 and acc = 0: output 0 and LSE -inf, never 0/0.
+    """
+    has_keys = l_i > 0.0
+    l_safe = tl.where(has_keys, l_i, 1.0)
+    inv_l = tl.where(has_keys, 1.0 / l_safe, 0.0)
+    if HAS_DROPOUT:
+        inv_l = inv_l / (1.0 - dropout_p)
+    lse = tl.where(has_keys, (m_i + tl.math.log2(l_safe)) * LN2, float("-inf"))
+    return acc * inv_l[:, None], lse
+
+
 @triton.autotune(
     configs=_configs(),
     key=["HEAD_DIM_QK", "HEAD_DIM_V", "HAS_LEFT", "HAS_RIGHT", "HAS_BIAS", "HAS_DROPOUT"],
@@ -201,16 +232,7 @@ def _attn_fwd(
 ):  # fmt: skip
     """One program: BLOCK_M query rows of one (sequence, query head); writes out and lse rows."""
     tl.static_assert(BLOCK_D >= HEAD_DIM_QK and BLOCK_DV >= HEAD_DIM_V)
-    # A 1-D grid, query blocks fastest: b * h may pass the 65535 limit of grid axis 1, and
-    # neighbouring programs share one head's K/V in L2.
-    num_m = tl.cdiv(full_len_q, BLOCK_M)
-    pid = tl.program_id(0)
-    bh = pid // num_m
-    m_idx = pid % num_m
-    if HAS_RIGHT:
-        # Causal-like windows: the last query blocks see the most keys; start them first.
-        m_idx = num_m - 1 - m_idx
-    start_m = m_idx * BLOCK_M
+    bh, start_m = _program_tile(full_len_q, BLOCK_M, HAS_RIGHT)
     z = bh // num_heads_q
     h = bh % num_heads_q
     start_q, len_q = seq_bounds(z, cu_q_ptr, offsets_q_ptr, seqlens_q_ptr, full_len_q, SEQ_MODE_Q)
@@ -261,15 +283,7 @@ def _attn_fwd(
             HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI, HAS_DROPOUT, DOT_PRECISION,
         )  # fmt: skip
 
-    # Rows with no visible key: l_i = 0, acc = 0 -> output 0 and LSE -inf, never 0/0.
-    has_keys = l_i > 0.0
-    l_safe = tl.where(has_keys, l_i, 1.0)
-    inv_l = tl.where(has_keys, 1.0 / l_safe, 0.0)
-    if HAS_DROPOUT:
-        inv_l = inv_l / (1.0 - dropout_p)
-    out = acc * inv_l[:, None]
-    lse = tl.where(has_keys, (m_i + tl.math.log2(l_safe)) * LN2, float("-inf"))
-
+    out, lse = _normalize(acc, l_i, m_i, dropout_p, HAS_DROPOUT)
     o_ptrs = out_ptr + z64 * stride_ob + h64 * stride_oh
     o_ptrs = o_ptrs + rows[:, None] * stride_os + offs_dv[None, :] * stride_od
     o_mask = row_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V)

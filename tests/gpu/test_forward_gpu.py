@@ -48,9 +48,12 @@ def test_head_dims_bf16(d, causal, record_property):
     _record(record_property, errors)
 
 
-@pytest.mark.parametrize("d, d_v", [(64, 64), (128, 128), (256, 256), (192, 128), (72, 200)])
+@pytest.mark.parametrize(
+    "d, d_v",
+    [(8, 8), (32, 32), (40, 24), (64, 64), (128, 128), (256, 256), (192, 128), (72, 200)],
+)
 def test_fp16_and_dv(d, d_v, record_property):
-    """fp16, and d_v != d_qk; MQA (one KV head)."""
+    """fp16, small head dims (64-wide tiles), and d_v != d_qk; MQA (one KV head)."""
     q, k, v = _qkv(2, 300, 190, 8, 1, d, d_v, torch.float16, seed=d + d_v)
     _, _, errors = _compare(q, k, v, high=torch.float32, window=(-1, 0))
     _record(record_property, errors)
