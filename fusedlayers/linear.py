@@ -121,7 +121,8 @@ def join_rows(parts: Sequence[torch.Tensor]) -> torch.Tensor:
     """Concatenate along dim 0: a view when adjacent in memory, else `torch.cat` (one copy)."""
     if len(parts) == 1:
         return parts[0]
-    if _adjacent(parts):
+    # Under torch.compile the storage tricks cannot be traced; the compiler plans the concat.
+    if not torch.compiler.is_compiling() and _adjacent(parts):
         return _NoopCat.apply(*parts)
     return torch.cat(parts, dim=0)
 

@@ -196,3 +196,12 @@ def test_decoder_thd():
         for a, b, c, d in zip(cu_q[:-1], cu_q[1:], cu_kv[:-1], cu_kv[1:])
     ]
     check(out, torch.cat(refs), [x, enc, *layer.parameters()])
+
+
+def test_torch_compile_fullgraph():
+    """The layer traces as one graph (split QKV parameters included) and computes the same."""
+    torch.manual_seed(7)
+    layer = make_layer("sbhd", "separate").eval()
+    x = make_input("sbhd").detach()
+    compiled = torch.compile(layer, backend="aot_eager", fullgraph=True)
+    torch.testing.assert_close(compiled(x), layer(x), atol=1e-12, rtol=0)
