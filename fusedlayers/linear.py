@@ -189,17 +189,26 @@ class _SplitWeights(TEExtraState, ReferenceSwitch):
             return None
         return join_rows([getattr(self, n) for n in self.bias_names])
 
-    def _apply(self, fn, recurse=True):
-        # `.to()` / `.cuda()` give every slice its own storage; pack them into one buffer again
-        # so the forward keeps joining them without a copy.
-        result = super()._apply(fn, recurse)
+    def _repack(self) -> None:
+        """Put split parameters that lost adjacency back into one buffer (same Parameters)."""
         for names in (self.weight_names, self.bias_names):
             params = [getattr(self, n) for n in names]
             if len(params) > 1 and not _adjacent(params):
                 packed = torch.cat([p.data for p in params], dim=0)
                 for p, rows in zip(params, packed.split([p.shape[0] for p in params])):
                     p.data = rows
+
+    def _apply(self, fn, recurse=True):
+        # `.to()` / `.cuda()` give every slice its own storage; pack them into one buffer again
+        # so the forward keeps joining them without a copy.
+        result = super()._apply(fn, recurse)
+        self._repack()
         return result
+
+    def __setstate__(self, state) -> None:
+        # `copy.deepcopy` and unpickling copy each parameter on its own: pack them again.
+        super().__setstate__(state)
+        self._repack()
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

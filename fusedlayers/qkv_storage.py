@@ -124,24 +124,39 @@ def convert_qkv_state_dict(state_dict, prefix: str, spec: QKVSpec, src: str, dst
             state_dict[f"{prefix}{kind}"] = join_fused(parts, spec, dst)
 
 
+class _RecordForm:
+    """State-dict post-hook: note the storage form in the module's metadata. (Hooks are
+    callable objects rather than closures so that modules stay picklable.)"""
+
+    def __init__(self, form: str) -> None:
+        self.form = form
+
+    def __call__(self, _module, _state_dict, _prefix, local_metadata) -> None:
+        local_metadata[_METADATA_KEY] = self.form
+
+
+class _ConvertForm:
+    """Load pre-hook: rewrite incoming QKV weights from their form into the module's."""
+
+    def __init__(self, spec: QKVSpec, form: str) -> None:
+        self.spec = spec
+        self.form = form
+        self.fallback = "interleaved" if form == "separate" else form
+
+    def __call__(self, _module, state_dict, prefix, local_metadata, *_args) -> None:
+        recorded = local_metadata.get(_METADATA_KEY)
+        src = detect_form(state_dict, prefix, self.spec, recorded, self.fallback)
+        if src is not None:
+            convert_qkv_state_dict(state_dict, prefix, self.spec, src, self.form)
+
+
 def install_qkv_storage_hooks(module: torch.nn.Module, spec: QKVSpec, form: str) -> None:
     """Make `module` (a Linear / LayerNormLinear holding QKV rows in `form`) record its form when
     saved and convert any other form when loaded."""
     if form not in FORMS:
         raise ValueError(f"form ({form!r}) must be one of {FORMS}")
-    fallback = "interleaved" if form == "separate" else form
-
-    def save_hook(_module, _state_dict, _prefix, local_metadata):
-        local_metadata[_METADATA_KEY] = form
-
-    def load_hook(_module, state_dict, prefix, local_metadata, *_args):
-        recorded = local_metadata.get(_METADATA_KEY)
-        src = detect_form(state_dict, prefix, spec, recorded, fallback)
-        if src is not None:
-            convert_qkv_state_dict(state_dict, prefix, spec, src, form)
-
-    module.register_state_dict_post_hook(save_hook)
-    module.register_load_state_dict_pre_hook(load_hook)
+    module.register_state_dict_post_hook(_RecordForm(form))
+    module.register_load_state_dict_pre_hook(_ConvertForm(spec, form))
 
 
 __all__ = [

@@ -4,6 +4,7 @@ storage forms for every pair, and the `use_reference` switch across a model."""
 
 from __future__ import annotations
 
+import copy
 import io
 import pickle
 
@@ -208,3 +209,22 @@ def test_reference_mode_reaches_attention():
     with reference_mode():
         assert layer.self_attention.core_attention.reference_active
         assert layer.layernorm_mlp.reference_active
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_whole_module_copies_keep_buffers_and_hooks(how):
+    """deepcopy / torch.save of a module keep split parameters in one buffer and keep the
+    storage-form hooks working."""
+    layer = make_layer("separate")
+    if how == "deepcopy":
+        clone = copy.deepcopy(layer)
+    else:
+        buffer = io.BytesIO()
+        torch.save(layer, buffer)
+        buffer.seek(0)
+        clone = torch.load(buffer, weights_only=False)
+    qkv = clone.self_attention.layernorm_qkv
+    assert qkv.joined_weight().data_ptr() == qkv.query_weight.data_ptr()
+    clone.load_state_dict(make_layer("interleaved", seed=4).state_dict())
+    x = torch.randn(5, 2, HIDDEN, dtype=torch.float64)
+    torch.testing.assert_close(clone(x), make_layer("interleaved", seed=4)(x), atol=1e-12, rtol=0)
