@@ -5,7 +5,7 @@ Shapes (see docs/internals.md):
            out/dout [b, s_q, h_q, d_v], lse [b, h_q, s_q]
     varlen q/dq [t_q, h_q, d_qk], k/dk [t_k, h_kv, d_qk], v/dv [t_k, h_kv, d_v],
            out/dout [t_q, h_q, d_v], lse [h_q, t_q]
-    dbias [b, h_q, s_q, s_k] (dense only)
+    dbias [b, h_q, s_q, s_k] (varlen: b sequences, max lengths, positions within each sequence)
 
 Three launches: delta = rowsum(dO * O) (fp32), then dK/dV (one program per key block and KV head,
 looping over the GQA group's query heads) and dQ (one program per query block and head). Nothing
