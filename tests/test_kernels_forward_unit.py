@@ -297,3 +297,11 @@ def test_block_ranges_cover_visible_and_band_is_fully_visible(device):
         rows, cols = range(start, start + block_m), range(start, start + block_n)
         _check_range(res[:4], rows, n, lambda j, i: sees(i, j), block_n)
         _check_range(res[4:], cols, n, sees, block_m)
+
+
+def test_empty_batch_and_empty_queries(device):
+    """No query rows at all: nothing is launched, outputs come back empty."""
+    q = torch.randn(2, 0, 2, 16, device=device)
+    k = torch.randn(2, 5, 2, 16, device=device)
+    out, lse = _forward(q, k, k)
+    assert out.shape == (2, 0, 2, 16) and lse.shape == (2, 2, 0)
