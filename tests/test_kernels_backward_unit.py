@@ -249,3 +249,24 @@ def test_deterministic_flag_changes_nothing():
     second = flash_attention_backward(*args, **kern, deterministic=True)
     for a, b in zip(first[:3], second[:3]):
         assert torch.equal(a, b)
+
+
+def test_round_trip_with_the_forward_kernel():
+    """out/lse from flash_attention_forward itself, with dropout: both kernels drop the same set."""
+    from fusedlayers.kernels._flash_fwd import flash_attention_forward
+
+    tensors = _dense(13, 1, 33, 40, 4, 2, 24, dtype=F16)
+    seed, offset, p = 4242, 17, 0.2
+    keep = dropout_keep_mask((seed, offset), 1, 4, 33, 40, p, "cpu")
+    ref, kern = _mask_kwargs(0.3, (15, 0), True, dropout_p=p)
+    _, _, high = _reference(tensors, torch.float64, dict(ref, dropout_mask=keep))
+    _, _, low = _reference(tensors, F16, dict(ref, dropout_mask=keep))
+    seq = dict.fromkeys(("cu_seqlens_q", "cu_seqlens_k", "seq_offsets_q", "seq_offsets_k",
+                         "max_seqlen_q", "max_seqlen_k", "seqlens_q", "seqlens_k"))  # fmt: skip
+    q, k, v, dout = (tensors[n] for n in ("q", "k", "v", "dout"))
+    out, lse = flash_attention_forward(
+        q, k, v, **seq, **kern, bias=None, alibi_slopes=None, softcap=0.0, seed=seed, offset=offset
+    )
+    grads = flash_attention_backward(dout, q, k, v, out, lse, **kern, seed=seed, offset=offset)
+    for name, value in zip(("dq", "dk", "dv"), grads):
+        _assert_rule(name, value, high[name], low[name])
