@@ -73,9 +73,23 @@ def split_kv(mixed: torch.Tensor, groups: int, head_dim: int, interleaved: bool)
 class MultiheadAttention(ReferenceSwitch):
     """TE's `MultiheadAttention`; see the module docstring for shapes and layouts.
 
-    Defaults follow TE (`attention_dropout=0.1`, `attn_mask_type="causal"`, `input_layernorm=False`,
-    `fuse_qkv_params=False`, `qkv_weight_interleaved=True`, ignored when params are not fused),
-    except `device=None` (torch's default device) rather than TE's `"cuda"`.
+    Args (TE's names and defaults, except `device=None`: torch's default device, not `"cuda"`):
+        hidden_size, num_attention_heads: model width and query heads `h`.
+        kv_channels: head size `d` (default `hidden_size // h`).
+        num_gqa_groups: KV heads `g` (default `h`; 1 = MQA); `h % g == 0`.
+        attention_dropout: dropout on attention probabilities (training mode), default 0.1.
+        attn_mask_type, window_size: default mask (TE's names) and sliding window.
+        layer_number: key of this layer's KV cache in `InferenceParams` (default 1).
+        input_layernorm: normalize the input inside the QKV projection (`layernorm_qkv`).
+        attention_type: `self`, or `cross` (keys/values from `encoder_output`).
+        fuse_qkv_params, qkv_weight_interleaved: QKV storage form (see `qkv_storage`).
+        rotary_pos_interleaved: RoPE channel pairing (adjacent pairs instead of halves).
+        return_bias: return the output projection's bias instead of adding it.
+        return_layernorm_output: also return the normalized input (with `input_layernorm`).
+        normalization, zero_centered_gamma, layernorm_epsilon: the input norm.
+        qkv_format: `sbhd`, `bshd` or `thd`.
+        params_dtype, device: where and in which dtype parameters are created.
+        use_reference: run attention on the pure-PyTorch reference (settable attribute).
     """
 
     def __init__(

@@ -36,9 +36,24 @@ from .reference_switch import ReferenceSwitch
 class TransformerLayer(ReferenceSwitch):
     """TE's `TransformerLayer`; see the module docstring.
 
-    Defaults follow TE (`hidden_dropout=0.1`, `attention_dropout=0.1`,
-    `self_attn_mask_type="causal"`, `layer_type="encoder"`, `activation="gelu"`, i.e. the tanh
-    approximation), except `device=None` (torch's default device) rather than TE's `"cuda"`.
+    Args (TE's names and defaults, except `device=None`: torch's default device, not `"cuda"`):
+        hidden_size, ffn_hidden_size, num_attention_heads, num_gqa_groups, kv_channels: sizes
+            (`num_gqa_groups` default: MHA; 1 = MQA).
+        hidden_dropout, attention_dropout: dropout after each block / on attention
+            probabilities, both 0.1 by default (training mode only).
+        self_attn_mask_type, window_size: self-attention mask (default `causal`) and window.
+        apply_residual_connection_post_layernorm: residuals from the normalized inputs.
+        output_layernorm: post-LN layer (no input norm on self-attention, final `layernorm`).
+        layer_type: `encoder`, or `decoder` (adds cross-attention `inter_attention`).
+        fuse_qkv_params, qkv_weight_interleaved: QKV storage form (see `qkv_storage`).
+        activation: `gelu` (tanh approximation), `relu`, `qgelu`, `srelu`, `silu`, `geglu`,
+            `reglu`, `qgeglu`, `sreglu`, `swiglu`.
+        normalization, zero_centered_gamma, layernorm_epsilon, bias: as in TE.
+        attn_input_format: `sbhd`, `bshd` or `thd`.
+        rotary_pos_interleaved: RoPE channel pairing for `rotary_pos_emb`.
+        layer_number: KV-cache key (give every layer its own); init_method,
+            output_layer_init_method: weight initializers (default normal(0, 0.023)).
+        params_dtype, device, use_reference: as in `MultiheadAttention`.
     """
 
     def __init__(
