@@ -224,14 +224,16 @@ _SCALAR_INPUTS = (
 def _setup_context(ctx, inputs, output) -> None:
     named = dict(zip(_FWD_ARGS, inputs))
     out, lse = output
+    # The kernels have no LSE gradient: marking it non-differentiable makes a loss built on it
+    # fail loudly ("does not require grad") instead of silently dropping that term.
+    ctx.mark_non_differentiable(lse)
     ctx.save_for_backward(out, lse, *(named[name] for name in _TENSOR_INPUTS))
     ctx.scalars = {name: named[name] for name in _SCALAR_INPUTS}
     bias = named["bias"]
     ctx.bias_requires_grad = bias is not None and bias.requires_grad
 
 
-def _backward(ctx, dout, dlse):
-    # The LSE is an output for inspection, not a differentiable one: its gradient is ignored.
+def _backward(ctx, dout, _dlse):
     out, lse, *saved = ctx.saved_tensors
     tensors = dict(zip(_TENSOR_INPUTS, saved))
     dq, dk, dv, dbias = flash_attn_bwd(
@@ -300,6 +302,7 @@ def flash_attention(
         out: dense [b, s_q, h_q, d_v] / varlen [t_q, h_q, d_v], dtype of q; rows with no
             visible key are 0.
         lse: fp32 dense [b, h_q, s_q] / varlen [h_q, t_q], natural log; -inf on empty rows.
+            Not differentiable (requires_grad is False).
     """
     if dropout_p > 0 and rng_state is None:
         # torch.randint on the default generator: reproducible under torch.manual_seed, and

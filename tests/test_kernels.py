@@ -260,6 +260,7 @@ def test_torch_compile_fullgraph(device):
     eager_out, eager_lse = attend(*leaves, 0.0)
     out, lse = compiled(*leaves, 0.0)
     assert torch.equal(out, eager_out) and torch.equal(lse, eager_lse)
+    assert not (lse.requires_grad or eager_lse.requires_grad)  # no LSE gradient exists
     grads = torch.autograd.grad(out, leaves, inputs["dout"])
     eager_grads = torch.autograd.grad(eager_out, leaves, inputs["dout"])
     for a, b in zip(grads, eager_grads):
