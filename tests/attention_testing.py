@@ -150,8 +150,11 @@ def make_inputs(case: Case, device: str | torch.device) -> dict:
         dims += [1 if c == "1" else n for c, n in zip(case.bias[2:], (case.s_q, case.s_k))]
         inputs["bias_leaf"] = randn(*dims)
     if case.alibi is not None:
-        slopes = randn(case.b if case.alibi == "batch" else 1, case.h, dtype=torch.float32)
-        inputs["alibi_slopes"] = slopes.abs() * 0.5
+        # ALiBi's geometric slopes 2^(-8 i / h), randomly scaled by 0.5..1.5 per entry.
+        geometric = 2.0 ** (-8.0 * torch.arange(1, case.h + 1) / case.h)
+        rows = case.b if case.alibi == "batch" else 1
+        jitter = 0.5 + torch.rand(rows, case.h, generator=g)
+        inputs["alibi_slopes"] = (geometric * jitter).to(device=device, dtype=torch.float32)
     return {**inputs, **meta}
 
 

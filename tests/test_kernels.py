@@ -92,6 +92,19 @@ def test_bias_alibi_softcap(case, device):
     check_case(case, device)
 
 
+def test_bias_without_grad(device):
+    """A bias that does not require grad: no dbias work, same dq/dk/dv bitwise."""
+    case = Case(bias="b1ss", s_q=9, s_k=17, window=CAUSAL)
+    inputs = make_inputs(case, device)
+    with_grad = run_kernel(case, inputs)
+    q, k, v = (inputs[n].detach().requires_grad_() for n in ("q", "k", "v"))
+    bias = inputs["bias_leaf"].expand(case.b, case.h, case.s_q, case.s_k)
+    out, _ = flash_attention(q, k, v, softmax_scale=case.scale, window_size=CAUSAL, bias=bias)
+    grads = torch.autograd.grad(out, (q, k, v), inputs["dout"])
+    for name, grad in zip(("dq", "dk", "dv"), grads):
+        assert torch.equal(grad, with_grad[name]), name
+
+
 # Dropout: the reference is fed the keep-mask from `dropout_keep_mask`, so forward and the
 # backward's regenerated mask must both match it element for element.
 DROPOUT = [
