@@ -10,7 +10,8 @@ Shapes (docs/internals.md):
     varlen  q [t_q, h_q, d_qk], k [t_k, h_kv, d_qk], v [t_k, h_kv, d_v]
             -> out [t_q, h_q, d_v], lse [h_q, t_q]
 Outputs and gradients are always returned contiguous: the fake implementations promise exactly
-that, and the real ones make it true whatever buffers the launchers allocate.
+that, and the real ones make it true whatever buffers the launchers allocate. The LSE is not
+differentiable (the kernels have no gradient for it).
 """
 
 import inspect
@@ -22,7 +23,8 @@ from ._flash_fwd import flash_attention_forward
 
 Tensor = torch.Tensor
 
-# Seeds and offsets are drawn below 2**31 so that they fit the kernels' int32 Philox key words.
+# Seeds and offsets are drawn below 2**31: Triton passes such ints as i32, so every draw reuses
+# one compiled kernel (a larger value would specialize an i64 variant).
 _RNG_BOUND = 2**31 - 1
 
 
