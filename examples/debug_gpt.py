@@ -6,7 +6,7 @@
 1. Compares the healthy model's kernel path with its reference path (`use_reference=True`) on one
    batch, module by module (on CPU both paths are the reference, so every difference is 0).
 2. Plants a fault in one layer's core attention, active only on the kernel path, the way a
-   kernel bug would be: `scale` (outputs 1% off), `nan` (one NaN), or `grad` (forward right,
+   kernel bug would be: `scale` (outputs 10% off), `nan` (one NaN), or `grad` (forward right,
    gradients 50% off). The report must name that module; the script exits non-zero otherwise.
 """
 
@@ -18,6 +18,10 @@ import torch
 from fusedlayers.models import GPT, GPTConfig, lm_loss
 
 from fusedlayers.debug import compare_with_reference
+
+# TransformerEngine's TransformerLayer test tolerance for low precision, 5e-2 of the reference
+# tensor's scale (compare_with_reference's defaults are tighter, for single modules).
+TOLERANCES = {torch.bfloat16: (0.0, 5e-2), torch.float16: (0.0, 5e-2)}
 
 
 class _ScaleGrad(torch.autograd.Function):
@@ -39,7 +43,7 @@ def plant_fault(module: torch.nn.Module, fault: str) -> None:
         if m.reference_active:
             return out
         if fault == "scale":
-            return out * 1.01
+            return out * 1.1
         if fault == "nan":
             out = out.clone()
             out.view(-1)[out.numel() // 3] = float("nan")
@@ -53,7 +57,12 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", default="tiny")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument(
+        "--dtype",
+        default=None,
+        choices=["float32", "bfloat16", "float16"],
+        help="default: bfloat16 on CUDA, float32 on CPU",
+    )
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--break-layer", type=int, default=2)
@@ -65,6 +74,7 @@ def parse_args() -> argparse.Namespace:
 def main() -> None:
     args = parse_args()
     torch.manual_seed(args.seed)
+    args.dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
     dtype = getattr(torch, args.dtype)
     config = GPTConfig.named(args.config, vocab_size=256)
     model = GPT(config, device=args.device, dtype=dtype)
@@ -75,12 +85,16 @@ def main() -> None:
         return lm_loss(logits, targets)
 
     print(f"== healthy {args.config} GPT on {args.device} ({args.dtype}) ==")
-    print(compare_with_reference(model, idx, loss_fn=loss_fn, seed=args.seed))
+    print(
+        compare_with_reference(model, idx, loss_fn=loss_fn, tolerances=TOLERANCES, seed=args.seed)
+    )
 
     target = f"layers.{args.break_layer}.self_attention.core_attention"
     plant_fault(model.get_submodule(target), args.fault)
     print(f"\n== after planting a '{args.fault}' fault in {target} (kernel path only) ==")
-    report = compare_with_reference(model, idx, loss_fn=loss_fn, seed=args.seed)
+    report = compare_with_reference(
+        model, idx, loss_fn=loss_fn, tolerances=TOLERANCES, seed=args.seed
+    )
     print(report)
     # A backward-only fault in a module without parameters shows up in the enclosing module
     # that owns the gradients it corrupts (the attention block's QKV projection).
