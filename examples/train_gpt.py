@@ -163,23 +163,24 @@ def evaluate(model, data, args, ctx, rank, world, autocast) -> float:
 
 
 class Progress:
-    """One-line progress bar on stderr: step, loss, tokens/s, elapsed and ETA."""
+    """One-line progress bar on stderr: step, loss, tokens/s, elapsed and ETA. Redrawn at most
+    twice a second, so logs captured from a pipe stay small."""
 
     def __init__(self, total: int, start: int, enabled: bool) -> None:
         self.total, self.start, self.enabled = total, start, enabled
-        self.t0 = time.perf_counter()
+        self.t0 = self.drawn = time.perf_counter()
 
     def update(self, step: int, loss: float, tokens_per_s: float) -> None:
-        if not self.enabled:
+        now = time.perf_counter()
+        if not self.enabled or (now - self.drawn < 0.5 and step + 1 < self.total):
             return
-        done = step + 1 - self.start
-        elapsed = time.perf_counter() - self.t0
-        eta = elapsed / done * (self.total - step - 1)
-        frac = (step + 1) / self.total
-        bar = "#" * int(30 * frac) + "-" * (30 - int(30 * frac))
+        self.drawn = now
+        elapsed = now - self.t0
+        eta = elapsed / (step + 1 - self.start) * (self.total - step - 1)
+        filled = int(30 * (step + 1) / self.total)
         sys.stderr.write(
-            f"\r[{bar}] {step + 1}/{self.total} loss {loss:.3f} {tokens_per_s:,.0f} tok/s "
-            f"elapsed {_hms(elapsed)} eta {_hms(eta)}"
+            f"\r[{'#' * filled}{'-' * (30 - filled)}] {step + 1}/{self.total} loss {loss:.3f} "
+            f"{tokens_per_s:,.0f} tok/s elapsed {_hms(elapsed)} eta {_hms(eta)}"
         )
         sys.stderr.flush()
 
