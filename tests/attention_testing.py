@@ -297,12 +297,14 @@ def check_case(case: Case, device, *, high_dtype=torch.float64, backward: bool =
 
 
 def lse_atol(lse: torch.Tensor, s_k: int) -> float:
-    """atol for the fp32 LSE: sqrt(s_k) fp32 units at its magnitude. The kernel and the reference
-    sum up to s_k terms in different orders, and against an fp32 "high" reference PyTorch's own
-    LSE error is exactly 0 (both runs compute it in fp32), so the atol alone bounds it."""
+    """atol for the fp32 LSE: 2 + sqrt(s_k) fp32 units at its magnitude. The kernel and the
+    reference sum up to s_k terms in different orders, and the kernel's exp2-domain statistics
+    cost two more units converting back (max * log2(e), then * ln 2), which is all there is when
+    s_k = 1. Against an fp32 "high" reference PyTorch's own LSE error is exactly 0 (both runs
+    compute it in fp32), so the atol alone bounds it."""
     finite = lse[torch.isfinite(lse)]
     magnitude = finite.abs().max().item() if finite.numel() else 0.0
-    return torch.finfo(torch.float32).eps * max(magnitude, 1.0) * math.sqrt(s_k)
+    return torch.finfo(torch.float32).eps * max(magnitude, 1.0) * (2 + math.sqrt(s_k))
 
 
 def check_results(kernel: dict, high: dict, low: dict, s_k: int) -> dict:

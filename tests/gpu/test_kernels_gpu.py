@@ -157,9 +157,10 @@ def test_lengths_one_and_combinations(case, request):
 def test_scaled_inputs_stay_finite(dtype, request):
     """q, k, v scaled by 30: huge scores, no inf/NaN; out and LSE under the pass rule.
 
-    Gradients get a relative bound only: rows are near one-hot, so dS = P * (dP - D) cancels two
-    nearly equal terms and D = rowsum(dO * O) comes from the rounded output (FlashAttention-2's
-    choice), which leaves errors of a few units of the gradient's magnitude.
+    Gradients get a bound in units of the dtype only: rows are near one-hot, so dS = P * (dP - D)
+    cancels two nearly equal terms and D = rowsum(dO * O) comes from the rounded output
+    (FlashAttention-2's choice), which leaves errors of a unit or two of the gradient's magnitude
+    (three allowed, the gradient factor of the pass rule; seen on the H100: fp16 0.6, bf16 1.4).
     """
     case = Case(b=2, s_q=500, s_k=700, h=4, h_kv=2, d=96, dtype=dtype, window=CAUSAL)
     with recorded(request, case.label()) as entry:
@@ -176,10 +177,9 @@ def test_scaled_inputs_stay_finite(dtype, request):
         for name in ("dq", "dk", "dv"):
             error = (result[name].float() - high[name]).abs().max().item()
             magnitude = high[name].abs().max().item()
-            entry["errors"][name] = dict(error=error, bound=0.01 * magnitude)
-            assert error <= 0.01 * magnitude, (
-                f"{name}: error {error:.3e}, magnitude {magnitude:.3e}"
-            )
+            bound = 3 * torch.finfo(dtype).eps * magnitude
+            entry["errors"][name] = dict(error=error, bound=bound)
+            assert error <= bound, f"{name}: error {error:.3e}, magnitude {magnitude:.3e}"
 
 
 def test_forward_repeats_bitwise(request):

@@ -1,22 +1,30 @@
 """Layers on the Triton kernels vs the same layers with `use_reference=True`, on CUDA, fp16/bf16.
 
 Three copies of each module share weights: `kernel` (low precision, kernel path), `reference`
-(low precision, reference path) and `truth` (fp32, reference path). A kernel output or gradient
-passes when its error against `truth` is at most twice the reference's own low-precision error
-plus a small atol (the project's numerics contract), and when it is within TransformerEngine's
-test tolerance of `reference` (`atol = rtol =` fp16 1e-3, bf16 1.5e-2 as TE uses for
-DotProductAttention; 5e-2 for TransformerLayer). Only the attention differs between the paths,
-so a failure here points at the kernels or the front end as the layers feed them.
+(low precision, reference path with attention computed in the input dtype: PyTorch's own error,
+as design.md's rule asks) and `truth` (fp32, reference path). A kernel output passes when its
+error against `truth` is at most twice the reference's, a gradient at most three times (the
+kernel harness's factors, tests/attention_testing.py), plus a small atol. Outputs and activation
+gradients must also be within TransformerEngine's elementwise test tolerance of the upcast
+reference path (`atol = rtol =` fp16 1e-3, bf16 1.5e-2 for DotProductAttention; 5e-2 for
+TransformerLayer), which is what TE's attention tests compare. Parameter gradients are sums over
+every token (fp16 entries of magnitude 4 to 8 have a unit of 4e-3), so an elementwise rtol of 1e-3
+would be a one-unit test there; they get the numerics rule only. Only the attention differs
+between the paths, so a failure here points at the kernels or the front end as the layers feed
+them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
+from unittest import mock
 
 import pytest
 import torch
 
 import fusedlayers.attention as front_end
+import fusedlayers.reference as reference_attention
 from fusedlayers.inference import InferenceParams
 from fusedlayers.multihead_attention import MultiheadAttention
 from fusedlayers.rope import RotaryPositionEmbedding
@@ -56,28 +64,41 @@ def _run(module, inputs, grad_out, kwargs):
     return [out.float(), *(g.float() for g in grads)]
 
 
+@contextlib.contextmanager
+def _attention_in_input_dtype():
+    """Run the reference attention in the input dtype instead of fp32 (PyTorch's own error)."""
+    with mock.patch.object(reference_attention, "_compute_dtype", lambda dtype: dtype):
+        yield
+
+
 def _compare(kernel_module, inputs, kwargs, tol):
     """Check every output/gradient of `kernel_module` against reference and fp32 truth."""
-    reference = copy.deepcopy(kernel_module)
-    reference.use_reference = True
-    truth = copy.deepcopy(reference).float()
+    upcast = copy.deepcopy(kernel_module)
+    upcast.use_reference = True
+    truth = copy.deepcopy(upcast).float()
     out = kernel_module(
         *inputs[:1], **kwargs, **({"encoder_output": inputs[1]} if len(inputs) > 1 else {})
     )
     grad_out = torch.randn_like(out, dtype=torch.float32)
     got = _run(kernel_module, inputs, grad_out, kwargs)
-    low = _run(reference, inputs, grad_out, kwargs)
+    with _attention_in_input_dtype():
+        low = _run(upcast, inputs, grad_out, kwargs)
+    near = _run(upcast, inputs, grad_out, kwargs)
     high = _run(truth, inputs, grad_out, kwargs)
+    activations = 1 + len(inputs)  # the output, then one gradient per input
     names = ["output", *(f"grad[{i}]" for i in range(len(got) - 1))]
-    for name, a, b, c in zip(names, got, low, high):
+    for n, (name, a, b, c, r) in enumerate(zip(names, got, low, high, near)):
+        factor = 2 if n == 0 else 3
         scale = c.abs().max().item() or 1.0
         err = (a - c).abs().max().item()
         base = (b - c).abs().max().item()
-        assert err <= 2 * base + 1e-5 * scale, (
-            f"{name}: kernel error {err:.3e} > 2 x reference error {base:.3e} (scale {scale:.3e})"
+        assert err <= factor * base + 1e-5 * scale, (
+            f"{name}: kernel error {err:.3e} > {factor} x reference error {base:.3e} "
+            f"(scale {scale:.3e})"
         )
-        # TE's own test criterion, elementwise: |kernel - reference| <= tol + tol * |reference|.
-        torch.testing.assert_close(a, b, atol=tol, rtol=tol, msg=lambda m, n=name: f"{n}: {m}")
+        if n < activations:
+            # TE's own test criterion, elementwise: |kernel - reference| <= tol + tol * |reference|.
+            torch.testing.assert_close(a, r, atol=tol, rtol=tol, msg=lambda m, n=name: f"{n}: {m}")
 
 
 def _mha(dtype, fmt, groups, form, **kwargs):
