@@ -142,7 +142,7 @@ def _padding(attention_mask, cu_q, cu_kv, b, s_q, s_kv):
         if cu is None:
             lens.append(None)
             continue
-        values = validation.check_cu_seqlens(cu, name, cu.tolist()[-1])
+        values = validation.check_cu_seqlens(cu, name, validation.host_values(cu)[-1])
         if len(values) != b + 1 or max(b_ - a for a, b_ in zip(values, values[1:])) > s:
             raise ValueError(f"{name}={values[:16]} does not describe {b} sequences of <= {s}")
         lens.append((cu[1:] - cu[:-1]).to(torch.int32))

@@ -96,6 +96,26 @@ def test_cu_seqlens_batch_mismatch_and_max_seqlen():
         _dpa(qkv_format="thd")(q, k, v, cu_seqlens_q=cu2, cu_seqlens_kv=cu2, max_seqlen_q=5)
 
 
+def test_cu_seqlens_read_once_per_version_and_rechecked_after_an_in_place_edit(monkeypatch):
+    """Host values are cached per tensor (a CUDA read stalls the host), never past an edit."""
+    q, k, v = (t[0] for t in _qkv(b=1, s=10))
+    cu = torch.tensor([0, 4, 10], dtype=torch.int32)
+    reads = []
+    original = torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda t: reads.append(t) or original(t))
+    dpa = _dpa(qkv_format="thd")
+    first = dpa(q, k, v, cu_seqlens_q=cu, cu_seqlens_kv=cu)
+    dpa(q, k, v, cu_seqlens_q=cu, cu_seqlens_kv=cu)
+    assert sum(r is cu for r in reads) == 1
+    cu[1] = 6  # same tensor, new lengths: must be read and used again
+    second = dpa(q, k, v, cu_seqlens_q=cu, cu_seqlens_kv=cu)
+    assert sum(r is cu for r in reads) == 2
+    assert not torch.allclose(first[:6], second[:6])
+    cu[1] = 11
+    with pytest.raises(ValueError, match="must not decrease"):
+        dpa(q, k, v, cu_seqlens_q=cu, cu_seqlens_kv=cu)
+
+
 def test_padded_offsets_too_small_for_a_sequence():
     q, k, v = (t[0] for t in _qkv(b=1, s=10))
     cu = torch.tensor([0, 4, 8], dtype=torch.int32)
