@@ -42,7 +42,9 @@ class DotProductAttention(ReferenceSwitch):
         sequence_parallel, tp_size, tp_group, cp_group, get_rng_state_tracker: TE's parallelism
             arguments; only the single-device defaults are supported.
         use_reference: run the pure-PyTorch reference path (also a settable attribute).
-        deterministic: bitwise-reproducible gradients (the kernels' backward uses no atomics).
+        deterministic: bitwise-reproducible gradients (the kernels' backward sums dQ in a second
+            pass, without atomics; False allows an atomic-dQ backward where it is enabled,
+            see docs/internals.md).
     """
 
     def __init__(

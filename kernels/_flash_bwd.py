@@ -7,11 +7,17 @@ Shapes (see docs/internals.md):
            out/dout [t_q, h_q, d_v], lse [h_q, t_q]
     dbias [b, h_q, s_q, s_k] (varlen: b sequences, max lengths, positions within each sequence)
 
-Three launches: delta = rowsum(dO * O) (fp32), then dK/dV (one program per key block and KV head,
-looping over the GQA group's query heads) and dQ (one program per query block and head). Nothing
-is accumulated with atomics, so the gradients are bitwise identical run to run and the
-`deterministic` flag costs nothing. The price is paid elsewhere: the dQ pass recomputes Q K^T and
-dO V^T, so the backward runs 7 block products where an atomic-add dQ (FlashAttention-2) runs 5.
+Two schemes, both starting with delta = rowsum(dO * O) (fp32):
+
+- Two-pass (`deterministic=True`, or whenever dBias is requested): dK/dV (one program per key
+  block and KV head, looping over the GQA group's query heads), then dQ (one program per query
+  block and head). Nothing is accumulated with atomics, so the gradients are bitwise identical
+  run to run. The dQ pass recomputes Q K^T and dO V^T: 7 block products per tile pair.
+- Atomic dQ (`deterministic=False`, no dBias, where `ATOMIC_DQ_DEVICES` allows; off until it is
+  measured on the H100): the
+  dK/dV kernel also adds dS^T K into a zero-filled fp32 dQ accumulator with atomics
+  (FlashAttention-2's scheme), and one elementwise pass scales and casts it: 5 block products.
+  dK/dV stay bitwise reproducible; dQ does not, as the order of the fp32 adds varies.
 """
 
 from __future__ import annotations
@@ -73,6 +79,24 @@ BWD_CONFIGS: dict[int, tuple[int, ...]] = {
 INTERPRETER_CONFIG = (16, 16, 4, 1, 16, 16, 4, 1)
 PREPROCESS_BLOCK_M = 64
 
+# The atomic-dQ path's dK/dV launch, (BLOCK_M1, BLOCK_N1, WARPS1, STAGES1) per padded head dim: the
+# kernel now also holds a [BLOCK_M, d_qk] dQ tile and issues its atomics, so it may want other
+# shapes than the two-pass dK/dV entries it starts from. Untested on the GPU until measured
+# (examples/bench_backward.py); every entry must pass tests/gpu/test_backward_gpu.py. Lead from an
+# offline sm_90a compile (Triton 3.9, ptxas -v, no run): at d=128, BLOCK_M 32 puts the dS^T K
+# product on mma.sync (wgmma needs 64 rows) and spills ~4.4 KB vs ~2.7 KB for the two-pass
+# entry; (64, 64, 8, 2) uses wgmma throughout and spills ~0.6 KB, so sweep it first.
+ATOMIC_CONFIG_FIELDS = CONFIG_FIELDS[:4]
+BWD_ATOMIC_CONFIGS: dict[int, tuple[int, ...]] = {
+    bound: config[:4] for bound, config in BWD_CONFIGS.items()
+}
+# Where the non-deterministic backward takes the atomic-dQ path: "never" (the default until
+# examples/bench_backward.py shows it faster on the H100 and tests/gpu/test_backward_gpu.py passes
+# it there; docs/performance.md), "cuda" (the interpreter runs one program at a time, so atomics
+# save nothing there) or "any" (tests force it on the interpreter). deterministic=True and dBias
+# always take the two-pass path.
+ATOMIC_DQ_DEVICES = "never"
+
 
 def bwd_config(head_dim: int, on_cuda: bool) -> dict[str, int]:
     """Block sizes, warps and pipeline stages of both passes for a head dim (max of d_qk, d_v)."""
@@ -82,6 +106,26 @@ def bwd_config(head_dim: int, on_cuda: bool) -> dict[str, int]:
         if head_dim <= bound:
             return dict(zip(CONFIG_FIELDS, BWD_CONFIGS[bound]))
     raise ValueError(f"head dim ({head_dim}) exceeds the largest supported ({max(BWD_CONFIGS)})")
+
+
+def bwd_atomic_config(head_dim: int, on_cuda: bool) -> dict[str, int]:
+    """Block sizes, warps and stages of the atomic-dQ path's single dK/dV(+dQ) launch."""
+    if not on_cuda:
+        return dict(zip(ATOMIC_CONFIG_FIELDS, INTERPRETER_CONFIG[:4]))
+    for bound in sorted(BWD_ATOMIC_CONFIGS):
+        if head_dim <= bound:
+            return dict(zip(ATOMIC_CONFIG_FIELDS, BWD_ATOMIC_CONFIGS[bound]))
+    raise ValueError(
+        f"head dim ({head_dim}) exceeds the largest supported ({max(BWD_ATOMIC_CONFIGS)})"
+    )
+
+
+def use_atomic_dq(q: torch.Tensor, deterministic: bool, dbias_requested: bool) -> bool:
+    """Whether the backward sums dQ with atomics (see ATOMIC_DQ_DEVICES)."""
+    if deterministic or dbias_requested or ATOMIC_DQ_DEVICES == "never":
+        # dBias is written by the dQ pass, the one program that owns each score element.
+        return False
+    return q.is_cuda or ATOMIC_DQ_DEVICES == "any"
 
 
 def _lse_strides(lse: torch.Tensor, varlen: bool) -> tuple[int, int, int]:
@@ -133,38 +177,48 @@ def flash_attention_backward(
     its `out` and fp32 `lse`, and the same mask, bias, ALiBi, softcap and dropout arguments as
     `flash_attention_forward`. Returns (dq, dk, dv, dbias): dq/dk/dv contiguous with the shapes of
     q/k/v, zero in rows no sequence owns; dbias [b, h_q, s_q, s_k] in the bias dtype when
-    `bias_requires_grad`, else None. `deterministic` is accepted for API parity only: no kernel
-    uses atomics, so every call is bitwise reproducible at no cost.
+    `bias_requires_grad`, else None.
+
+    `deterministic=True` (or a requested dBias) runs the two-pass scheme: no atomics, every call
+    bitwise reproducible. `deterministic=False` runs the atomic-dQ scheme where `use_atomic_dq`
+    allows it (see `ATOMIC_DQ_DEVICES`; off by default): fewer block products, dk/dv still
+    bitwise reproducible, dq equal up to fp32 summation order (not bitwise) from run to run.
     """
     geo = launch_geometry(
         q, k, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seq_offsets_q=seq_offsets_q,
         seq_offsets_k=seq_offsets_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
         seqlens_q=seqlens_q, seqlens_k=seqlens_k,
     )  # fmt: skip
-    h_q, h_kv = q.shape[-2], k.shape[-2]
+    h_q = q.shape[-2]
     lse = lse.contiguous()
-    dq = _new_grad(q, geo.q.owns_all_rows)
     dk = _new_grad(k, geo.k.owns_all_rows)
     dv = _new_grad(v, geo.k.owns_all_rows)
     dbias = _new_dbias(bias, geo, h_q) if bias is not None and bias_requires_grad else None
     seq_ptrs = _seq_pointers(geo, q)
     delta = _preprocess(out, dout, lse, geo, seq_ptrs)
     strides = _strides(q, k, v, dout, lse, geo.varlen)
-    scalars = (h_q, h_kv, geo.q.max_len, geo.k.max_len, q.shape[-1], v.shape[-1],
+    scalars = (h_q, k.shape[-2], geo.q.max_len, geo.k.max_len, q.shape[-1], v.shape[-1],
                softmax_scale, softcap if softcap > 0 else 1.0, window_left, window_right,
                dropout_p, seed, offset)  # fmt: skip
     bias_args = (bias, bias.stride()) if bias is not None else (q, (0, 0, 0, 0))
     alibi_args = (alibi_slopes, alibi_slopes.stride()) if alibi_slopes is not None else (q, (0, 0))
     opts = _bwd_options(q, v, geo, bias, alibi_slopes, window_left, window_right, bottom_right,
                         softcap, dropout_p)  # fmt: skip
-    cfg = bwd_config(max(q.shape[-1], v.shape[-1]), q.is_cuda)
-    _flash_bwd_dkdv_kernel[(triton.cdiv(geo.k.max_len, cfg["BLOCK_N1"]) * geo.batch * h_kv,)](
-        q, k, v, dout, lse, delta, dk, dv, bias_args[0], alibi_args[0], *seq_ptrs,
-        *strides, *strides4(dk, geo.varlen)[:3], *strides4(dv, geo.varlen)[:3],
-        *bias_args[1], *alibi_args[1], *scalars,
-        BLOCK_M=cfg["BLOCK_M1"], BLOCK_N=cfg["BLOCK_N1"], **opts,
-        num_warps=cfg["WARPS1"], num_stages=cfg["STAGES1"],
-    )  # fmt: skip
+    head_dim = max(q.shape[-1], v.shape[-1])
+    shared = (q, k, v, dout, lse, delta, dk, dv, bias_args, alibi_args, seq_ptrs, strides,
+              scalars, geo, opts)  # fmt: skip
+    if use_atomic_dq(q, deterministic, dbias is not None):
+        # Zeros: the kernel only adds, and rows no program reaches (padding, rows past
+        # seqlens_q) must come out 0.
+        dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        _launch_dkdv(*shared, dq_acc, bwd_atomic_config(head_dim, q.is_cuda))
+        # One elementwise pass: multiply in fp32 and cast on the store (fp32 q: in place).
+        dq = dq_acc if q.dtype == torch.float32 else torch.empty_like(dq_acc, dtype=q.dtype)
+        torch.mul(dq_acc, softmax_scale, out=dq)
+        return dq, dk, dv, None
+    cfg = bwd_config(head_dim, q.is_cuda)
+    _launch_dkdv(*shared, None, cfg)
+    dq = _new_grad(q, geo.q.owns_all_rows)
     dbias_args = (dbias, dbias.stride()) if dbias is not None else (q, (0, 0, 0, 0))
     _flash_bwd_dq_kernel[(triton.cdiv(geo.q.max_len, cfg["BLOCK_M2"]) * geo.batch * h_q,)](
         q, k, v, dout, lse, delta, dq, bias_args[0], dbias_args[0], alibi_args[0], *seq_ptrs,
@@ -174,6 +228,26 @@ def flash_attention_backward(
         num_warps=cfg["WARPS2"], num_stages=cfg["STAGES2"],
     )  # fmt: skip
     return dq, dk, dv, dbias
+
+
+def _launch_dkdv(
+    q, k, v, dout, lse, delta, dk, dv, bias_args, alibi_args, seq_ptrs, strides, scalars, geo,
+    opts, dq_acc: torch.Tensor | None, cfg: dict[str, int],
+) -> None:  # fmt: skip
+    """The dK/dV kernel; with an fp32 `dq_acc` it also adds the unscaled dQ into it (atomics).
+
+    `cfg` needs BLOCK_M1, BLOCK_N1, WARPS1, STAGES1 (both config tables provide them).
+    """
+    # Without an accumulator the kernel never touches DQ_ACC; q stands in for the pointer.
+    dq_args = (dq_acc, strides4(dq_acc, geo.varlen)[:3]) if dq_acc is not None else (q, (0, 0, 0))
+    h_kv = k.shape[-2]
+    _flash_bwd_dkdv_kernel[(triton.cdiv(geo.k.max_len, cfg["BLOCK_N1"]) * geo.batch * h_kv,)](
+        q, k, v, dout, lse, delta, dk, dv, bias_args[0], alibi_args[0], dq_args[0], *seq_ptrs,
+        *strides, *strides4(dk, geo.varlen)[:3], *strides4(dv, geo.varlen)[:3],
+        *bias_args[1], *alibi_args[1], *dq_args[1], *scalars,
+        BLOCK_M=cfg["BLOCK_M1"], BLOCK_N=cfg["BLOCK_N1"], ATOMIC_DQ=dq_acc is not None, **opts,
+        num_warps=cfg["WARPS1"], num_stages=cfg["STAGES1"],
+    )  # fmt: skip
 
 
 def _new_dbias(bias: torch.Tensor, geo, h_q: int) -> torch.Tensor:

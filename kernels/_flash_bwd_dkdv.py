@@ -3,7 +3,13 @@
 Each program keeps its key/value tile and the dK/dV accumulators in registers and loops over
 every query head of its GQA group and every query block that can see the tile, so the group sum
 happens in registers: no expanded [b, s, h_q, d] buffer and no atomics, hence bitwise
-deterministic gradients.
+deterministic dK/dV.
+
+With ATOMIC_DQ (the launcher's non-deterministic path, FlashAttention-2's scheme) each query
+block also adds its dS^T K share to an fp32 dQ accumulator with atomics, so no separate dQ pass
+has to recompute Q K^T and dO V^T; the order of those adds varies run to run, so dQ is then not
+bitwise reproducible. Without it the kernel is the first of the two-pass (deterministic) scheme
+and the dQ code is not compiled at all.
 
 Score tiles here are key-major, [BLOCK_N, BLOCK_M] (keys are rows): q^T and dO^T are read
 transposed through their strides, so P^T and dS^T come straight out of the products and feed the
@@ -32,19 +38,23 @@ from ._common import (
 
 @triton.jit
 def _dkdv_block(
-    dk, dv, k, v, q_head, do_head, lse_head, delta_head, bias_head,
+    dk, dv, k, v, q_head, do_head, lse_head, delta_head, bias_head, dq_head,
     slope, start_m, offs_n, offs_dq, offs_dv, len_q, len_k, diag, bh,
-    stride_qs, stride_dos, stride_ls, stride_bm, stride_bn,
+    stride_qs, stride_dos, stride_ls, stride_bm, stride_bn, stride_dqs,
     D_QK, D_V, sm_scale, softcap, window_left, window_right, dropout_p, seed, offset,
     BLOCK_M: tl.constexpr, MASKED: tl.constexpr, HAS_LEFT: tl.constexpr,
     HAS_RIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    ATOMIC_DQ: tl.constexpr,
 ):  # fmt: skip
     """Add one query block's share to dk [BLOCK_N, HEAD_DIM_QK] and dv [BLOCK_N, HEAD_DIM_V].
 
     k [BLOCK_N, HEAD_DIM_QK], v [BLOCK_N, HEAD_DIM_V] are the resident key/value tiles; `*_head`
     pointers point at row 0 of this sequence and query head. MASKED=False is only used for
     blocks the launcher proved fully visible and in bounds, where the mask is skipped.
+    ATOMIC_DQ: also add this block's unscaled dS @ K to the fp32 dQ accumulator at `dq_head`
+    (rows [start_m, start_m + BLOCK_M), row stride `stride_dqs`); otherwise `dq_head` and
+    `stride_dqs` are unused.
     """
     offs_m = start_m + tl.arange(0, BLOCK_M)
     row_ok = offs_m < len_q
@@ -96,19 +106,31 @@ def _dkdv_block(
         # Chain rule through softcap * tanh(x / softcap): the derivative is 1 - tanh^2.
         t = tanh_f32(qk * (sm_scale / softcap))
         ds = ds * (1.0 - t * t)
-    dk += tl.dot(ds.to(q_t.dtype), tl.trans(q_t), input_precision=DOT_PRECISION)
+    ds_lo = ds.to(q_t.dtype)
+    dk += tl.dot(ds_lo, tl.trans(q_t), input_precision=DOT_PRECISION)
+    if ATOMIC_DQ:
+        # dS is key-major: its transpose times the resident K tile is this key block's share of
+        # the query rows' dQ. Every key block's program adds to the same rows (GQA adds nothing:
+        # each query head has its own rows), hence fp32 atomics; no program reads the
+        # accumulator, so relaxed ordering suffices.
+        dq = tl.dot(tl.trans(ds_lo), k, input_precision=DOT_PRECISION)  # [BLOCK_M, HEAD_DIM_QK]
+        tl.atomic_add(
+            dq_head + offs_m[:, None] * stride_dqs + offs_dq[None, :], dq,
+            mask=row_ok[:, None] & (offs_dq[None, :] < D_QK), sem="relaxed",
+        )  # fmt: skip
     return dk, dv
 
 
 @triton.jit
 def _dkdv_head(
-    dk, dv, k, v, q_head, do_head, lse_head, delta_head, bias_head,
+    dk, dv, k, v, q_head, do_head, lse_head, delta_head, bias_head, dq_head,
     slope, start_n, offs_n, offs_dq, offs_dv, len_q, len_k, diag, bh,
-    stride_qs, stride_dos, stride_ls, stride_bm, stride_bn,
+    stride_qs, stride_dos, stride_ls, stride_bm, stride_bn, stride_dqs,
     D_QK, D_V, sm_scale, softcap, window_left, window_right, dropout_p, seed, offset,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr,
     HAS_RIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    ATOMIC_DQ: tl.constexpr,
 ):  # fmt: skip
     """One query head's contribution: masked edge blocks, unmasked interior, masked edge.
 
@@ -123,43 +145,44 @@ def _dkdv_head(
         full_hi = hi
     for start_m in range(lo, full_lo, BLOCK_M):
         dk, dv = _dkdv_block(
-            dk, dv, k, v, q_head, do_head, lse_head, delta_head, bias_head,
+            dk, dv, k, v, q_head, do_head, lse_head, delta_head, bias_head, dq_head,
             slope, start_m, offs_n, offs_dq, offs_dv, len_q, len_k, diag, bh,
-            stride_qs, stride_dos, stride_ls, stride_bm, stride_bn,
+            stride_qs, stride_dos, stride_ls, stride_bm, stride_bn, stride_dqs,
             D_QK, D_V, sm_scale, softcap, window_left, window_right, dropout_p, seed, offset,
             BLOCK_M, True, HAS_LEFT, HAS_RIGHT, HAS_BIAS, HAS_ALIBI, HAS_SOFTCAP, HAS_DROPOUT,
-            DOT_PRECISION,
+            DOT_PRECISION, ATOMIC_DQ,
         )  # fmt: skip
     for start_m in range(full_lo, full_hi, BLOCK_M):
         dk, dv = _dkdv_block(
-            dk, dv, k, v, q_head, do_head, lse_head, delta_head, bias_head,
+            dk, dv, k, v, q_head, do_head, lse_head, delta_head, bias_head, dq_head,
             slope, start_m, offs_n, offs_dq, offs_dv, len_q, len_k, diag, bh,
-            stride_qs, stride_dos, stride_ls, stride_bm, stride_bn,
+            stride_qs, stride_dos, stride_ls, stride_bm, stride_bn, stride_dqs,
             D_QK, D_V, sm_scale, softcap, window_left, window_right, dropout_p, seed, offset,
             BLOCK_M, False, HAS_LEFT, HAS_RIGHT, HAS_BIAS, HAS_ALIBI, HAS_SOFTCAP, HAS_DROPOUT,
-            DOT_PRECISION,
+            DOT_PRECISION, ATOMIC_DQ,
         )  # fmt: skip
     for start_m in range(full_hi, hi, BLOCK_M):
         dk, dv = _dkdv_block(
-            dk, dv, k, v, q_head, do_head, lse_head, delta_head, bias_head,
+            dk, dv, k, v, q_head, do_head, lse_head, delta_head, bias_head, dq_head,
             slope, start_m, offs_n, offs_dq, offs_dv, len_q, len_k, diag, bh,
-            stride_qs, stride_dos, stride_ls, stride_bm, stride_bn,
+            stride_qs, stride_dos, stride_ls, stride_bm, stride_bn, stride_dqs,
             D_QK, D_V, sm_scale, softcap, window_left, window_right, dropout_p, seed, offset,
             BLOCK_M, True, HAS_LEFT, HAS_RIGHT, HAS_BIAS, HAS_ALIBI, HAS_SOFTCAP, HAS_DROPOUT,
-            DOT_PRECISION,
+            DOT_PRECISION, ATOMIC_DQ,
         )  # fmt: skip
     return dk, dv
 
 
 @triton.jit
 def _flash_bwd_dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, DK, DV, BIAS, ALIBI,
+    Q, K, V, DO, LSE, DELTA, DK, DV, BIAS, ALIBI, DQ_ACC,
     CU_Q, CU_K, OFF_Q, OFF_K, LENS_Q, LENS_K,
     stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh, stride_dob, stride_dos, stride_doh,
     stride_lb, stride_lh, stride_ls, stride_dkb, stride_dks, stride_dkh,
     stride_dvb, stride_dvs, stride_dvh,
     stride_bb, stride_bh, stride_bm, stride_bn, stride_ab, stride_ah,
+    stride_dqb, stride_dqs, stride_dqh,
     H_Q, H_KV, MAX_Q, MAX_K, D_QK, D_V,
     sm_scale, softcap, window_left, window_right, dropout_p, seed, offset,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -167,11 +190,13 @@ def _flash_bwd_dkdv_kernel(
     SEQ_MODE_Q: tl.constexpr, SEQ_MODE_K: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
     HAS_ALIBI: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, ATOMIC_DQ: tl.constexpr,
 ):  # fmt: skip
     """dK and dV for one key block of one KV head, summed over the GQA group.
 
     Grid: (cdiv(MAX_K, BLOCK_N) * batch * H_KV,). dK leaves already multiplied by sm_scale.
+    ATOMIC_DQ: also add the unscaled dQ shares to DQ_ACC (fp32, laid out like q, zero-filled by
+    the launcher, strides (batch, row, head)); without it DQ_ACC is a dummy, never touched.
     """
     # A 1-D grid, key blocks fastest: batch * heads may pass the 65535 limit of grid axis 1, and
     # neighbouring programs share one group's q/dO in L2. Under causal-like windows the first key
@@ -212,11 +237,12 @@ def _flash_bwd_dkdv_kernel(
             Q + z * stride_qb + h * stride_qh + start_q * stride_qs,
             DO + z * stride_dob + h * stride_doh + start_q * stride_dos,
             LSE + lse_at, DELTA + lse_at, BIAS + z * stride_bb + h * stride_bh,
+            DQ_ACC + z * stride_dqb + h * stride_dqh + start_q * stride_dqs,
             slope, start_n, offs_n, offs_dq, offs_dv, len_q, len_k, diag, z * H_Q + h,
-            stride_qs, stride_dos, stride_ls, stride_bm, stride_bn,
+            stride_qs, stride_dos, stride_ls, stride_bm, stride_bn, stride_dqs,
             D_QK, D_V, sm_scale, softcap, window_left, window_right, dropout_p, seed, offset,
             BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_BIAS, HAS_ALIBI, HAS_SOFTCAP,
-            HAS_DROPOUT, DOT_PRECISION,
+            HAS_DROPOUT, DOT_PRECISION, ATOMIC_DQ,
         )  # fmt: skip
     dk_ptrs = DK + z * stride_dkb + h_kv * stride_dkh + (start_k + offs_n[:, None]) * stride_dks
     tl.store(

@@ -298,7 +298,11 @@ def flash_attention(
         dropout_p, rng_state: drop probability and int64 CPU [2] (seed, offset); drawn from
             torch's default generator when None and dropout_p > 0. The backward regenerates the
             same keep-mask (`dropout_keep_mask`).
-        deterministic: bitwise-reproducible gradients.
+        deterministic: bitwise-reproducible gradients: the backward runs its two-pass scheme
+            (no atomics). False allows the atomic-dQ scheme (dQ folded into the dK/dV kernel
+            with fp32 atomics, no bias gradient) where `_flash_bwd.ATOMIC_DQ_DEVICES` enables
+            it, which it does not by default: dk/dv stay reproducible, dq varies in its last
+            bits.
 
     Returns:
         out: dense [b, s_q, h_q, d_v] / varlen [t_q, h_q, d_v], dtype of q; rows with no

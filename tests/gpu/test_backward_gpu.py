@@ -135,13 +135,17 @@ def _errors(got, high, low) -> dict:
     return report
 
 
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic-dq", "two-pass"])
 @pytest.mark.parametrize("dtype", [F16, BF16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
-def test_backward_matches_reference(case, dtype):
+def test_backward_matches_reference(case, dtype, deterministic, monkeypatch):
+    """Both backward schemes (a bias gradient always takes the two-pass one)."""
+    monkeypatch.setattr(_flash_bwd, "ATOMIC_DQ_DEVICES", "cuda")  # off by default until measured
     tensors, ref, kern = _make(case, dtype)
     _, _, high = _reference(tensors, torch.float64, ref)
     out, lse, low = _reference(tensors, dtype, ref)
-    report = _errors(_backward(tensors, out, lse, kern), high, low)
+    report = _errors(_backward(tensors, out, lse, dict(kern, deterministic=deterministic)), high,
+                     low)  # fmt: skip
     failed = {n: r for n, r in report.items() if r[0] > r[2]}
     assert not failed, "kernel error > 3 x PyTorch error + atol: " + ", ".join(
         f"{n}: {e:.3e} vs {p:.3e} (bound {b:.3e})" for n, (e, p, b) in failed.items()
@@ -149,18 +153,25 @@ def test_backward_matches_reference(case, dtype):
 
 
 @pytest.mark.parametrize("d", [64, 128, 256])
-def test_backward_is_bitwise_deterministic(d):
-    """No atomics: two runs on the same inputs agree bit for bit (GQA, long enough to tile).
+def test_backward_is_bitwise_deterministic(d, monkeypatch):
+    """deterministic=True (no atomics): two runs agree bit for bit (GQA, long enough to tile).
+    The atomic-dQ scheme: dk/dv bitwise equal run to run, dq close.
 
-    Also guards the launch table against Triton miscompiles that race (see BWD_CONFIGS).
+    Also guards the launch tables against Triton miscompiles that race (see BWD_CONFIGS).
     """
     case = (2, 1000, 1100, 8, 2, d, None, (-1, 0), True, {})
     tensors, ref, kern = _make(case, BF16, seed=3)
     out, lse, _ = _reference(tensors, BF16, ref)
-    first = _backward(tensors, out, lse, kern)
+    first = _backward(tensors, out, lse, dict(kern, deterministic=True))
     second = _backward(tensors, out, lse, dict(kern, deterministic=True))
     for name in first:
         assert torch.equal(first[name], second[name]), name
+    monkeypatch.setattr(_flash_bwd, "ATOMIC_DQ_DEVICES", "cuda")  # off by default until measured
+    atomic = [_backward(tensors, out, lse, dict(kern, deterministic=False)) for _ in range(2)]
+    for name in ("dk", "dv"):
+        assert torch.equal(atomic[0][name], atomic[1][name]), name
+    for name in first:
+        assert _relative_error(atomic[0][name], first[name]) < 1e-2, name
 
 
 def _relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -231,12 +242,13 @@ def _bench_shape(b, h, s, d, causal, dtype=BF16) -> dict:
 
     out, lse = ours_fwd()
 
+    # The sweep tunes BWD_CONFIGS, the two-pass table, and checks it for races: deterministic.
     def ours_bwd():
-        return flash_attention_backward(dout, q, k, v, out, lse, **mask)
+        return flash_attention_backward(dout, q, k, v, out, lse, **mask, deterministic=True)
 
     def ours_both():
         o, m = ours_fwd()
-        return flash_attention_backward(dout, q, k, v, o, m, **mask)
+        return flash_attention_backward(dout, q, k, v, o, m, **mask, deterministic=True)
 
     leaves = [t.transpose(1, 2).detach().requires_grad_() for t in (q, k, v)]
     dout_t = dout.transpose(1, 2)
