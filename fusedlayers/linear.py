@@ -296,6 +296,7 @@ class LayerNormLinear(_SplitWeights):
             self.eps,
             self.normalization,
             self.zero_centered_gamma,
+            backend="reference" if self.reference_active else "auto",
         )
         bias = self.joined_bias()
         out = linear(ln_out, self.joined_weight(), None if self.return_bias else bias)

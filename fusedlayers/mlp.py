@@ -124,6 +124,7 @@ class LayerNormMLP(TEExtraState, ReferenceSwitch):
             self.eps,
             self.normalization,
             self.zero_centered_gamma,
+            backend="reference" if self.reference_active else "auto",
         )
         hidden = apply_activation(linear(ln_out, self.fc1_weight, self.fc1_bias), self.activation)
         out = linear(hidden, self.fc2_weight, None if self.return_bias else self.fc2_bias)

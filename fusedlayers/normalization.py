@@ -3,19 +3,41 @@
 Shapes: any `[..., hidden]` input (`[s, b, hidden]`, `[b, s, hidden]` or `[t, hidden]`), normalized
 over the last dimension; output has the input's shape and dtype.
 
-Both paths use torch's `F.layer_norm` / `F.rms_norm` on an fp32 copy of the input: TE's norm kernels
-accumulate in fp32 whatever the input dtype, and a bf16 `rms_norm` would not. No Triton norm kernel
-exists yet, so `use_reference` changes nothing here; the switch is kept so a whole model flips.
+Two paths behind one entry, `apply_normalization`:
+- kernel: the fused Triton kernels of `fusedlayers.kernels.layer_norm` (one pass over x forward,
+  one backward; fp32 statistics; deterministic parameter gradients), for fp16/bf16/fp32 with
+  hidden <= `MAX_NORM_HIDDEN`. `backend="kernel"` asks for them (CPU tensors need
+  `TRITON_INTERPRET=1`); `auto` takes them for CUDA tensors only when `KERNEL_BY_DEFAULT` is on,
+  which waits for a measurement on the H100 (see its comment).
+- reference: torch's `F.layer_norm` / `F.rms_norm` on an fp32 copy of the input (fp64 for fp64):
+  TE's norm kernels accumulate in fp32 whatever the input dtype, and a bf16 `rms_norm` would not.
+  `use_reference=True` (or `reference_mode()`), CPU tensors, fp64 and oversized rows take it.
 """
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 
+from ._logging import debug_enabled, log_decision
 from .reference_switch import ReferenceSwitch
 
+try:
+    from .kernels import MAX_NORM_HIDDEN, NORM_DTYPES, layer_norm
+except ImportError as error:  # Triton missing (no Linux wheel) or broken: the reference serves
+    layer_norm, _KERNELS_MISSING = None, f"kernels unavailable ({error})"
+    MAX_NORM_HIDDEN, NORM_DTYPES = 0, ()
+else:
+    _KERNELS_MISSING = None
+
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
+BACKENDS = ("auto", "kernel", "reference")
+# Whether `auto` (what the modules use) sends CUDA tensors to the Triton kernels. Off until
+# tests/gpu/test_norm_gpu.py passes on the H100 and examples/benchmark_norm.py shows the kernels
+# faster there than this module's fp32 torch path: the layers should only use them where they win.
+KERNEL_BY_DEFAULT = False
 
 
 def check_normalization(normalization: str) -> None:
@@ -23,7 +45,65 @@ def check_normalization(normalization: str) -> None:
         raise ValueError(f"normalization ({normalization!r}) must be one of {NORMALIZATIONS}")
 
 
-def apply_normalization(
+def _check_inputs(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    """What neither path can take: a missing hidden dim, non-float tensors, parameter shapes,
+    parameters on another device (the kernel would read a CPU pointer from the GPU)."""
+    if x.dim() < 1:
+        raise ValueError(f"x must have a hidden (last) dimension, got a 0-d tensor ({x.shape})")
+    hidden = x.shape[-1]
+    for name, t in (("x", x), ("weight", weight), ("bias", bias)):
+        if t is not None and not t.is_floating_point():
+            raise ValueError(f"{name} dtype ({t.dtype}) must be a floating-point dtype")
+    for name, t in (("weight", weight), ("bias", bias)):
+        if t is not None and tuple(t.shape) != (hidden,):
+            raise ValueError(
+                f"{name} shape ({tuple(t.shape)}) must be (hidden,) = ({hidden},), the last "
+                f"dimension of x ({tuple(x.shape)})"
+            )
+        if t is not None and t.device != x.device:
+            raise ValueError(f"{name} is on {t.device} but x is on {x.device}")
+
+
+def _kernel_blocker(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> str:
+    """Why the Triton kernel cannot take this call ("" when it can), naming argument and value."""
+    if _KERNELS_MISSING is not None:
+        return _KERNELS_MISSING
+    for name, t in (("x", x), ("weight", weight), ("bias", bias)):
+        if t is not None and t.dtype not in NORM_DTYPES:
+            return f"{name} dtype ({t.dtype}) is not one the norm kernel takes {NORM_DTYPES}"
+    if x.shape[-1] > MAX_NORM_HIDDEN:
+        return f"hidden size ({x.shape[-1]}) exceeds the norm kernel's {MAX_NORM_HIDDEN}"
+    if x.numel() == 0:
+        return f"x is empty ({tuple(x.shape)})"
+    return ""
+
+
+def _use_kernel(backend: str, x, weight, bias) -> tuple[bool, str]:
+    """(run the kernel?, why). `auto`: CUDA tensors the kernel supports; `kernel` insists."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend ({backend!r}) must be one of {BACKENDS}")
+    if backend == "reference":
+        return False, "use_reference=True"
+    blocker = _kernel_blocker(x, weight, bias)
+    if backend == "kernel":
+        if blocker:
+            raise ValueError(f"backend='kernel': {blocker}")
+        if not x.is_cuda and os.environ.get("TRITON_INTERPRET", "0") != "1":
+            raise ValueError(
+                f"backend='kernel' needs CUDA tensors, got x on {x.device}; set TRITON_INTERPRET=1 "
+                "to run the kernel on the CPU interpreter"
+            )
+        return True, "backend='kernel'"
+    if not x.is_cuda:
+        return False, f"x on {x.device} (no CUDA): reference path"
+    if not KERNEL_BY_DEFAULT:
+        return False, "norm kernels not on by default until measured on the GPU: reference path"
+    if blocker:
+        return False, f"{blocker}: reference path"
+    return True, "CUDA tensors"
+
+
+def normalization_reference(
     x: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None,
@@ -31,12 +111,7 @@ def apply_normalization(
     normalization: str = "LayerNorm",
     zero_centered_gamma: bool = False,
 ) -> torch.Tensor:
-    """Normalize `x [..., hidden]` over its last dimension, in fp32, returning x's dtype.
-
-    LayerNorm: `(x - mean) / sqrt(var + eps) * gamma + beta`; RMSNorm: `x / sqrt(mean(x^2) + eps)
-    * gamma`. With `zero_centered_gamma` the stored weight is `gamma - 1` (TE's convention), so a
-    freshly initialized layer (weight 0) is the identity scale.
-    """
+    """The torch path: `F.layer_norm` / `F.rms_norm` in fp32 (fp64 for fp64), x's dtype out."""
     compute = torch.float64 if x.dtype == torch.float64 else torch.float32
     gamma = weight.to(compute)
     if zero_centered_gamma:
@@ -48,6 +123,40 @@ def apply_normalization(
         beta = None if bias is None else bias.to(compute)
         out = F.layer_norm(x.to(compute), shape, gamma, beta, eps)
     return out.to(x.dtype)
+
+
+def apply_normalization(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    eps: float,
+    normalization: str = "LayerNorm",
+    zero_centered_gamma: bool = False,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Normalize `x [..., hidden]` over its last dimension with fp32 statistics, in x's dtype.
+
+    LayerNorm: `(x - mean) / sqrt(var + eps) * gamma + beta`; RMSNorm: `x / sqrt(mean(x^2) + eps)
+    * gamma` (a bias is ignored, as TE's RMSNorm has none). With `zero_centered_gamma` the stored
+    weight is `gamma - 1` (TE's convention), so a freshly initialized layer (weight 0) is the
+    identity scale. `weight`/`bias` are `[hidden]`.
+
+    backend: `auto` runs the Triton kernel on CUDA tensors it supports and the torch reference
+    otherwise; `kernel` insists (ValueError naming what it cannot take; CPU tensors need
+    `TRITON_INTERPRET=1`); `reference` is the fp32 torch path. The modules pass `reference` when
+    their `use_reference` switch is on, else `auto`.
+    """
+    check_normalization(normalization)
+    _check_inputs(x, weight, bias)
+    rms = normalization == "RMSNorm"
+    if rms:
+        bias = None
+    use_kernel, why = _use_kernel(backend, x, weight, bias)
+    if debug_enabled():
+        log_decision(normalization, ("kernel: " if use_kernel else "reference: ") + why)
+    if not use_kernel:
+        return normalization_reference(x, weight, bias, eps, normalization, zero_centered_gamma)
+    return layer_norm(x, weight, bias, eps, rms=rms, zero_centered_gamma=zero_centered_gamma)
 
 
 class _Norm(ReferenceSwitch):
@@ -85,7 +194,13 @@ class _Norm(ReferenceSwitch):
     def forward(self, inp: torch.Tensor) -> torch.Tensor:
         """`inp [..., hidden]` -> same shape and dtype."""
         return apply_normalization(
-            inp, self.weight, self.bias, self.eps, self.normalization, self.zero_centered_gamma
+            inp,
+            self.weight,
+            self.bias,
+            self.eps,
+            self.normalization,
+            self.zero_centered_gamma,
+            backend="reference" if self.reference_active else "auto",
         )
 
     def extra_repr(self) -> str:

@@ -1,4 +1,5 @@
-"""fusedlayers.kernels: Triton flash-attention kernels behind one differentiable entry.
+"""fusedlayers.kernels: Triton flash-attention and normalization kernels, each behind one
+differentiable entry.
 
 Offers:
     flash_attention(q, k, v, *, ...) -> (out, lse)
@@ -10,11 +11,19 @@ Offers:
         full contract.
     dropout_keep_mask(rng_state, b, h, s_q, s_k, p, device) -> bool [b, h, s_q, s_k]
         The keep-mask the kernels draw for a given (seed, offset), for tests and the reference.
+    layer_norm(x, weight, bias, eps, *, rms, zero_centered_gamma) -> y
+        Fused LayerNorm / RMSNorm forward and backward over the last dim of x [..., n]
+        (torch.library ops `fusedlayers::norm_fwd` and `fusedlayers::norm_bwd`): fp16/bf16/fp32
+        input, parameters of any of those dtypes, optional bias, TE's zero-centered gamma, fp32
+        statistics, deterministic dweight/dbias (no atomics); n up to `MAX_NORM_HIDDEN`.
 
 The kernels assume validated input; `fusedlayers` checks and normalizes everything first.
 """
 
 from ._dropout import dropout_keep_mask
+from ._norm import MAX_HIDDEN as MAX_NORM_HIDDEN
+from ._norm import SUPPORTED_DTYPES as NORM_DTYPES
+from .norm_ops import layer_norm
 from .ops import flash_attention
 
-__all__ = ["dropout_keep_mask", "flash_attention"]
+__all__ = ["MAX_NORM_HIDDEN", "NORM_DTYPES", "dropout_keep_mask", "flash_attention", "layer_norm"]

@@ -1,0 +1,255 @@
+"""LayerNorm / RMSNorm forward and backward: Triton kernels and their launchers.
+
+Shapes: x [..., n] is flattened to [m, n] rows (a view when the leading dims collapse, else a copy;
+the last dim must be contiguous, rows may have any stride). weight, bias [n].
+    forward   x [m, n] -> y [m, n] (x's dtype), mean [m] (fp32, LayerNorm only), rstd [m] (fp32)
+    backward  dy [m, n] -> dx [m, n] (x's dtype), dweight [n], dbias [n] (the parameters' dtypes)
+
+    LayerNorm: y = (x - mean) * rstd * gamma + beta,  rstd = 1 / sqrt(mean((x - mean)^2) + eps)
+    RMSNorm:   y = x * rstd * gamma (+ beta),         rstd = 1 / sqrt(mean(x^2) + eps)
+gamma = weight, or weight + 1 with `zero_centered_gamma` (added in fp32, so a bf16 weight near 0
+keeps its precision).
+
+Each program owns BLOCK_M rows of BLOCK_N = next_pow2(n) columns, masked past n: a whole row sits
+in registers, so every statistic is one in-register reduction and x is read once per pass. Small
+hidden sizes pack several rows per program to keep each program's tile near `_FWD_TILE` /
+`_BWD_TILE` elements.
+
+The backward grid is a fixed number of programs, each walking a contiguous run of row blocks and
+keeping fp32 dgamma/dbeta partials in registers; the partials [programs, n] are summed by torch
+afterwards. No atomics and a partition that depends only on (m, device), so gradients are
+bitwise reproducible.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+# Largest hidden size the one-row-in-registers kernels take. The 32-warp programs spill registers
+# to local memory for the backward from 16384 and the forward at 65536 (sm_90 cubins): correct,
+# slower. Larger rows would need a column loop; the front end sends them to the torch path.
+MAX_HIDDEN = 65536
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# (target elements per program tile, elements per warp); rows per program = tile // BLOCK_N.
+# Forward: 16 values per thread (two 16-byte bf16 loads in flight each), ~56-80 registers.
+# Backward: a larger tile, so small hidden sizes need fewer programs and fewer dgamma/dbeta
+# partial rows to sum, but 8 values per thread: it holds x, dy and their products, and at 16 per
+# thread ptxas needs ~120-140 registers, which leaves one program per SM (sm_90 cubins, read
+# with cuobjdump -res-usage).
+_FWD_TILE, _FWD_WARP_ELEMS = 2048, 512
+_BWD_TILE, _BWD_WARP_ELEMS = 4096, 256
+# Resident warps per SM the backward grid aims for: half of Hopper's 64, plenty for a streaming
+# kernel whose every thread has its loads in flight, and half the partials of a full grid.
+_BWD_WARPS_PER_SM = 32
+
+
+@triton.jit
+def _row_stats(x, cols_ok, inv_n, eps, IS_RMS: tl.constexpr):
+    """(centered x, mean, rstd) of an fp32 tile [BLOCK_M, BLOCK_N]; padded columns of x are 0."""
+    if IS_RMS:
+        xc = x
+        mean = tl.zeros([x.shape[0]], dtype=tl.float32)
+    else:
+        mean = tl.sum(x, axis=1) * inv_n
+        # Padded columns would contribute mean^2 each to the variance: zero them again.
+        xc = tl.where(cols_ok[None, :], x - mean[:, None], 0.0)
+    # Two-pass variance (centered first): no cancellation of E[x^2] - mean^2 on offset rows.
+    var = tl.sum(xc * xc, axis=1) * inv_n
+    # Correctly rounded sqrt and division: the approximate ones cost ~2 ulp in fp32 outputs.
+    # div_rn does not broadcast a scalar, hence the explicit tensor of ones.
+    rstd = tl.div_rn(tl.full(var.shape, 1.0, tl.float32), tl.sqrt_rn(var + eps))
+    return xc, mean, rstd
+
+
+@triton.jit
+def _norm_fwd_kernel(
+    X, W, B, Y, Mean, Rstd,
+    stride_xm, stride_ym,
+    n_rows, n_cols, inv_n, eps,
+    IS_RMS: tl.constexpr, HAS_BIAS: tl.constexpr, ZERO_CENTERED: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_N)
+    rows_ok = rows < n_rows
+    cols_ok = cols < n_cols
+    mask = rows_ok[:, None] & cols_ok[None, :]
+    # int64 row offsets: m * stride passes 2**31 elements on large activations.
+    rows64 = rows.to(tl.int64)
+    x = tl.load(X + rows64[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0)
+    xc, mean, rstd = _row_stats(x.to(tl.float32), cols_ok, inv_n, eps, IS_RMS)
+
+    w = tl.load(W + cols, mask=cols_ok, other=0.0).to(tl.float32)
+    if ZERO_CENTERED:
+        w = w + 1.0
+    y = xc * rstd[:, None] * w[None, :]
+    if HAS_BIAS:
+        y += tl.load(B + cols, mask=cols_ok, other=0.0).to(tl.float32)[None, :]
+    tl.store(Y + rows64[:, None] * stride_ym + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+    if not IS_RMS:
+        tl.store(Mean + rows, mean, mask=rows_ok)
+    tl.store(Rstd + rows, rstd, mask=rows_ok)
+
+
+@triton.jit
+def _norm_bwd_kernel(
+    X, W, DY, DX, Mean, Rstd, DW_partial, DB_partial,
+    stride_xm, stride_dym, stride_dxm,
+    n_rows, n_cols, inv_n, blocks_per_program,
+    IS_RMS: tl.constexpr, HAS_BIAS: tl.constexpr, ZERO_CENTERED: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """dx per row in one pass; this program's dgamma/dbeta partials to row `pid` of the buffers.
+
+    With xhat = (x - mean) * rstd (LayerNorm) or x * rstd (RMSNorm) and g = gamma * dy:
+        LayerNorm: dx = rstd * (g - xhat * mean(g * xhat) - mean(g))
+        RMSNorm:   dx = rstd * (g - xhat * mean(g * xhat))
+    dgamma = sum over rows of dy * xhat, dbeta = sum of dy (dweight = dgamma also when
+    zero-centered, since gamma = weight + 1).
+    """
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_N)
+    cols_ok = cols < n_cols
+    w = tl.load(W + cols, mask=cols_ok, other=0.0).to(tl.float32)
+    if ZERO_CENTERED:
+        w = tl.where(cols_ok, w + 1.0, 0.0)
+    dw_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    db_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    first_row = pid * blocks_per_program * BLOCK_M
+    for i in range(0, blocks_per_program):
+        rows = first_row + i * BLOCK_M + tl.arange(0, BLOCK_M)
+        rows_ok = rows < n_rows
+        mask = rows_ok[:, None] & cols_ok[None, :]
+        rows64 = rows.to(tl.int64)
+        x = tl.load(X + rows64[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0)
+        x = x.to(tl.float32)
+        dy = tl.load(DY + rows64[:, None] * stride_dym + cols[None, :], mask=mask, other=0.0)
+        dy = dy.to(tl.float32)
+        # Rows past n_rows load rstd 0, so their xhat, dx and partial contributions are all 0.
+        rstd = tl.load(Rstd + rows, mask=rows_ok, other=0.0)
+        if IS_RMS:
+            xhat = x * rstd[:, None]
+        else:
+            mean = tl.load(Mean + rows, mask=rows_ok, other=0.0)
+            xhat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
+        g = dy * w[None, :]
+        c1 = tl.sum(g * xhat, axis=1) * inv_n
+        if IS_RMS:
+            dx = (g - xhat * c1[:, None]) * rstd[:, None]
+        else:
+            c2 = tl.sum(g, axis=1) * inv_n
+            dx = (g - (xhat * c1[:, None] + c2[:, None])) * rstd[:, None]
+        dx_ptrs = DX + rows64[:, None] * stride_dxm + cols[None, :]
+        tl.store(dx_ptrs, dx.to(DX.dtype.element_ty), mask=mask)
+        dw_acc += tl.sum(dy * xhat, axis=0)
+        if HAS_BIAS:
+            db_acc += tl.sum(dy, axis=0)
+    tl.store(DW_partial + pid * n_cols + cols, dw_acc, mask=cols_ok)
+    if HAS_BIAS:
+        tl.store(DB_partial + pid * n_cols + cols, db_acc, mask=cols_ok)
+
+
+def _geometry(n_cols: int, tile: int, warp_elems: int) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps) for rows of n_cols elements."""
+    block_n = triton.next_power_of_2(n_cols)
+    block_m = max(1, tile // block_n)
+    # 32 warps (1024 threads) is the hardware ceiling; beyond it each thread holds more values.
+    num_warps = min(32, max(1, block_m * block_n // warp_elems))
+    return block_m, block_n, num_warps
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _backward_programs_cap(device: torch.device, num_warps: int) -> int:
+    """How many backward programs to launch at most: enough to fill every SM to
+    `_BWD_WARPS_PER_SM`, no more, since each program adds a partials row to sum. The interpreter
+    gets a handful, enough to exercise several programs and several row blocks per program on
+    test-sized inputs."""
+    if device.type != "cuda":
+        return 4
+    return _sm_count(device) * max(1, _BWD_WARPS_PER_SM // num_warps)
+
+
+def _rows_view(t: torch.Tensor, n_cols: int) -> torch.Tensor:
+    """t [..., n] as [m, n] with a unit column stride (a view whenever possible)."""
+    t2 = t.reshape(-1, n_cols)
+    return t2 if t2.stride(-1) == 1 or n_cols == 1 else t2.contiguous()
+
+
+def norm_forward(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    eps: float,
+    rms: bool,
+    zero_centered_gamma: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(y [..., n] contiguous in x's dtype, mean [m] fp32 (empty [0] for RMSNorm), rstd [m] fp32).
+
+    Assumes validated input: x fp16/bf16/fp32 with 0 < n <= MAX_HIDDEN, weight/bias [n].
+    """
+    n_cols = x.shape[-1]
+    x2 = _rows_view(x, n_cols)
+    n_rows = x2.shape[0]
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
+    mean = rstd.new_empty(0 if rms else n_rows)
+    if n_rows == 0:
+        return y, mean, rstd
+    block_m, block_n, num_warps = _geometry(n_cols, _FWD_TILE, _FWD_WARP_ELEMS)
+    _norm_fwd_kernel[(triton.cdiv(n_rows, block_m),)](
+        x2, weight, weight if bias is None else bias, y, rstd if rms else mean, rstd,
+        x2.stride(0), n_cols,
+        n_rows, n_cols, 1.0 / n_cols, eps,
+        IS_RMS=rms, HAS_BIAS=bias is not None, ZERO_CENTERED=zero_centered_gamma,
+        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
+    )  # fmt: skip
+    return y, mean, rstd
+
+
+def norm_backward(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    mean: torch.Tensor,
+    rstd: torch.Tensor,
+    rms: bool,
+    zero_centered_gamma: bool,
+    bias_dtype: torch.dtype | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(dx [..., n] contiguous in x's dtype, dweight [n] in weight's dtype, dbias [n] in
+    `bias_dtype`, None without a bias). `mean`/`rstd` are the forward's."""
+    has_bias = bias_dtype is not None
+    n_cols = x.shape[-1]
+    x2, dy2 = _rows_view(x, n_cols), _rows_view(dy, n_cols)
+    n_rows = x2.shape[0]
+    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if n_rows == 0:
+        dbias = torch.zeros(n_cols, dtype=bias_dtype, device=x.device) if has_bias else None
+        return dx, torch.zeros_like(weight), dbias
+    block_m, block_n, num_warps = _geometry(n_cols, _BWD_TILE, _BWD_WARP_ELEMS)
+    n_blocks = triton.cdiv(n_rows, block_m)
+    programs = min(n_blocks, _backward_programs_cap(x.device, num_warps))
+    blocks_per_program = triton.cdiv(n_blocks, programs)
+    # Drop programs the rounding left without rows: then every launched program owns rows and
+    # writes its whole partials row, so the buffers need no zero fill.
+    programs = triton.cdiv(n_blocks, blocks_per_program)
+    dw_partial = torch.empty(programs, n_cols, dtype=torch.float32, device=x.device)
+    db_partial = torch.empty_like(dw_partial) if has_bias else dw_partial
+    _norm_bwd_kernel[(programs,)](
+        x2, weight, dy2, dx, rstd if rms else mean, rstd, dw_partial, db_partial,
+        x2.stride(0), dy2.stride(0), n_cols,
+        n_rows, n_cols, 1.0 / n_cols, blocks_per_program,
+        IS_RMS=rms, HAS_BIAS=has_bias, ZERO_CENTERED=zero_centered_gamma,
+        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
+    )  # fmt: skip
+    dweight = dw_partial.sum(0).to(weight.dtype)
+    dbias = db_partial.sum(0).to(bias_dtype) if has_bias else None
+    return dx, dweight, dbias

@@ -1,0 +1,125 @@
+"""The kernel entry `layer_norm`, as torch.library custom ops (the pattern of `ops.py`).
+
+Two ops, `fusedlayers::norm_fwd` and `fusedlayers::norm_bwd`, wrap the launchers of `_norm.py`.
+Each has a fake (meta) implementation, so torch.compile(fullgraph=True) traces through them, and
+the forward op carries its own autograd formula that calls the backward op.
+
+Shapes: x [..., n], weight [n], bias [n] or None -> y [..., n] in x's dtype, contiguous.
+The saved statistics (mean, rstd: fp32 [m], m = x.numel() // n) are not differentiable.
+"""
+
+import torch
+
+from ._norm import norm_backward, norm_forward
+
+Tensor = torch.Tensor
+
+
+def _forward_impl(
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    eps: float,
+    rms: bool,
+    zero_centered_gamma: bool,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(y, mean, rstd); mean is empty [0] for RMSNorm."""
+    return norm_forward(x, weight, bias, eps, rms, zero_centered_gamma)
+
+
+norm_fwd = torch.library.custom_op("fusedlayers::norm_fwd", mutates_args=())(_forward_impl)
+
+
+@norm_fwd.register_fake
+def _(x, weight, bias, eps, rms, zero_centered_gamma) -> tuple[Tensor, Tensor, Tensor]:
+    rows = x.numel() // x.shape[-1]
+    rstd = x.new_empty(rows, dtype=torch.float32)
+    return x.new_empty(x.shape), x.new_empty(0 if rms else rows, dtype=torch.float32), rstd
+
+
+def _backward_impl(
+    dy: Tensor,
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    mean: Tensor,
+    rstd: Tensor,
+    rms: bool,
+    zero_centered_gamma: bool,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(dx, dweight, dbias); dbias is empty [0] without a bias. `bias` only supplies its dtype."""
+    dx, dweight, dbias = norm_backward(
+        dy,
+        x,
+        weight,
+        mean,
+        rstd,
+        rms,
+        zero_centered_gamma,
+        None if bias is None else bias.dtype,
+    )
+    return dx, dweight, x.new_empty(0) if dbias is None else dbias
+
+
+norm_bwd = torch.library.custom_op("fusedlayers::norm_bwd", mutates_args=())(_backward_impl)
+
+
+@norm_bwd.register_fake
+def _(dy, x, weight, bias, *args) -> tuple[Tensor, Tensor, Tensor]:
+    dbias = x.new_empty(0) if bias is None else bias.new_empty(bias.shape)
+    return x.new_empty(x.shape), weight.new_empty(weight.shape), dbias
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    x, weight, bias, _eps, rms, zero_centered_gamma = inputs
+    _y, mean, rstd = output
+    ctx.mark_non_differentiable(mean, rstd)
+    ctx.save_for_backward(x, weight, bias, mean, rstd)
+    ctx.rms, ctx.zero_centered_gamma = rms, zero_centered_gamma
+
+
+def _backward(ctx, dy, _dmean, _drstd):
+    x, weight, bias, mean, rstd = ctx.saved_tensors
+    dx, dweight, dbias = norm_bwd(dy, x, weight, bias, mean, rstd, ctx.rms, ctx.zero_centered_gamma)
+    needs_x, needs_weight, needs_bias = ctx.needs_input_grad[:3]
+    return (
+        dx if needs_x else None,
+        dweight if needs_weight else None,
+        dbias if bias is not None and needs_bias else None,
+        None,
+        None,
+        None,
+    )
+
+
+norm_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+def layer_norm(
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    eps: float,
+    *,
+    rms: bool,
+    zero_centered_gamma: bool,
+) -> Tensor:
+    """LayerNorm (or RMSNorm with `rms=True`) of `x [..., n]` over its last dim, on validated input.
+
+    Args:
+        x: fp16/bf16/fp32 [..., n], 0 < n <= `_norm.MAX_HIDDEN`; any strides (rows that do not
+            collapse to one stride, or a strided last dim, are copied first).
+        weight: [n], any of those dtypes; gamma = weight (+ 1 when `zero_centered_gamma`, TE's
+            convention: the stored weight is gamma - 1).
+        bias: [n] or None; added after scaling (RMSNorm takes one too, though TE's has none).
+        eps: added to the variance (LayerNorm) or the mean square (RMSNorm).
+
+    Returns:
+        y [..., n] in x's dtype, contiguous; differentiable in x, weight and bias, with
+        deterministic gradients (dweight/dbias in the parameters' dtypes).
+    """
+    y, _mean, _rstd = norm_fwd(x, weight, bias, float(eps), bool(rms), bool(zero_centered_gamma))
+    return y
+
+
+__all__ = ["layer_norm", "norm_fwd", "norm_bwd"]
