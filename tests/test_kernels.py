@@ -14,7 +14,7 @@ import dataclasses
 import pytest
 import torch
 from attention_testing import Case, check_case, make_inputs, run_kernel
-from fusedlayers.kernels import dropout_keep_mask, flash_attention
+from fusedlayers.kernels import dropout_keep_mask, flash_attention, ops
 from fusedlayers.kernels.ops import flash_attn_bwd, flash_attn_fwd
 
 F16, F32 = torch.float16, torch.float32
@@ -283,6 +283,33 @@ def test_torch_compile_fullgraph(device):
     first = compiled(*leaves, 0.3)[0]
     torch.manual_seed(7)
     assert torch.equal(first, compiled(*leaves, 0.3)[0])
+
+
+def test_entry_routes_eager_calls_around_the_dispatcher(device):
+    """Eager calls skip the torch.library dispatch (host time, see `ops._pick_forward`): the
+    autograd.Function when a gradient is needed, the bare launch otherwise; torch.compile traces
+    the custom op. The results are the same bits on every route."""
+    case, inputs, leaves = _compiled_inputs(device)
+    q, k, v = leaves[:3]
+    assert ops._pick_forward(q, k, v, None) == ops._EagerFlashAttention.apply
+    assert ops._pick_forward(q.detach(), k.detach(), v.detach(), None) is ops._forward_impl
+    with torch.no_grad():
+        assert ops._pick_forward(q, k, v, None) is ops._forward_impl
+    seen = []
+
+    def record(gm, example_inputs):
+        seen.extend(str(node.target) for node in gm.graph.nodes)
+        return gm
+
+    def attend(q, k, v):
+        return flash_attention(q, k, v, softmax_scale=0.3, window_size=CAUSAL)[0]
+
+    compiled = torch.compile(attend, fullgraph=True, backend=record)
+    out = compiled(q, k, v)
+    assert "fusedlayers.flash_attn_fwd.default" in seen
+    with torch.no_grad():
+        bare = attend(q, k, v)
+    assert torch.equal(out, attend(q, k, v)) and torch.equal(bare, out)
 
 
 def test_opcheck(device):
