@@ -11,6 +11,7 @@ The saved statistics (mean, rstd: fp32 [m], m = x.numel() // n) are not differen
 import torch
 
 from ._norm import norm_backward, norm_forward
+from ._routes import eager_function, pick_forward
 
 Tensor = torch.Tensor
 
@@ -78,9 +79,11 @@ def _setup_context(ctx, inputs, output) -> None:
     ctx.rms, ctx.zero_centered_gamma = rms, zero_centered_gamma
 
 
-def _backward(ctx, dy, _dmean, _drstd):
+def _backward(ctx, dy, _dmean, _drstd, backward_op=norm_bwd):
     x, weight, bias, mean, rstd = ctx.saved_tensors
-    dx, dweight, dbias = norm_bwd(dy, x, weight, bias, mean, rstd, ctx.rms, ctx.zero_centered_gamma)
+    dx, dweight, dbias = backward_op(
+        dy, x, weight, bias, mean, rstd, ctx.rms, ctx.zero_centered_gamma
+    )
     needs_x, needs_weight, needs_bias = ctx.needs_input_grad[:3]
     return (
         dx if needs_x else None,
@@ -93,6 +96,13 @@ def _backward(ctx, dy, _dmean, _drstd):
 
 
 norm_fwd.register_autograd(_backward, setup_context=_setup_context)
+# Eager calls skip the dispatcher and the op's autograd wrapper (host time: see _routes.py).
+_EagerNorm = eager_function(
+    "_EagerNorm",
+    _forward_impl,
+    _setup_context,
+    lambda ctx, dy, dmean, drstd: _backward(ctx, dy, dmean, drstd, backward_op=_backward_impl),
+)
 
 
 def layer_norm(
@@ -118,7 +128,8 @@ def layer_norm(
         y [..., n] in x's dtype, contiguous; differentiable in x, weight and bias, with
         deterministic gradients (dweight/dbias in the parameters' dtypes).
     """
-    y, _mean, _rstd = norm_fwd(x, weight, bias, float(eps), bool(rms), bool(zero_centered_gamma))
+    forward = pick_forward(norm_fwd, _EagerNorm, _forward_impl, (x, weight, bias))
+    y, _mean, _rstd = forward(x, weight, bias, float(eps), bool(rms), bool(zero_centered_gamma))
     return y
 
 

@@ -20,6 +20,7 @@ import torch
 
 from ._flash_bwd import flash_attention_backward
 from ._flash_fwd import flash_attention_forward
+from ._routes import eager_function, pick_forward
 
 Tensor = torch.Tensor
 
@@ -257,35 +258,13 @@ def _backward(ctx, dout, _dlse, backward_op=flash_attn_bwd):
 flash_attn_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
-class _EagerFlashAttention(torch.autograd.Function):
-    """The custom ops' forward, autograd formula and backward, minus the torch.library dispatch
-    and its autograd wrapper, for eager calls (see `_pick_forward`)."""
-
-    @staticmethod
-    def forward(*inputs):
-        return _forward_impl(*inputs)
-
-    setup_context = staticmethod(_setup_context)
-
-    @staticmethod
-    def backward(ctx, dout, dlse):
-        return _backward(ctx, dout, dlse, backward_op=_backward_impl)
-
-
-def _pick_forward(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None):
-    """The custom op under torch.compile (Dynamo sees is_compiling() as True and traces it);
-    in eager, the autograd.Function when a gradient is needed, else the bare launch.
-
-    Host time per forward on a 2-core CPU with the kernel launch stubbed out: custom op 43 us
-    without grad and 162 us with grad (its autograd wrapper), the Function 54 us, the bare
-    launch 23 us. Small attention calls are launch-bound, so this shows up in their timings.
-    """
-    if torch.compiler.is_compiling():
-        return flash_attn_fwd
-    needs_grad = torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in (q, k, v, bias)
-    )
-    return _EagerFlashAttention.apply if needs_grad else _forward_impl
+# Eager calls skip the dispatcher and the op's autograd wrapper (host time: see _routes.py).
+_EagerFlashAttention = eager_function(
+    "_EagerFlashAttention",
+    _forward_impl,
+    _setup_context,
+    lambda ctx, dout, dlse: _backward(ctx, dout, dlse, backward_op=_backward_impl),
+)
 
 
 def flash_attention(
@@ -345,7 +324,7 @@ def flash_attention(
         # torch.randint on the default generator: reproducible under torch.manual_seed, and
         # traceable by torch.compile (the state is an op input, not a Python-side int).
         rng_state = torch.randint(0, _RNG_BOUND, (2,), dtype=torch.int64)
-    return _pick_forward(q, k, v, bias)(
+    return pick_forward(flash_attn_fwd, _EagerFlashAttention, _forward_impl, (q, k, v, bias))(
         q,
         k,
         v,

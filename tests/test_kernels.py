@@ -285,31 +285,35 @@ def test_torch_compile_fullgraph(device):
     assert torch.equal(first, compiled(*leaves, 0.3)[0])
 
 
-def test_entry_routes_eager_calls_around_the_dispatcher(device):
-    """Eager calls skip the torch.library dispatch (host time, see `ops._pick_forward`): the
+def test_entry_routes_eager_calls_around_the_dispatcher(device, monkeypatch):
+    """Eager calls skip the torch.library dispatch (host time, see kernels/_routes.py): the
     autograd.Function when a gradient is needed, the bare launch otherwise; torch.compile traces
     the custom op. The results are the same bits on every route."""
     case, inputs, leaves = _compiled_inputs(device)
     q, k, v = leaves[:3]
-    assert ops._pick_forward(q, k, v, None) == ops._EagerFlashAttention.apply
-    assert ops._pick_forward(q.detach(), k.detach(), v.detach(), None) is ops._forward_impl
+    op_calls = []
+    op = ops.flash_attn_fwd
+    monkeypatch.setattr(ops, "flash_attn_fwd", lambda *a: op_calls.append(1) or op(*a))
+
+    def attend(q, k, v):
+        return flash_attention(q, k, v, softmax_scale=0.3, window_size=CAUSAL)[0]
+
+    eager = attend(q, k, v)
+    assert type(eager.grad_fn).__name__ == "_EagerFlashAttentionBackward"
     with torch.no_grad():
-        assert ops._pick_forward(q, k, v, None) is ops._forward_impl
+        bare = attend(q, k, v)
+    assert bare.grad_fn is None and attend(q.detach(), k.detach(), v.detach()).grad_fn is None
+    assert op_calls == []
+    monkeypatch.undo()
     seen = []
 
     def record(gm, example_inputs):
         seen.extend(str(node.target) for node in gm.graph.nodes)
         return gm
 
-    def attend(q, k, v):
-        return flash_attention(q, k, v, softmax_scale=0.3, window_size=CAUSAL)[0]
-
-    compiled = torch.compile(attend, fullgraph=True, backend=record)
-    out = compiled(q, k, v)
+    compiled = torch.compile(attend, fullgraph=True, backend=record)(q, k, v)
     assert "fusedlayers.flash_attn_fwd.default" in seen
-    with torch.no_grad():
-        bare = attend(q, k, v)
-    assert torch.equal(out, attend(q, k, v)) and torch.equal(bare, out)
+    assert torch.equal(compiled, eager) and torch.equal(bare, eager)
 
 
 def test_opcheck(device):

@@ -91,8 +91,18 @@ def test_compile_traces_without_graph_break(device):
         return apply_normalization(x, norm.weight, None, 1e-5, "RMSNorm", True, backend="kernel")
 
     x = torch.randn(3, 5, 40, device=device, requires_grad=True)
+    seen = []
+
+    def record(gm, example_inputs):
+        seen.extend(str(node.target) for node in gm.graph.nodes)
+        return gm
+
+    torch.compile(fn, fullgraph=True, backend=record)(x)
+    assert "fusedlayers.norm_fwd.default" in seen  # compiled: the custom op
     compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
     eager_y, compiled_y = fn(x), compiled(x)
+    # Eager: the autograd.Function route around the dispatcher (kernels/_routes.py).
+    assert type(eager_y.grad_fn).__name__ == "_EagerNormBackward"
     assert torch.equal(eager_y, compiled_y)
     eager_dx, eager_dw = torch.autograd.grad(eager_y.sum(), [x, norm.weight])
     compiled_dx, compiled_dw = torch.autograd.grad(compiled_y.sum(), [x, norm.weight])
