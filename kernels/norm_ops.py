@@ -2,7 +2,8 @@
 
 Two ops, `fusedlayers::norm_fwd` and `fusedlayers::norm_bwd`, wrap the launchers of `_norm.py`.
 Each has a fake (meta) implementation, so torch.compile(fullgraph=True) traces through them, and
-the forward op carries its own autograd formula that calls the backward op.
+the forward op carries its own autograd formula that calls the backward op. Eager calls take the
+same formula as an autograd.Function, or the bare launch (kernels/_routes.py).
 
 Shapes: x [..., n], weight [n], bias [n] or None -> y [..., n] in x's dtype, contiguous.
 The saved statistics (mean, rstd: fp32 [m], m = x.numel() // n) are not differentiable.

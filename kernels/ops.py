@@ -3,6 +3,8 @@
 Two ops, `fusedlayers::flash_attn_fwd` and `fusedlayers::flash_attn_bwd`, wrap the Triton
 launchers. Each has a fake (meta) implementation, so torch.compile traces through them without a
 graph break, and the forward op carries its own autograd formula that calls the backward op.
+Eager calls take the same formula as an autograd.Function, or the bare launch when no gradient
+is needed: the dispatcher costs host time (kernels/_routes.py).
 
 Shapes (docs/internals.md):
     dense   q [b, s_q, h_q, d_qk], k [b, s_k, h_kv, d_qk], v [b, s_k, h_kv, d_v]
