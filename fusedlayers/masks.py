@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ._host_cache import per_version
+
 ATTN_MASK_TYPES = (
     "no_mask",
     "padding",
@@ -127,6 +129,11 @@ def seqlens_from_padding_mask(mask: torch.Tensor, name: str) -> torch.Tensor | N
             f"{name}: a padding mask must be bool [b, 1, 1, s], got {mask.dtype} "
             f"{tuple(mask.shape)}"
         )
+    # torch.equal reads the answer on the host: once per mask and in-place version.
+    return per_version(mask, "right-padded lengths", _right_padded_lengths)
+
+
+def _right_padded_lengths(mask: torch.Tensor) -> torch.Tensor | None:
     valid = ~mask[:, 0, 0, :]
     lengths = valid.sum(dim=-1)
     positions = torch.arange(valid.shape[-1], device=mask.device)

@@ -6,9 +6,9 @@ reading this code. The kernels and the reference then assume normalized, valid i
 
 from __future__ import annotations
 
-import weakref
-
 import torch
+
+from ._host_cache import per_version
 
 QKV_FORMATS = ("sbhd", "bshd", "thd")
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -16,26 +16,9 @@ REFERENCE_DTYPES = KERNEL_DTYPES + (torch.float64,)
 MAX_KERNEL_HEAD_DIM = 256
 
 
-# Host copies of index tensors (cu_seqlens), keyed by id() and trusted only while the entry's
-# weak reference still points at the same tensor and its in-place version counter is unchanged.
-# Reading a CUDA tensor's values stalls the host until the device drains; a model hands the same
-# cu_seqlens to every layer, forward and backward, so only the first read of each version waits.
-_HOST_VALUES: dict[int, tuple[weakref.ref, int, list[int]]] = {}
-
-
 def host_values(t: torch.Tensor) -> list[int]:
-    """`t.tolist()` for a 1-D integer tensor, cached per tensor and in-place version."""
-    if torch.compiler.is_compiling():
-        return t.tolist()
-    key = id(t)
-    hit = _HOST_VALUES.get(key)
-    if hit is not None and hit[0]() is t and hit[1] == t._version:
-        return list(hit[2])
-    values = t.tolist()
-    # The callback drops the entry when the tensor dies, before its id can be reused.
-    ref = weakref.ref(t, lambda _, key=key: _HOST_VALUES.pop(key, None))
-    _HOST_VALUES[key] = (ref, t._version, values)
-    return list(values)
+    """`t.tolist()` for a 1-D integer tensor (cu_seqlens), read once per tensor and version."""
+    return list(per_version(t, "values", torch.Tensor.tolist))
 
 
 def _describe(t: torch.Tensor) -> str:

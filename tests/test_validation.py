@@ -116,6 +116,24 @@ def test_cu_seqlens_read_once_per_version_and_rechecked_after_an_in_place_edit(m
         dpa(q, k, v, cu_seqlens_q=cu, cu_seqlens_kv=cu)
 
 
+def test_padding_mask_read_once_per_version_and_rechecked_after_an_in_place_edit(monkeypatch):
+    """A padding mask's right-padding check (a host read) runs once per mask version."""
+    q, k, v = _qkv(b=2, s=6)
+    mask = torch.zeros(2, 1, 1, 6, dtype=torch.bool)
+    mask[1, ..., 4:] = True
+    reads = []
+    original = torch.equal
+    monkeypatch.setattr(torch, "equal", lambda a, b: reads.append(1) or original(a, b))
+    dpa = _dpa(attn_mask_type="padding")
+    first = dpa(q, k, v, attention_mask=mask)
+    dpa(q, k, v, attention_mask=mask)
+    assert len(reads) == 1
+    mask[1, ..., 2:] = True  # same tensor, shorter second sequence: read and used again
+    second = dpa(q, k, v, attention_mask=mask)
+    assert len(reads) == 2
+    assert original(first[0], second[0]) and not torch.allclose(first[1], second[1])
+
+
 def test_padded_offsets_too_small_for_a_sequence():
     q, k, v = (t[0] for t in _qkv(b=1, s=10))
     cu = torch.tensor([0, 4, 8], dtype=torch.int32)
