@@ -348,6 +348,13 @@ def seed_offset(seed, offset) -> tuple[int, int]:
     return int(seed), int(offset)
 
 
+def next_pow2(n: int) -> int:
+    """The next power of two >= n (n >= 1). Plain integer arithmetic: `triton.next_power_of_2`
+    goes through Triton's constexpr-function wrapper, ~5 us of host time per call here, and the
+    launchers call this several times per launch."""
+    return 1 << (n - 1).bit_length()
+
+
 def next_pow2_dim(d: int) -> int:
     """Padded tile width for a head dim: next power of two, at least 16 (tl.dot's minimum K)."""
-    return max(16, triton.next_power_of_2(d))
+    return max(16, next_pow2(d))

@@ -29,6 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ._common import next_pow2
+
 # Largest hidden size the one-row-in-registers kernels take. The 32-warp programs spill registers
 # to local memory for the backward from 16384 and the forward at 65536 (sm_90 cubins): correct,
 # slower. Larger rows would need a column loop; the front end sends them to the torch path.
@@ -155,7 +157,7 @@ def _norm_bwd_kernel(
 
 def _geometry(n_cols: int, tile: int, warp_elems: int) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps) for rows of n_cols elements."""
-    block_n = triton.next_power_of_2(n_cols)
+    block_n = next_pow2(n_cols)
     block_m = max(1, tile // block_n)
     # 32 warps (1024 threads) is the hardware ceiling; beyond it each thread holds more values.
     num_warps = min(32, max(1, block_m * block_n // warp_elems))
