@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import dropout_keep, seed_offset
+from ._common import cdiv, dropout_keep, seed_offset
 
 
 @triton.jit
@@ -56,6 +56,6 @@ def dropout_keep_mask(
     seed, offset = seed_offset(rng_state_or_seed_offset[0], rng_state_or_seed_offset[1])
     out = torch.empty((b, h, s_q, s_k), dtype=torch.uint8, device=device)
     block_m, block_n = 32, 64
-    grid = (triton.cdiv(s_q, block_m), triton.cdiv(s_k, block_n), b * h)
+    grid = (cdiv(s_q, block_m), cdiv(s_k, block_n), b * h)
     _keep_mask_kernel[grid](out, seed, offset, float(p), s_q, s_k, BLOCK_M=block_m, BLOCK_N=block_n)
     return out.bool()

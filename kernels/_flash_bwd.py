@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import launch_geometry, next_pow2_dim, seq_bounds, strides4
+from ._common import cdiv, launch_geometry, next_pow2_dim, seq_bounds, strides4
 from ._flash_bwd_dkdv import _flash_bwd_dkdv_kernel
 from ._flash_bwd_dq import _flash_bwd_dq_kernel
 
@@ -220,7 +220,7 @@ def flash_attention_backward(
     _launch_dkdv(*shared, None, cfg)
     dq = _new_grad(q, geo.q.owns_all_rows)
     dbias_args = (dbias, dbias.stride()) if dbias is not None else (q, (0, 0, 0, 0))
-    _flash_bwd_dq_kernel[(triton.cdiv(geo.q.max_len, cfg["BLOCK_M2"]) * geo.batch * h_q,)](
+    _flash_bwd_dq_kernel[(cdiv(geo.q.max_len, cfg["BLOCK_M2"]) * geo.batch * h_q,)](
         q, k, v, dout, lse, delta, dq, bias_args[0], dbias_args[0], alibi_args[0], *seq_ptrs,
         *strides, *strides4(dq, geo.varlen)[:3], *bias_args[1], *dbias_args[1],
         *alibi_args[1], *scalars,
@@ -241,7 +241,7 @@ def _launch_dkdv(
     # Without an accumulator the kernel never touches DQ_ACC; q stands in for the pointer.
     dq_args = (dq_acc, strides4(dq_acc, geo.varlen)[:3]) if dq_acc is not None else (q, (0, 0, 0))
     h_kv = k.shape[-2]
-    _flash_bwd_dkdv_kernel[(triton.cdiv(geo.k.max_len, cfg["BLOCK_N1"]) * geo.batch * h_kv,)](
+    _flash_bwd_dkdv_kernel[(cdiv(geo.k.max_len, cfg["BLOCK_N1"]) * geo.batch * h_kv,)](
         q, k, v, dout, lse, delta, dk, dv, bias_args[0], alibi_args[0], dq_args[0], *seq_ptrs,
         *strides, *strides4(dk, geo.varlen)[:3], *strides4(dv, geo.varlen)[:3],
         *bias_args[1], *alibi_args[1], *dq_args[1], *scalars,
@@ -279,7 +279,7 @@ def _preprocess(out, dout, lse, geo, seq_ptrs) -> torch.Tensor:
     """delta = rowsum(dout * out) in fp32, shaped and strided like the (contiguous) LSE."""
     delta = torch.empty_like(lse)
     h_q, d_v = out.shape[-2], out.shape[-1]
-    grid = (triton.cdiv(geo.q.max_len, PREPROCESS_BLOCK_M) * geo.batch * h_q,)
+    grid = (cdiv(geo.q.max_len, PREPROCESS_BLOCK_M) * geo.batch * h_q,)
     _flash_bwd_preprocess_kernel[grid](
         out, dout, delta, seq_ptrs[0], seq_ptrs[2], seq_ptrs[4],
         *strides4(out, geo.varlen)[:3], *strides4(dout, geo.varlen)[:3],

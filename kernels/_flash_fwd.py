@@ -29,6 +29,7 @@ import triton.language as tl
 
 from ._common import (
     LN2,
+    cdiv,
     diagonal_offset,
     dropout_keep,
     key_block_range,
@@ -343,7 +344,7 @@ def forward_launch(
     alibi_strides = tuple(alibi_slopes.stride()) if alibi_slopes is not None else (0, 0)
 
     def grid(meta):
-        return (triton.cdiv(geom.q.max_len, meta["BLOCK_M"]) * geom.batch * num_heads_q,)
+        return (cdiv(geom.q.max_len, meta["BLOCK_M"]) * geom.batch * num_heads_q,)
 
     args = (
         q, k, v, out, lse, bias, alibi_slopes,

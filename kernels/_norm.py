@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import next_pow2
+from ._common import cdiv, next_pow2
 
 # Largest hidden size the one-row-in-registers kernels take. The 32-warp programs spill registers
 # to local memory for the backward from 16384 and the forward at 65536 (sm_90 cubins): correct,
@@ -206,7 +206,7 @@ def norm_forward(
     if n_rows == 0:
         return y, mean, rstd
     block_m, block_n, num_warps = _geometry(n_cols, _FWD_TILE, _FWD_WARP_ELEMS)
-    _norm_fwd_kernel[(triton.cdiv(n_rows, block_m),)](
+    _norm_fwd_kernel[(cdiv(n_rows, block_m),)](
         x2, weight, weight if bias is None else bias, y, rstd if rms else mean, rstd,
         x2.stride(0), n_cols,
         n_rows, n_cols, 1.0 / n_cols, eps,
@@ -237,12 +237,12 @@ def norm_backward(
         dbias = torch.zeros(n_cols, dtype=bias_dtype, device=x.device) if has_bias else None
         return dx, torch.zeros_like(weight), dbias
     block_m, block_n, num_warps = _geometry(n_cols, _BWD_TILE, _BWD_WARP_ELEMS)
-    n_blocks = triton.cdiv(n_rows, block_m)
+    n_blocks = cdiv(n_rows, block_m)
     programs = min(n_blocks, _backward_programs_cap(x.device, num_warps))
-    blocks_per_program = triton.cdiv(n_blocks, programs)
+    blocks_per_program = cdiv(n_blocks, programs)
     # Drop programs the rounding left without rows: then every launched program owns rows and
     # writes its whole partials row, so the buffers need no zero fill.
-    programs = triton.cdiv(n_blocks, blocks_per_program)
+    programs = cdiv(n_blocks, blocks_per_program)
     dw_partial = torch.empty(programs, n_cols, dtype=torch.float32, device=x.device)
     db_partial = torch.empty_like(dw_partial) if has_bias else dw_partial
     _norm_bwd_kernel[(programs,)](
