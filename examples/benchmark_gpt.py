@@ -2,6 +2,7 @@
 
     python examples/benchmark_gpt.py                      # gpt-125m, context 2048, batch 8, H100
     python examples/benchmark_gpt.py --compile --json runs/bench.json
+    python examples/benchmark_gpt.py --variants default,norm-kernels,atomic-dq,both
 
 Both models have the same architecture and parameter count (pre-norm RMSNorm, fused QKV, RoPE,
 SwiGLU, tied embeddings), run under bf16 autocast with fp32 master weights, and take the same
@@ -16,6 +17,7 @@ head matmul; the second term is causal attention's QK^T and PV, forward and back
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import time
@@ -23,12 +25,34 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from fusedlayers.kernels import _flash_bwd
 from fusedlayers.models import GPT, GPTConfig, lm_loss
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from fusedlayers import normalization
 from fusedlayers.qkv_storage import QKVSpec, split_fused
 
 PEAK_BF16_TFLOPS = {"H100": 989.4, "H200": 989.4, "A100": 312.0}
+# Kernels that exist but are off by default until measured (docs/performance.md): each variant
+# times the fusedlayers model with some of them switched on, for the A/B in one process.
+VARIANTS = {
+    "default": dict(norm_kernels=False, atomic_dq=False),
+    "norm-kernels": dict(norm_kernels=True, atomic_dq=False),
+    "atomic-dq": dict(norm_kernels=False, atomic_dq=True),
+    "both": dict(norm_kernels=True, atomic_dq=True),
+}
+
+
+@contextlib.contextmanager
+def switched(norm_kernels: bool, atomic_dq: bool):
+    """Turn the off-by-default kernels on for the duration of a benchmark."""
+    saved = normalization.KERNEL_BY_DEFAULT, _flash_bwd.ATOMIC_DQ_DEVICES
+    normalization.KERNEL_BY_DEFAULT = norm_kernels
+    _flash_bwd.ATOMIC_DQ_DEVICES = "cuda" if atomic_dq else "never"
+    try:
+        yield
+    finally:
+        normalization.KERNEL_BY_DEFAULT, _flash_bwd.ATOMIC_DQ_DEVICES = saved
 
 
 class PlainBlock(torch.nn.Module):
@@ -127,6 +151,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--formats", default="bshd", help="comma-separated attn_input_formats")
+    p.add_argument(
+        "--variants",
+        default="default",
+        help=f"comma-separated fusedlayers variants to time: {', '.join(VARIANTS)}",
+    )
     p.add_argument("--compile", action="store_true", help="torch.compile every model")
     p.add_argument("--peak-tflops", type=float, default=None, help="default: by GPU name")
     p.add_argument("--json", type=Path, default=None, help="also write the results here")
@@ -199,8 +228,12 @@ def main() -> None:
     results = {}
     for name, model in build_models(c, args.formats.split(",")).items():
         # Same initial weights and batch: the final losses should agree to bf16 noise.
-        results[name] = bench(model, c, args)
-        results[name]["parameters"] = sum(p.numel() for p in model.parameters())
+        variants = args.variants.split(",") if name.startswith("fusedlayers") else ["default"]
+        for variant in variants:
+            label = name if variant == "default" else f"{name}+{variant}"
+            with switched(**VARIANTS[variant]):
+                results[label] = bench(model, c, args)
+            results[label]["parameters"] = sum(p.numel() for p in model.parameters())
         model.cpu()
         torch.cuda.empty_cache()
     plain = results["pytorch_sdpa_cudnn"]

@@ -44,3 +44,16 @@ def test_flop_count(bench):
         model = GPT(c)
     n = sum(p.numel() for p in model.parameters())
     assert bench.flops_per_token(model, c) == 6 * n + 6 * 12 * 2048 * 768
+
+
+def test_variants_switch_the_off_by_default_kernels_and_restore_them(bench):
+    from fusedlayers.kernels import _flash_bwd
+
+    from fusedlayers import normalization
+
+    before = normalization.KERNEL_BY_DEFAULT, _flash_bwd.ATOMIC_DQ_DEVICES
+    with bench.switched(**bench.VARIANTS["both"]):
+        assert normalization.KERNEL_BY_DEFAULT and _flash_bwd.ATOMIC_DQ_DEVICES == "cuda"
+    assert (normalization.KERNEL_BY_DEFAULT, _flash_bwd.ATOMIC_DQ_DEVICES) == before
+    with bench.switched(**bench.VARIANTS["default"]):
+        assert not normalization.KERNEL_BY_DEFAULT and _flash_bwd.ATOMIC_DQ_DEVICES == "never"
