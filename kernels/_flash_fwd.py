@@ -400,5 +400,27 @@ def flash_attention_forward(
         seed=seed, offset=offset,
     )  # fmt: skip
     if grid({"BLOCK_M": 1})[0] > 0:  # no query rows anywhere: an empty grid is no valid launch
-        _attn_fwd[grid](*args, **constexprs)
+        _launch(grid, args, constexprs)
     return out, lse
+
+
+# The autotuner's pick per launch signature, remembered here so later launches skip
+# `Autotuner.run`: it rebuilds its key on every call, testing each of ~60 argument names for
+# membership in a list, ~100 us of host time per launch on the H100's host (cProfile, Triton
+# 3.6), more than the kernel itself at s = 1k. The signature (every constexpr and every tensor
+# argument's dtype) is finer than the autotuner's key, so each entry maps to one of its picks.
+_PICKED: dict[tuple, triton.Config] = {}
+
+
+def _launch(grid, args, constexprs) -> None:
+    """`_attn_fwd[grid](...)`, through the autotuner only the first time per signature."""
+    signature = (
+        tuple(constexprs.values()),
+        tuple(a.dtype for a in args if isinstance(a, torch.Tensor)),
+    )
+    config = _PICKED.get(signature)
+    if config is None:
+        _attn_fwd[grid](*args, **constexprs)
+        _PICKED[signature] = _attn_fwd.best_config
+    else:
+        _attn_fwd.fn[grid](*args, **constexprs, **config.all_kwargs())

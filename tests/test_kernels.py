@@ -316,6 +316,28 @@ def test_entry_routes_eager_calls_around_the_dispatcher(device, monkeypatch):
     assert torch.equal(compiled, eager) and torch.equal(bare, eager)
 
 
+def test_forward_consults_the_autotuner_once_per_launch_signature(device, monkeypatch):
+    """Later launches reuse the autotuner's pick (its per-call key building costs ~100 us of host
+    time on the H100's host) and compute the same bits; a new signature asks it again."""
+    from fusedlayers.kernels import _flash_fwd
+
+    monkeypatch.setattr(_flash_fwd, "_PICKED", {})
+    calls = []
+    tuner_run = _flash_fwd._attn_fwd.run
+    monkeypatch.setattr(
+        _flash_fwd._attn_fwd, "run", lambda *a, **k: calls.append(1) or tuner_run(*a, **k)
+    )
+    case = Case(h=2, h_kv=1, s_q=9, s_k=12)
+    inputs = make_inputs(case, device)
+    q, k, v = (inputs[n] for n in ("q", "k", "v"))
+    first = flash_attention(q, k, v, softmax_scale=0.3, window_size=CAUSAL)
+    second = flash_attention(q, k, v, softmax_scale=0.3, window_size=CAUSAL)
+    assert len(calls) == 1
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
+    flash_attention(q, k, v, softmax_scale=0.3)  # no window: another signature
+    assert len(calls) == 2
+
+
 def test_opcheck(device):
     """torch.library.opcheck: schemas, fake (meta) shapes/strides, autograd registration."""
     case = Case(h=2, h_kv=1, s_q=5, s_k=7, bias="1hss")
