@@ -229,8 +229,11 @@ def main() -> None:
     for name, model in build_models(c, args.formats.split(",")).items():
         # Same initial weights and batch: the final losses should agree to bf16 noise.
         variants = args.variants.split(",") if name.startswith("fusedlayers") else ["default"]
+        # Every variant starts from the same weights (bench trains the model it is given).
+        initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
         for variant in variants:
             label = name if variant == "default" else f"{name}+{variant}"
+            model.load_state_dict(initial)
             with switched(**VARIANTS[variant]):
                 results[label] = bench(model, c, args)
             results[label]["parameters"] = sum(p.numel() for p in model.parameters())
