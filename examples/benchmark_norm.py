@@ -1,9 +1,9 @@
 """Norm benchmark: the fused Triton LayerNorm / RMSNorm against the torch paths it replaces.
 
 Providers, all on the same data in one process:
-    fusedlayers    fusedlayers.kernels.layer_norm (what the modules run on CUDA once
-                   normalization.KERNEL_BY_DEFAULT is on)
-    torch-fp32     the fp32-upcast torch path (`normalization_reference`: what they run now)
+    fusedlayers    fusedlayers.kernels.layer_norm (what the modules run on CUDA from
+                   normalization.KERNEL_MIN_HIDDEN)
+    torch-fp32     the fp32-upcast torch path (`normalization_reference`: what they run below it)
     torch-native   plain F.layer_norm / F.rms_norm in the input dtype
     compiled-fp32  torch.compile of the fp32-upcast path
 

@@ -7,8 +7,8 @@ Two paths behind one entry, `apply_normalization`:
 - kernel: the fused Triton kernels of `fusedlayers.kernels.layer_norm` (one pass over x forward,
   one backward; fp32 statistics; deterministic parameter gradients), for fp16/bf16/fp32 with
   hidden <= `MAX_NORM_HIDDEN`. `backend="kernel"` asks for them (CPU tensors need
-  `TRITON_INTERPRET=1`); `auto` takes them for CUDA tensors only when `KERNEL_BY_DEFAULT` is on,
-  which waits for a measurement on the H100 (see its comment).
+  `TRITON_INTERPRET=1`); `auto` takes them for CUDA tensors whose hidden size is at least
+  `KERNEL_MIN_HIDDEN`, where the H100 measured them faster (see its comment).
 - reference: torch's `F.layer_norm` / `F.rms_norm` on an fp32 copy of the input (fp64 for fp64):
   TE's norm kernels accumulate in fp32 whatever the input dtype, and a bf16 `rms_norm` would not.
   `use_reference=True` (or `reference_mode()`), CPU tensors, fp64 and oversized rows take it.
@@ -34,10 +34,12 @@ else:
 
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 BACKENDS = ("auto", "kernel", "reference")
-# Whether `auto` (what the modules use) sends CUDA tensors to the Triton kernels. Off until
-# tests/gpu/test_norm_gpu.py passes on the H100 and examples/benchmark_norm.py shows the kernels
-# faster there than this module's fp32 torch path: the layers should only use them where they win.
-KERNEL_BY_DEFAULT = False
+# The smallest hidden size for which `auto` (what the modules use) sends CUDA tensors to the Triton
+# kernels; None keeps them off. Measured on the H100, bf16, 16384 rows, against this module's
+# fp32 torch path (bench/h100-2026-11-23/norm.md): at hidden 4096 and 8192 the kernels are 5-6.7x
+# faster forward and 2.4-4.6x forward+backward; at 1024 and 2048 the forward wins but the backward
+# loses (0.6-1.2x forward+backward), so smaller rows keep the torch path.
+KERNEL_MIN_HIDDEN: int | None = 4096
 
 
 def check_normalization(normalization: str) -> None:
@@ -96,8 +98,11 @@ def _use_kernel(backend: str, x, weight, bias) -> tuple[bool, str]:
         return True, "backend='kernel'"
     if not x.is_cuda:
         return False, f"x on {x.device} (no CUDA): reference path"
-    if not KERNEL_BY_DEFAULT:
-        return False, "norm kernels not on by default until measured on the GPU: reference path"
+    if KERNEL_MIN_HIDDEN is None or x.shape[-1] < KERNEL_MIN_HIDDEN:
+        return False, (
+            f"hidden size ({x.shape[-1]}) below the norm kernels' measured break-even "
+            f"(KERNEL_MIN_HIDDEN={KERNEL_MIN_HIDDEN}): reference path"
+        )
     if blocker:
         return False, f"{blocker}: reference path"
     return True, "CUDA tensors"

@@ -51,9 +51,10 @@ def test_variants_switch_the_off_by_default_kernels_and_restore_them(bench):
 
     from fusedlayers import normalization
 
-    before = normalization.KERNEL_BY_DEFAULT, _flash_bwd.ATOMIC_DQ_DEVICES
+    before = normalization.KERNEL_MIN_HIDDEN, _flash_bwd.ATOMIC_DQ_DEVICES
     with bench.switched(**bench.VARIANTS["both"]):
-        assert normalization.KERNEL_BY_DEFAULT and _flash_bwd.ATOMIC_DQ_DEVICES == "cuda"
-    assert (normalization.KERNEL_BY_DEFAULT, _flash_bwd.ATOMIC_DQ_DEVICES) == before
+        assert normalization.KERNEL_MIN_HIDDEN == 0 and _flash_bwd.ATOMIC_DQ_DEVICES == "cuda"
+    assert (normalization.KERNEL_MIN_HIDDEN, _flash_bwd.ATOMIC_DQ_DEVICES) == before
     with bench.switched(**bench.VARIANTS["default"]):
-        assert not normalization.KERNEL_BY_DEFAULT and _flash_bwd.ATOMIC_DQ_DEVICES == "never"
+        assert normalization.KERNEL_MIN_HIDDEN == before[0]
+        assert _flash_bwd.ATOMIC_DQ_DEVICES == "never"

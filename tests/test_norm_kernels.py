@@ -173,17 +173,19 @@ def test_modules_choose_path_from_use_reference(monkeypatch):
     assert seen == ["auto", "reference"] * len(modules)
 
 
-def test_auto_takes_the_kernel_on_cuda_only_when_enabled(monkeypatch):
-    """`auto` never takes the kernel for CPU tensors, and for CUDA ones only with the switch."""
-    x, w = torch.randn(2, 16), torch.randn(16)
-    assert normalization._use_kernel("auto", x, w, None)[0] is False
+def test_auto_takes_the_kernel_on_cuda_from_the_measured_hidden_size(monkeypatch):
+    """`auto` never takes the kernel for CPU tensors; for CUDA ones only from
+    KERNEL_MIN_HIDDEN (4096, the H100's break-even), and never with None."""
+    w_small, w_large = torch.randn(16), torch.randn(4096)
+    x_small, x_large = torch.randn(2, 16), torch.randn(2, 4096)
+    assert normalization._use_kernel("auto", x_large, w_large, None)[0] is False
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: True))
-    assert normalization._use_kernel("auto", x, w, None) == (
-        False,
-        "norm kernels not on by default until measured on the GPU: reference path",
-    )
-    monkeypatch.setattr(normalization, "KERNEL_BY_DEFAULT", True)
-    assert normalization._use_kernel("auto", x, w, None) == (True, "CUDA tensors")
+    assert normalization.KERNEL_MIN_HIDDEN == 4096
+    use, why = normalization._use_kernel("auto", x_small, w_small, None)
+    assert not use and "hidden size (16) below" in why
+    assert normalization._use_kernel("auto", x_large, w_large, None) == (True, "CUDA tensors")
+    monkeypatch.setattr(normalization, "KERNEL_MIN_HIDDEN", None)
+    assert normalization._use_kernel("auto", x_large, w_large, None)[0] is False
 
 
 def test_benchmark_dry_run(tmp_path):

@@ -54,7 +54,7 @@ def test_mixed_parameter_dtype():
 def test_compiled_module_matches_eager(norm_cls, monkeypatch):
     """torch.compile(fullgraph=True) over a function using the module: the custom ops trace
     without a graph break and run the same kernels, so results match eager bitwise."""
-    monkeypatch.setattr(normalization, "KERNEL_BY_DEFAULT", True)
+    monkeypatch.setattr(normalization, "KERNEL_MIN_HIDDEN", 0)
     torch._dynamo.reset()
     norm = norm_cls(1024, zero_centered_gamma=True, params_dtype=torch.bfloat16, device="cuda")
     with torch.no_grad():
