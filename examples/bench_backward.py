@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable
 
 import torch
+from bench_utils import bench_ms
 
 TOKENS, HIDDEN, TOLERANCE = 16384, 2048, 2e-2
 PATHS = (("two-pass", True), ("atomic", False))  # (name, deterministic)
@@ -35,10 +36,9 @@ def shapes(smoke: bool) -> list[tuple[int, int, int, int, int, bool]]:
 
 
 def median_ms(fn: Callable[[], object], smoke: bool) -> float:
+    """do_bench's median on CUDA (bench_utils); three wall-clock runs under --smoke."""
     if not smoke:
-        from triton.testing import do_bench
-
-        return float(do_bench(fn, warmup=25, rep=100, return_mode="median"))
+        return bench_ms(fn, warmup=25, rep=100)
     times = []
     for _ in range(3):
         start = time.perf_counter()

@@ -98,26 +98,24 @@ BWD_ATOMIC_CONFIGS: dict[int, tuple[int, ...]] = {
 ATOMIC_DQ_DEVICES = "never"
 
 
+def _table_entry(table: dict, fields: tuple, head_dim: int, on_cuda: bool) -> dict[str, int]:
+    """The launch shape for a head dim: the smallest bound >= head_dim (interpreter: its own)."""
+    if not on_cuda:
+        return dict(zip(fields, INTERPRETER_CONFIG))
+    for bound in sorted(table):
+        if head_dim <= bound:
+            return dict(zip(fields, table[bound]))
+    raise ValueError(f"head dim ({head_dim}) exceeds the largest supported ({max(table)})")
+
+
 def bwd_config(head_dim: int, on_cuda: bool) -> dict[str, int]:
     """Block sizes, warps and pipeline stages of both passes for a head dim (max of d_qk, d_v)."""
-    if not on_cuda:
-        return dict(zip(CONFIG_FIELDS, INTERPRETER_CONFIG))
-    for bound in sorted(BWD_CONFIGS):
-        if head_dim <= bound:
-            return dict(zip(CONFIG_FIELDS, BWD_CONFIGS[bound]))
-    raise ValueError(f"head dim ({head_dim}) exceeds the largest supported ({max(BWD_CONFIGS)})")
+    return _table_entry(BWD_CONFIGS, CONFIG_FIELDS, head_dim, on_cuda)
 
 
 def bwd_atomic_config(head_dim: int, on_cuda: bool) -> dict[str, int]:
     """Block sizes, warps and stages of the atomic-dQ path's single dK/dV(+dQ) launch."""
-    if not on_cuda:
-        return dict(zip(ATOMIC_CONFIG_FIELDS, INTERPRETER_CONFIG[:4]))
-    for bound in sorted(BWD_ATOMIC_CONFIGS):
-        if head_dim <= bound:
-            return dict(zip(ATOMIC_CONFIG_FIELDS, BWD_ATOMIC_CONFIGS[bound]))
-    raise ValueError(
-        f"head dim ({head_dim}) exceeds the largest supported ({max(BWD_ATOMIC_CONFIGS)})"
-    )
+    return _table_entry(BWD_ATOMIC_CONFIGS, ATOMIC_CONFIG_FIELDS, head_dim, on_cuda)
 
 
 def use_atomic_dq(q: torch.Tensor, deterministic: bool, dbias_requested: bool) -> bool:
