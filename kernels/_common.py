@@ -303,6 +303,14 @@ def strides4(t: torch.Tensor, varlen: bool) -> tuple[int, int, int, int]:
     return (t.stride(0), t.stride(1), t.stride(2), t.stride(3))
 
 
+def lse_strides(lse: torch.Tensor, varlen: bool) -> tuple[int, int, int]:
+    """(batch, head, row) strides of a dense [b, h, s] or varlen [h, t] LSE-shaped tensor
+    (varlen: batch stride 0, as for strides4)."""
+    if varlen:
+        return 0, lse.stride(0), lse.stride(1)
+    return lse.stride(0), lse.stride(1), lse.stride(2)
+
+
 def _seq_args(x, cu_seqlens, seq_offsets, max_seqlen, seqlens) -> SeqArgs:
     if cu_seqlens is not None:
         if seq_offsets is not None:

@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import cdiv, launch_geometry, next_pow2_dim, seq_bounds, strides4
+from ._common import cdiv, launch_geometry, lse_strides, next_pow2_dim, seq_bounds, strides4
 from ._flash_bwd_dkdv import _flash_bwd_dkdv_kernel
 from ._flash_bwd_dq import _flash_bwd_dq_kernel
 
@@ -124,13 +124,6 @@ def use_atomic_dq(q: torch.Tensor, deterministic: bool, dbias_requested: bool) -
         # dBias is written by the dQ pass, the one program that owns each score element.
         return False
     return q.is_cuda or ATOMIC_DQ_DEVICES == "any"
-
-
-def _lse_strides(lse: torch.Tensor, varlen: bool) -> tuple[int, int, int]:
-    """(batch, head, row) strides of dense [b, h, s] or varlen [h, t] (batch stride 0)."""
-    if varlen:
-        return 0, lse.stride(0), lse.stride(1)
-    return lse.stride(0), lse.stride(1), lse.stride(2)
 
 
 def _new_grad(like: torch.Tensor, owns_all_rows: bool) -> torch.Tensor:
@@ -270,7 +263,7 @@ def _seq_pointers(geo, dummy: torch.Tensor) -> tuple[torch.Tensor, ...]:
 def _strides(q, k, v, dout, lse, varlen: bool) -> tuple[int, ...]:
     """(batch, row, head) strides of q, k, v, dout, then (batch, head, row) of the LSE/delta."""
     per_operand = [strides4(t, varlen)[:3] for t in (q, k, v, dout)]
-    return (*[s for triple in per_operand for s in triple], *_lse_strides(lse, varlen))
+    return (*[s for triple in per_operand for s in triple], *lse_strides(lse, varlen))
 
 
 def _preprocess(out, dout, lse, geo, seq_ptrs) -> torch.Tensor:
@@ -281,7 +274,7 @@ def _preprocess(out, dout, lse, geo, seq_ptrs) -> torch.Tensor:
     _flash_bwd_preprocess_kernel[grid](
         out, dout, delta, seq_ptrs[0], seq_ptrs[2], seq_ptrs[4],
         *strides4(out, geo.varlen)[:3], *strides4(dout, geo.varlen)[:3],
-        *_lse_strides(delta, geo.varlen), h_q, geo.q.max_len, d_v,
+        *lse_strides(delta, geo.varlen), h_q, geo.q.max_len, d_v,
         BLOCK_M=PREPROCESS_BLOCK_M, HEAD_DIM_V=next_pow2_dim(d_v), SEQ_MODE_Q=geo.q.mode,
     )  # fmt: skip
     return delta

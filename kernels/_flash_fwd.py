@@ -35,6 +35,7 @@ from ._common import (
     key_block_range,
     launch_geometry,
     load_bias_tile,
+    lse_strides,
     next_pow2_dim,
     scores_log2,
     seed_offset,
@@ -314,13 +315,6 @@ def _alloc_outputs(q, v, geom):
     return out, lse
 
 
-def _lse_strides(lse, varlen):
-    """(stride_b, stride_h, stride_s): varlen lse [h_q, t_q] has no batch dim."""
-    if varlen:
-        return (0, lse.stride(0), lse.stride(1))
-    return (lse.stride(0), lse.stride(1), lse.stride(2))
-
-
 def forward_launch(
     q, k, v, *,
     cu_seqlens_q, cu_seqlens_k, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k,
@@ -351,7 +345,7 @@ def forward_launch(
         geom.q.cu_seqlens, geom.q.seq_offsets, geom.q.seqlens,
         geom.k.cu_seqlens, geom.k.seq_offsets, geom.k.seqlens,
         *strides4(q, geom.varlen), *strides4(k, geom.varlen), *strides4(v, geom.varlen),
-        *strides4(out, geom.varlen), *_lse_strides(lse, geom.varlen),
+        *strides4(out, geom.varlen), *lse_strides(lse, geom.varlen),
         *bias_strides, *alibi_strides,
         num_heads_q, num_heads_q // num_heads_kv, geom.q.max_len, geom.k.max_len,
         float(softmax_scale), float(softcap), int(window_left), int(window_right),
