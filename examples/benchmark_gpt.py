@@ -160,6 +160,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--compile", action="store_true", help="torch.compile every model")
     p.add_argument("--peak-tflops", type=float, default=None, help="default: by GPU name")
     p.add_argument("--json", type=Path, default=None, help="also write the results here")
+    p.add_argument(
+        "--profile",
+        type=int,
+        default=0,
+        help="after timing, profile this many steps per model and print the top GPU kernels",
+    )
     return p.parse_args()
 
 
@@ -187,7 +193,8 @@ def bench(model: torch.nn.Module, c: GPTConfig, args: argparse.Namespace) -> dic
         opt.zero_grad(set_to_none=True)
         return loss
 
-    for _ in range(args.warmup):
+    first_loss = step().item()
+    for _ in range(args.warmup - 1):
         loss = step()
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
@@ -204,9 +211,29 @@ def bench(model: torch.nn.Module, c: GPTConfig, args: argparse.Namespace) -> dic
         "ms_per_step": seconds * 1e3,
         "tokens_per_s": tokens,
         "mfu": tokens * flops_per_token(model, c) / (peak * 1e12),
+        "first_loss": first_loss,
         "final_loss": loss.item(),
         "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30,
-    }
+    } | (profile_steps(step, args.profile) if args.profile else {})
+
+
+def profile_steps(step, steps: int, top: int = 25) -> dict[str, float]:
+    """Print the `top` GPU kernels by total time over `steps` steps; return the GPU's busy time
+    per step next to the wall time (busy well under wall means the host is the bottleneck)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - start) / steps
+    events = prof.key_averages()
+    print(events.table(sort_by="self_device_time_total", row_limit=top, max_name_column_width=70))
+    busy = sum(e.self_device_time_total for e in events) / steps / 1e3
+    print(f"GPU busy {busy:.1f} ms per step of {wall * 1e3:.1f} ms wall (profiled)")
+    return {"profiled_gpu_busy_ms": busy, "profiled_wall_ms": wall * 1e3}
 
 
 def build_models(c: GPTConfig, formats: list[str]) -> dict[str, torch.nn.Module]:
@@ -235,6 +262,10 @@ def main() -> None:
         for variant in variants:
             label = name if variant == "default" else f"{name}+{variant}"
             model.load_state_dict(initial)
+            restored = model.state_dict()
+            stale = [k for k, v in initial.items() if not torch.equal(restored[k], v)]
+            if stale:
+                raise SystemExit(f"{label}: load_state_dict left {len(stale)} tensors: {stale[:5]}")
             with switched(**VARIANTS[variant]):
                 results[label] = bench(model, c, args)
             results[label]["parameters"] = sum(p.numel() for p in model.parameters())
@@ -249,13 +280,15 @@ def main() -> None:
         f"batch {args.batch_size} x {c.context_length}, compile={args.compile}, "
         f"{args.warmup} warm-up + {args.steps} timed steps"
     )
-    print("| model | ms/step | tokens/s | MFU | vs plain | peak mem GiB | final loss |")
-    print("|---|---|---|---|---|---|---|")
+    print(
+        "| model | ms/step | tokens/s | MFU | vs plain | peak mem GiB | first loss | final loss |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
     for name, r in results.items():
         print(
             f"| {name} | {r['ms_per_step']:.1f} | {r['tokens_per_s']:,.0f} | {r['mfu']:.1%} | "
             f"{r['tokens_per_s'] / plain['tokens_per_s']:.3f}x | {r['peak_mem_gib']:.1f} | "
-            f"{r['final_loss']:.4f} |"
+            f"{r['first_loss']:.4f} | {r['final_loss']:.4f} |"
         )
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -56,6 +56,69 @@ def _stub_launches() -> None:
         setattr(_flash_bwd, name, NoLaunch())
 
 
+def backward_breakdown(q, k, v, dout, calls: int) -> list[tuple[str, float]]:
+    """Where the backward's host time goes: the whole autograd backward, the launcher inside it
+    (it runs on autograd's device thread, which cProfile does not see), each Triton launch, and
+    the launcher called directly from this thread."""
+    from fusedlayers.kernels import _flash_bwd, ops
+
+    import fusedlayers
+
+    spent: dict[str, float] = {}
+
+    def timed(name: str, fn: Callable) -> Callable:
+        def run(*args, **kwargs):
+            start = time.perf_counter()
+            result = fn(*args, **kwargs)
+            spent[name] = spent.get(name, 0.0) + time.perf_counter() - start
+            return result
+
+        return run
+
+    class TimedKernel:
+        def __init__(self, name: str, kernel) -> None:
+            self.name, self.kernel = name, kernel
+
+        def __getitem__(self, grid):
+            return timed(self.name, self.kernel[grid])
+
+    names = ("_flash_bwd_dkdv_kernel", "_flash_bwd_dq_kernel", "_flash_bwd_preprocess_kernel")
+    saved = {n: getattr(_flash_bwd, n) for n in names}
+    saved_launcher = ops.flash_attention_backward
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = fusedlayers.flash_attn_func(*leaves, causal=True)
+
+    def backward():
+        torch.autograd.grad(out, leaves, dout, retain_graph=True)
+
+    try:
+        for n in names:
+            setattr(_flash_bwd, n, TimedKernel(n, saved[n]))
+        ops.flash_attention_backward = timed("launcher", saved_launcher)
+        total = host_us_per_call(backward, calls, repeats=1)
+        spent.clear()  # keep only the timed calls (host_us_per_call warms up first)
+        total = host_us_per_call(backward, calls, repeats=1)
+    finally:
+        for n in names:
+            setattr(_flash_bwd, n, saved[n])
+        ops.flash_attention_backward = saved_launcher
+    # host_us_per_call ran 20 warm-up calls before the timed ones.
+    per_call = {name: seconds / (calls + 20) * 1e6 for name, seconds in spent.items()}
+    args = [t.detach() for t in (dout, q, k, v, out)]
+    lse = fusedlayers.kernels.ops._forward_impl(*(t.detach() for t in (q, k, v)), *[None] * 8,
+                                                q.shape[-1] ** -0.5, -1, 0, True, None, None,
+                                                0.0, 0.0, None, False)[1]  # fmt: skip
+    direct = host_us_per_call(
+        lambda: saved_launcher(*args, lse, softmax_scale=q.shape[-1] ** -0.5, window_right=0),
+        calls,
+        repeats=1,
+    )
+    rows = [("backward only, through autograd", total)]
+    rows += [(f"  inside: {name}", us) for name, us in sorted(per_call.items())]
+    rows.append(("flash_attention_backward called directly", direct))
+    return rows
+
+
 def main(calls: int = 1000, top: int = 30, stubbed: bool = False) -> None:
     import fusedlayers
 
@@ -97,6 +160,7 @@ def main(calls: int = 1000, top: int = 30, stubbed: bool = False) -> None:
             ("sdpa-flash fwd, no grad", host_us_per_call(sdpa, calls)),
             ("sdpa-flash fwd+bwd", host_us_per_call(lambda: sdpa(True), calls // 2)),
         ]
+        rows += backward_breakdown(q, k, v, dout, calls // 2)
     print(f"| call ({'launches stubbed, CPU' if stubbed else 'CUDA'}) | host us/call |")
     print("|---|---|")
     for name, us in rows:
