@@ -6,7 +6,7 @@ autograd through `attention_reference` is at most 3x the error of PyTorch comput
 input-dtype tensors, plus one unit of the dtype at the gradient's magnitude.
 
 Run as a script for a first forward+backward timing against SDPA's FlashAttention-2 backend:
-    python tests/gpu/test_backward_gpu.py [--sweep] [--out DIR]
+    python tests/gpu/test_backward_gpu.py [--sweep [--dims 128,64] [--seqlen 4096]] [--out DIR]
 
 Layouts: dense q [b, s_q, h, d], k/v [b, s_k, h_kv, d(_v)]; varlen q [t_q, h, d]; lse dense
 [b, h, s_q] / varlen [h, t_q].
@@ -152,14 +152,15 @@ def test_backward_matches_reference(case, dtype, deterministic, monkeypatch):
     )
 
 
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 @pytest.mark.parametrize("d", [64, 128, 256])
-def test_backward_is_bitwise_deterministic(d, monkeypatch):
+def test_backward_is_bitwise_deterministic(d, causal, monkeypatch):
     """deterministic=True (no atomics): two runs agree bit for bit (GQA, long enough to tile).
     The atomic-dQ scheme: dk/dv bitwise equal run to run, dq close.
 
     Also guards the launch tables against Triton miscompiles that race (see BWD_CONFIGS).
     """
-    case = (2, 1000, 1100, 8, 2, d, None, (-1, 0), True, {})
+    case = (2, 1000, 1100, 8, 2, d, None, (-1, 0 if causal else -1), True, {})
     tensors, ref, kern = _make(case, BF16, seed=3)
     out, lse, _ = _reference(tensors, BF16, ref)
     first = _backward(tensors, out, lse, dict(kern, deterministic=True))
@@ -209,16 +210,23 @@ def test_64k_token_sequence():
         assert _relative_error(got[name], ref_grad.transpose(1, 2)) < 2e-2, name
 
 
-# Candidate d=128 launch shapes for the timing sweep, in _flash_bwd.CONFIG_FIELDS order:
-# (BLOCK_M1, BLOCK_N1, WARPS1, STAGES1) of the dK/dV pass, then the same four of the dQ pass.
-SWEEP_128 = [
-    (64, 64, 4, 3, 64, 64, 4, 3),
-    (64, 128, 8, 2, 128, 64, 8, 2),
-    (64, 128, 8, 3, 128, 64, 8, 3),
-    (32, 64, 4, 3, 64, 32, 4, 3),
-    (64, 64, 4, 2, 128, 64, 8, 2),
-    (128, 64, 8, 2, 64, 64, 4, 3),
-]
+# Candidate launch shapes for the timing sweep, per padded head dim, one list per pass: dK/dV
+# (BLOCK_M1, BLOCK_N1, WARPS1, STAGES1) and dQ (BLOCK_M2, BLOCK_N2, WARPS2, STAGES2). The two
+# passes are separate kernels whose times add, so each list is swept with the other pass held at
+# its table entry, and the best of each combine. FlexAttention's sm90 choice for 64 <= d <= 128
+# is (64, 128, 8, 3) / (128, 64, 8, 3).
+SWEEP = {
+    128: dict(
+        dkdv=[(32, 64, 4, 3), (64, 64, 4, 3), (64, 64, 8, 2), (32, 128, 8, 2), (32, 128, 8, 3),
+              (64, 128, 8, 2), (64, 128, 8, 3)],
+        dq=[(64, 32, 4, 3), (64, 64, 4, 3), (64, 64, 4, 2), (128, 32, 8, 3), (128, 64, 8, 2),
+            (128, 64, 8, 3)],
+    ),
+    64: dict(
+        dkdv=[(64, 64, 4, 3), (32, 128, 4, 3), (64, 128, 4, 3), (64, 128, 8, 3), (32, 64, 4, 4)],
+        dq=[(64, 64, 4, 3), (128, 64, 4, 3), (128, 64, 8, 3), (128, 32, 4, 3), (64, 128, 4, 3)],
+    ),
+}  # fmt: skip
 
 
 def _bench_shape(b, h, s, d, causal, dtype=BF16) -> dict:
@@ -292,28 +300,101 @@ def _row_line(b, h, s, d, row) -> str:
     )
 
 
+def _sweep_backward(b, h, s, d, causal, configs) -> list[dict]:
+    """Backward-only median ms of each launch shape; a shape counts only if it is bitwise
+    deterministic and its gradients agree with SDPA's flash backend (norm-wise 5e-3)."""
+    from fusedlayers.kernels._flash_fwd import flash_attention_forward
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from triton.testing import do_bench
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v, dout = (torch.randn(b, s, h, d, generator=g, device="cuda", dtype=BF16)
+                     for _ in range(4))  # fmt: skip
+    mask = dict(softmax_scale=d**-0.5, window_left=-1, window_right=0 if causal else -1,
+                bottom_right=True)  # fmt: skip
+    none = dict.fromkeys(("cu_seqlens_q", "cu_seqlens_k", "seq_offsets_q", "seq_offsets_k",
+                          "max_seqlen_q", "max_seqlen_k", "seqlens_q", "seqlens_k", "bias",
+                          "alibi_slopes"))  # fmt: skip
+    out, lse = flash_attention_forward(
+        q, k, v, **none, **mask, softcap=0.0, dropout_p=0.0, seed=0, offset=0
+    )
+    leaves = [t.transpose(1, 2).detach().requires_grad_() for t in (q, k, v)]
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        ref = torch.nn.functional.scaled_dot_product_attention(*leaves, is_causal=causal)
+    ref_grads = [t.transpose(1, 2) for t in torch.autograd.grad(ref, leaves, dout.transpose(1, 2))]
+    saved, rows = _flash_bwd.BWD_CONFIGS[d], []
+    saved_causal = _flash_bwd.BWD_CAUSAL_DKDV.pop(d, None)  # the sweep sets every field itself
+    for cfg in configs:
+        _flash_bwd.BWD_CONFIGS[d] = cfg
+        try:
+
+            def run():
+                return flash_attention_backward(dout, q, k, v, out, lse, **mask,
+                                                deterministic=True)[:3]  # fmt: skip
+
+            first, again = run(), run()
+            err = max(_relative_error(a, r) for a, r in zip(first, ref_grads))
+            same = all(torch.equal(a, b) for a, b in zip(first, again))
+            ms = do_bench(run, warmup=10, rep=50, return_mode="median")
+            ok = same and err < 5e-3
+            rows.append(dict(config=cfg, causal=causal, ms=ms if ok else math.inf,
+                             raw_ms=ms, rel_err=err, deterministic=same))  # fmt: skip
+        except Exception as exc:  # a shape that does not compile or launch (shared memory)
+            rows.append(dict(config=cfg, causal=causal, ms=math.inf, error=repr(exc)[:200]))
+        finally:
+            _flash_bwd.BWD_CONFIGS[d] = saved
+        r = rows[-1]
+        raw = r.get("raw_ms", math.inf)
+        tflops = _tflops(b, h, s, d, causal, raw, 2.5)
+        print(f"d={d} causal={int(causal)} {cfg}: {raw:.3f} ms ({tflops:.0f} TF/s) "
+              f"err {r.get('rel_err', -1):.1e} det {r.get('deterministic')} {r.get('error', '')}",
+              flush=True)  # fmt: skip
+    if saved_causal is not None:
+        _flash_bwd.BWD_CAUSAL_DKDV[d] = saved_causal
+    return rows
+
+
+def sweep(dims: list[int], seqlen: int) -> dict:
+    """Sweep each pass's candidates (SWEEP) at b * s = 16k tokens, h * d = 2048, causal and not;
+    returns the rows and, per head dim, the best complete config."""
+    report = {}
+    for d in dims:
+        base = _flash_bwd.BWD_CONFIGS[d]
+        b, h = 16384 // seqlen, 2048 // d
+        best = {}
+        for half, slot in (("dkdv", slice(0, 4)), ("dq", slice(4, 8))):
+            totals = {tuple(cand): 0.0 for cand in SWEEP[d][half]}
+            configs = [base[:4] + c if half == "dq" else c + base[4:] for c in totals]
+            rows = [r for causal in (False, True)
+                    for r in _sweep_backward(b, h, seqlen, d, causal, configs)]  # fmt: skip
+            for r in rows:
+                totals[tuple(r["config"][slot])] += r["ms"]
+            best[half] = min(totals, key=totals.get)
+            report[f"{d}/{half}"] = dict(rows=rows, totals={str(k): v for k, v in totals.items()})
+        report[f"best_{d}"] = best["dkdv"] + best["dq"]
+        print(f"best d={d}: {report[f'best_{d}']} (table: {base})", flush=True)
+    return report
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sweep", action="store_true", help="time the SWEEP_128 launch shapes")
+    parser.add_argument("--sweep", action="store_true", help="sweep the SWEEP launch shapes")
+    parser.add_argument("--dims", default="128,64", help="head dims to sweep")
+    parser.add_argument("--seqlen", type=int, default=4096, help="sweep sequence length")
     parser.add_argument("--out", default=None, help="folder for backward_bench.json")
     args = parser.parse_args()
-    b, h, s, d = 8, 16, 2048, 128
-    results, total_ms = [], {}
-    for cfg in SWEEP_128 if args.sweep else [_flash_bwd.BWD_CONFIGS[128]]:
-        _flash_bwd.BWD_CONFIGS[128] = cfg
-        for causal in (False, True):
-            row = dict(causal=causal, config=cfg, **_bench_shape(b, h, s, d, causal))
-            results.append(row)
+    if args.sweep:
+        report = sweep([int(d) for d in args.dims.split(",")], args.seqlen)
+    else:
+        b, h, s, d = 8, 16, 2048, 128
+        rows = [dict(causal=c, config=_flash_bwd.BWD_CONFIGS[d], **_bench_shape(b, h, s, d, c))
+                for c in (False, True)]  # fmt: skip
+        for row in rows:
             print(_row_line(b, h, s, d, row), flush=True)
-            # A config counts only if it is deterministic and agrees with SDPA's gradients.
-            ok = row["deterministic"] and row["grad_rel_err_vs_sdpa"] < 5e-3
-            total_ms[cfg] = total_ms.get(cfg, 0.0) + (row["ms"]["ours_bwd"] if ok else math.inf)
-    best = min(total_ms, key=total_ms.get)
-    print(f"best d=128 config: {best} ({total_ms[best]:.3f} ms backward, causal + not)")
-    best = best if math.isfinite(total_ms[best]) else None
+        report = dict(results=rows)
     if args.out:
         with open(f"{args.out}/backward_bench.json", "w") as f:
-            json.dump(dict(results=results, best_128=best), f, indent=1)
+            json.dump(report, f, indent=1, default=str)
 
 
 if __name__ == "__main__":
