@@ -177,6 +177,51 @@ def query_block_range(
 
 
 # --------------------------------------------------------------------------------------------------
+# Tile loads
+# --------------------------------------------------------------------------------------------------
+# A mask that varies along the contiguous head dim gives every element its own predicate, so the
+# load neither vectorizes nor pipelines (cp.async copies at least 4 bytes under one predicate).
+# The backward once masked every load by a runtime head dim: ncu on the H100 showed its dK/dV
+# kernel at 255 registers with 12.8M spill requests, and its Q/dO loads were not pipelined
+# (2026-11-23, docs/performance.md). Hence: mask the head dim only where it is padded, and rows
+# only on blocks that can run past the sequence.
+
+
+@triton.jit
+def dim_mask(offs_d, d, PADDED: tl.constexpr):
+    """offs_d < d when the head dim is padded up to its tile width; otherwise a constant
+    all-true mask, which the compiler sees as constant along the head dim."""
+    if PADDED:
+        ok = offs_d < d
+    else:
+        ok = tl.full(offs_d.shape, 1, tl.int1)
+    return ok
+
+
+@triton.jit
+def load_tile(ptrs, row_ok, dim_ok, CHECK_ROWS: tl.constexpr, PADDED: tl.constexpr,
+              ROWS_AXIS: tl.constexpr):  # fmt: skip
+    """A tile of a row-major operand, 0 where masked; rows lie along axis ROWS_AXIS (1 for a
+    transposed [d, rows] tile) and the head dim along the other. Masks rows (`row_ok`) only when
+    CHECK_ROWS and head-dim columns (`dim_ok`) only when PADDED: a full tile loads unmasked."""
+    if ROWS_AXIS == 0:
+        rows = row_ok[:, None]
+        dims = dim_ok[None, :]
+    else:
+        rows = row_ok[None, :]
+        dims = dim_ok[:, None]
+    if CHECK_ROWS and PADDED:
+        tile = tl.load(ptrs, mask=rows & dims, other=0.0)
+    elif CHECK_ROWS:
+        tile = tl.load(ptrs, mask=rows, other=0.0)
+    elif PADDED:
+        tile = tl.load(ptrs, mask=dims, other=0.0)
+    else:
+        tile = tl.load(ptrs)
+    return tile
+
+
+# --------------------------------------------------------------------------------------------------
 # Score modifications
 # --------------------------------------------------------------------------------------------------
 

@@ -26,7 +26,16 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import cdiv, launch_geometry, lse_strides, next_pow2_dim, seq_bounds, strides4
+from ._common import (
+    cdiv,
+    dim_mask,
+    launch_geometry,
+    load_tile,
+    lse_strides,
+    next_pow2_dim,
+    seq_bounds,
+    strides4,
+)
 from ._flash_bwd_dkdv import _flash_bwd_dkdv_kernel
 from ._flash_bwd_dq import _flash_bwd_dq_kernel
 
@@ -36,7 +45,7 @@ def _flash_bwd_preprocess_kernel(
     OUT, DO, DELTA, CU_Q, OFF_Q, LENS_Q,
     stride_ob, stride_os, stride_oh, stride_dob, stride_dos, stride_doh,
     stride_lb, stride_lh, stride_ls, H_Q, MAX_Q, D_V,
-    BLOCK_M: tl.constexpr, HEAD_DIM_V: tl.constexpr, SEQ_MODE_Q: tl.constexpr,
+    BLOCK_M: tl.constexpr, HEAD_DIM_V: tl.constexpr, PAD_V: tl.constexpr, SEQ_MODE_Q: tl.constexpr,
 ):  # fmt: skip
     """delta[z, h, i] = sum_d dO[i, h, d] * O[i, h, d] in fp32, laid out like the LSE.
 
@@ -51,11 +60,11 @@ def _flash_bwd_preprocess_kernel(
     offs_d = tl.arange(0, HEAD_DIM_V)
     row_ok = offs_m < len_q
     rows = start_q.to(tl.int64) + offs_m
-    mask = row_ok[:, None] & (offs_d[None, :] < D_V)
+    d_ok = dim_mask(offs_d, D_V, PAD_V)
     o_ptrs = OUT + z * stride_ob + h * stride_oh + rows[:, None] * stride_os + offs_d[None, :]
-    o = tl.load(o_ptrs, mask=mask, other=0.0).to(tl.float32)
+    o = load_tile(o_ptrs, row_ok, d_ok, True, PAD_V, 0).to(tl.float32)
     do_ptrs = DO + z * stride_dob + h * stride_doh + rows[:, None] * stride_dos + offs_d[None, :]
-    do = tl.load(do_ptrs, mask=mask, other=0.0).to(tl.float32)
+    do = load_tile(do_ptrs, row_ok, d_ok, True, PAD_V, 0).to(tl.float32)
     delta_ptrs = DELTA + z * stride_lb + h * stride_lh + rows * stride_ls
     tl.store(delta_ptrs, tl.sum(o * do, axis=1), mask=row_ok)
 
@@ -67,13 +76,21 @@ CONFIG_FIELDS = ("BLOCK_M1", "BLOCK_N1", "WARPS1", "STAGES1", "BLOCK_M2", "BLOCK
                  "STAGES2")  # fmt: skip
 # Every entry must pass tests/gpu/test_backward_gpu.py, its determinism test included: with
 # query-major dK/dV tiles, (32, 128, 8, 3, ...) gave run-to-run different, wrong dK under Triton 3.6
-# on the H100 (a miscompile; no kernel writes memory another program reads). The d=128 entry won
-# `python tests/gpu/test_backward_gpu.py --sweep` (b=8, h=16, s=2048, bf16) on the H100.
+# on the H100 (a miscompile; no kernel writes memory another program reads). The d=128 dK/dV
+# entry won `python tests/gpu/test_backward_gpu.py --sweep` at b=8, h=16, s=2048 and again at
+# b=4, h=16, s=4096 (bf16, H100); that second sweep moved the d=128 dQ entry from (64, 32, 4, 3) to
+# (128, 64, 8, 3): 0.37 / 0.23 ms faster per backward, non-causal / causal (2026-11-23).
 BWD_CONFIGS: dict[int, tuple[int, ...]] = {
     64: (64, 64, 4, 3, 64, 64, 4, 3),
-    128: (32, 64, 4, 3, 64, 32, 4, 3),
+    128: (32, 64, 4, 3, 128, 64, 8, 3),
     256: (32, 64, 8, 2, 64, 32, 8, 2),
 }
+# dK/dV launch shapes (BLOCK_M1, BLOCK_N1, WARPS1, STAGES1) that replace the table's for causal-like
+# launches (a right window bound). Measured per kernel on the H100 (bf16, 2026-11-23): at d=64 the
+# dK/dV kernel spills registers, less with 32 query rows per step; causal, b=8 h=12 s=2048 (the
+# GPT's shape) it takes 360 us against 496 with 64 rows, while non-causal, b=4 h=32 s=4096, 64 rows
+# stay faster (2708 against 2883 us).
+BWD_CAUSAL_DKDV: dict[int, tuple[int, ...]] = {64: (32, 64, 4, 3)}
 # The interpreter runs one program at a time: small tiles keep it quick and make the tiny test
 # shapes span several blocks, so block edges and the skipped/unmasked block ranges are exercised.
 INTERPRETER_CONFIG = (16, 16, 4, 1, 16, 16, 4, 1)
@@ -108,9 +125,14 @@ def _table_entry(table: dict, fields: tuple, head_dim: int, on_cuda: bool) -> di
     raise ValueError(f"head dim ({head_dim}) exceeds the largest supported ({max(table)})")
 
 
-def bwd_config(head_dim: int, on_cuda: bool) -> dict[str, int]:
-    """Block sizes, warps and pipeline stages of both passes for a head dim (max of d_qk, d_v)."""
-    return _table_entry(BWD_CONFIGS, CONFIG_FIELDS, head_dim, on_cuda)
+def bwd_config(head_dim: int, on_cuda: bool, causal: bool = False) -> dict[str, int]:
+    """Block sizes, warps and pipeline stages of both passes for a head dim (max of d_qk, d_v);
+    `causal` (a right window bound) takes the BWD_CAUSAL_DKDV entry for the dK/dV pass."""
+    cfg = _table_entry(BWD_CONFIGS, CONFIG_FIELDS, head_dim, on_cuda)
+    bound = min((b for b in BWD_CONFIGS if head_dim <= b), default=None)
+    if on_cuda and causal and bound in BWD_CAUSAL_DKDV:
+        cfg |= dict(zip(CONFIG_FIELDS[:4], BWD_CAUSAL_DKDV[bound]))
+    return cfg
 
 
 def bwd_atomic_config(head_dim: int, on_cuda: bool) -> dict[str, int]:
@@ -207,7 +229,7 @@ def flash_attention_backward(
         dq = dq_acc if q.dtype == torch.float32 else torch.empty_like(dq_acc, dtype=q.dtype)
         torch.mul(dq_acc, softmax_scale, out=dq)
         return dq, dk, dv, None
-    cfg = bwd_config(head_dim, q.is_cuda)
+    cfg = bwd_config(head_dim, q.is_cuda, causal=window_right >= 0)
     _launch_dkdv(*shared, None, cfg)
     dq = _new_grad(q, geo.q.owns_all_rows)
     dbias_args = (dbias, dbias.stride()) if dbias is not None else (q, (0, 0, 0, 0))
@@ -275,7 +297,8 @@ def _preprocess(out, dout, lse, geo, seq_ptrs) -> torch.Tensor:
         out, dout, delta, seq_ptrs[0], seq_ptrs[2], seq_ptrs[4],
         *strides4(out, geo.varlen)[:3], *strides4(dout, geo.varlen)[:3],
         *lse_strides(delta, geo.varlen), h_q, geo.q.max_len, d_v,
-        BLOCK_M=PREPROCESS_BLOCK_M, HEAD_DIM_V=next_pow2_dim(d_v), SEQ_MODE_Q=geo.q.mode,
+        BLOCK_M=PREPROCESS_BLOCK_M, HEAD_DIM_V=next_pow2_dim(d_v), PAD_V=next_pow2_dim(d_v) != d_v,
+        SEQ_MODE_Q=geo.q.mode,
     )  # fmt: skip
     return delta
 
@@ -283,9 +306,13 @@ def _preprocess(out, dout, lse, geo, seq_ptrs) -> torch.Tensor:
 def _bwd_options(q, v, geo, bias, alibi_slopes, window_left, window_right, bottom_right, softcap,
                  dropout_p) -> dict:  # fmt: skip
     """The constexpr switches both gradient kernels share."""
+    d_qk, d_v = q.shape[-1], v.shape[-1]
     return dict(
-        HEAD_DIM_QK=next_pow2_dim(q.shape[-1]),
-        HEAD_DIM_V=next_pow2_dim(v.shape[-1]),
+        HEAD_DIM_QK=next_pow2_dim(d_qk),
+        HEAD_DIM_V=next_pow2_dim(d_v),
+        # Mask the head dim only where the tile pads it (see _common.load_tile).
+        PAD_QK=next_pow2_dim(d_qk) != d_qk,
+        PAD_V=next_pow2_dim(d_v) != d_v,
         SEQ_MODE_Q=geo.q.mode,
         SEQ_MODE_K=geo.k.mode,
         BOTTOM_RIGHT=bool(bottom_right),

@@ -26,8 +26,10 @@ from ._common import (
     LOG2E,
     alibi_tile,
     diagonal_offset,
+    dim_mask,
     dropout_keep,
     load_bias_tile,
+    load_tile,
     query_block_range,
     scores_log2,
     seq_bounds,
@@ -41,30 +43,30 @@ def _dkdv_block(
     dk, dv, k, v, q_head, do_head, lse_head, delta_head, bias_head, dq_head,
     slope, start_m, offs_n, offs_dq, offs_dv, len_q, len_k, diag, bh,
     stride_qs, stride_dos, stride_ls, stride_bm, stride_bn, stride_dqs,
-    D_QK, D_V, sm_scale, softcap, window_left, window_right, dropout_p, seed, offset,
-    BLOCK_M: tl.constexpr, MASKED: tl.constexpr, HAS_LEFT: tl.constexpr,
-    HAS_RIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    ATOMIC_DQ: tl.constexpr,
+    dq_ok, dv_ok, sm_scale, softcap, window_left, window_right, dropout_p, seed, offset,
+    BLOCK_M: tl.constexpr, MASKED: tl.constexpr, PAD_QK: tl.constexpr, PAD_V: tl.constexpr,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, ATOMIC_DQ: tl.constexpr,
 ):  # fmt: skip
     """Add one query block's share to dk [BLOCK_N, HEAD_DIM_QK] and dv [BLOCK_N, HEAD_DIM_V].
 
     k [BLOCK_N, HEAD_DIM_QK], v [BLOCK_N, HEAD_DIM_V] are the resident key/value tiles; `*_head`
     pointers point at row 0 of this sequence and query head. MASKED=False is only used for
-    blocks the launcher proved fully visible and in bounds, where the mask is skipped.
+    blocks the launcher proved fully visible and in bounds, where the mask is skipped and the
+    q/dO rows load unmasked. `dq_ok` / `dv_ok` are the head-dim masks (`dim_mask`), applied only
+    where PAD_QK / PAD_V say the head dim is padded.
     ATOMIC_DQ: also add this block's unscaled dS @ K to the fp32 dQ accumulator at `dq_head`
     (rows [start_m, start_m + BLOCK_M), row stride `stride_dqs`); otherwise `dq_head` and
     `stride_dqs` are unused.
     """
     offs_m = start_m + tl.arange(0, BLOCK_M)
     row_ok = offs_m < len_q
-    q_t = tl.load(
-        q_head + offs_m[None, :] * stride_qs + offs_dq[:, None],
-        mask=row_ok[None, :] & (offs_dq[:, None] < D_QK), other=0.0,
+    q_t = load_tile(
+        q_head + offs_m[None, :] * stride_qs + offs_dq[:, None], row_ok, dq_ok, MASKED, PAD_QK, 1
     )  # fmt: skip
-    do = tl.load(
-        do_head + offs_m[:, None] * stride_dos + offs_dv[None, :],
-        mask=row_ok[:, None] & (offs_dv[None, :] < D_V), other=0.0,
+    do = load_tile(
+        do_head + offs_m[:, None] * stride_dos + offs_dv[None, :], row_ok, dv_ok, MASKED, PAD_V, 0
     )  # fmt: skip
     lse = tl.load(lse_head + offs_m * stride_ls, mask=row_ok, other=0.0)
     # Rows that saw no key carry LSE -inf and only -inf scores: any finite stand-in gives P = 0
@@ -91,16 +93,17 @@ def _dkdv_block(
         s2 = tl.where(tl.trans(vis.to(tl.int8)) != 0, s2, float("-inf"))
     p = tl.math.exp2(s2 - lse2[None, :])
 
-    dp = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)  # [BLOCK_N, BLOCK_M]
     if HAS_DROPOUT:
         keep = tl.trans(dropout_keep(seed, offset, bh, offs_m, offs_n, dropout_p).to(tl.int8)) != 0
         rescale = 1.0 / (1.0 - dropout_p)
         # dV sees the dropped, rescaled probabilities; dP flows back through the same mask.
-        p_out = tl.where(keep, p * rescale, 0.0)
+        dv += tl.dot(tl.where(keep, p * rescale, 0.0).to(do.dtype), do,
+                     input_precision=DOT_PRECISION)  # fmt: skip
+        dp = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)  # [BLOCK_N, BLOCK_M]
         dp = tl.where(keep, dp * rescale, 0.0)
     else:
-        p_out = p
-    dv += tl.dot(p_out.to(do.dtype), do, input_precision=DOT_PRECISION)
+        dv += tl.dot(p.to(do.dtype), do, input_precision=DOT_PRECISION)
+        dp = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)  # [BLOCK_N, BLOCK_M]
     ds = p * (dp - delta[None, :])
     if HAS_SOFTCAP:
         # Chain rule through softcap * tanh(x / softcap): the derivative is 1 - tanh^2.
@@ -116,7 +119,7 @@ def _dkdv_block(
         dq = tl.dot(tl.trans(ds_lo), k, input_precision=DOT_PRECISION)  # [BLOCK_M, HEAD_DIM_QK]
         tl.atomic_add(
             dq_head + offs_m[:, None] * stride_dqs + offs_dq[None, :], dq,
-            mask=row_ok[:, None] & (offs_dq[None, :] < D_QK), sem="relaxed",
+            mask=row_ok[:, None] & dq_ok[None, :], sem="relaxed",
         )  # fmt: skip
     return dk, dv
 
@@ -126,11 +129,11 @@ def _dkdv_head(
     dk, dv, k, v, q_head, do_head, lse_head, delta_head, bias_head, dq_head,
     slope, start_n, offs_n, offs_dq, offs_dv, len_q, len_k, diag, bh,
     stride_qs, stride_dos, stride_ls, stride_bm, stride_bn, stride_dqs,
-    D_QK, D_V, sm_scale, softcap, window_left, window_right, dropout_p, seed, offset,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr,
-    HAS_RIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    ATOMIC_DQ: tl.constexpr,
+    dq_ok, dv_ok, sm_scale, softcap, window_left, window_right, dropout_p, seed, offset,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAD_QK: tl.constexpr, PAD_V: tl.constexpr,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, ATOMIC_DQ: tl.constexpr,
 ):  # fmt: skip
     """One query head's contribution: masked edge blocks, unmasked interior, masked edge.
 
@@ -148,27 +151,27 @@ def _dkdv_head(
             dk, dv, k, v, q_head, do_head, lse_head, delta_head, bias_head, dq_head,
             slope, start_m, offs_n, offs_dq, offs_dv, len_q, len_k, diag, bh,
             stride_qs, stride_dos, stride_ls, stride_bm, stride_bn, stride_dqs,
-            D_QK, D_V, sm_scale, softcap, window_left, window_right, dropout_p, seed, offset,
-            BLOCK_M, True, HAS_LEFT, HAS_RIGHT, HAS_BIAS, HAS_ALIBI, HAS_SOFTCAP, HAS_DROPOUT,
-            DOT_PRECISION, ATOMIC_DQ,
+            dq_ok, dv_ok, sm_scale, softcap, window_left, window_right, dropout_p, seed, offset,
+            BLOCK_M, True, PAD_QK, PAD_V, HAS_LEFT, HAS_RIGHT, HAS_BIAS, HAS_ALIBI, HAS_SOFTCAP,
+            HAS_DROPOUT, DOT_PRECISION, ATOMIC_DQ,
         )  # fmt: skip
     for start_m in range(full_lo, full_hi, BLOCK_M):
         dk, dv = _dkdv_block(
             dk, dv, k, v, q_head, do_head, lse_head, delta_head, bias_head, dq_head,
             slope, start_m, offs_n, offs_dq, offs_dv, len_q, len_k, diag, bh,
             stride_qs, stride_dos, stride_ls, stride_bm, stride_bn, stride_dqs,
-            D_QK, D_V, sm_scale, softcap, window_left, window_right, dropout_p, seed, offset,
-            BLOCK_M, False, HAS_LEFT, HAS_RIGHT, HAS_BIAS, HAS_ALIBI, HAS_SOFTCAP, HAS_DROPOUT,
-            DOT_PRECISION, ATOMIC_DQ,
+            dq_ok, dv_ok, sm_scale, softcap, window_left, window_right, dropout_p, seed, offset,
+            BLOCK_M, False, PAD_QK, PAD_V, HAS_LEFT, HAS_RIGHT, HAS_BIAS, HAS_ALIBI, HAS_SOFTCAP,
+            HAS_DROPOUT, DOT_PRECISION, ATOMIC_DQ,
         )  # fmt: skip
     for start_m in range(full_hi, hi, BLOCK_M):
         dk, dv = _dkdv_block(
             dk, dv, k, v, q_head, do_head, lse_head, delta_head, bias_head, dq_head,
             slope, start_m, offs_n, offs_dq, offs_dv, len_q, len_k, diag, bh,
             stride_qs, stride_dos, stride_ls, stride_bm, stride_bn, stride_dqs,
-            D_QK, D_V, sm_scale, softcap, window_left, window_right, dropout_p, seed, offset,
-            BLOCK_M, True, HAS_LEFT, HAS_RIGHT, HAS_BIAS, HAS_ALIBI, HAS_SOFTCAP, HAS_DROPOUT,
-            DOT_PRECISION, ATOMIC_DQ,
+            dq_ok, dv_ok, sm_scale, softcap, window_left, window_right, dropout_p, seed, offset,
+            BLOCK_M, True, PAD_QK, PAD_V, HAS_LEFT, HAS_RIGHT, HAS_BIAS, HAS_ALIBI, HAS_SOFTCAP,
+            HAS_DROPOUT, DOT_PRECISION, ATOMIC_DQ,
         )  # fmt: skip
     return dk, dv
 
@@ -187,6 +190,7 @@ def _flash_bwd_dkdv_kernel(
     sm_scale, softcap, window_left, window_right, dropout_p, seed, offset,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM_QK: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+    PAD_QK: tl.constexpr, PAD_V: tl.constexpr,
     SEQ_MODE_Q: tl.constexpr, SEQ_MODE_K: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
     HAS_ALIBI: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_DROPOUT: tl.constexpr,
@@ -219,11 +223,14 @@ def _flash_bwd_dkdv_kernel(
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_dq = tl.arange(0, HEAD_DIM_QK)
     offs_dv = tl.arange(0, HEAD_DIM_V)
-    col_ok = offs_n[:, None] < len_k
+    dq_ok = dim_mask(offs_dq, D_QK, PAD_QK)
+    dv_ok = dim_mask(offs_dv, D_V, PAD_V)
+    key_ok = offs_n < len_k
+    col_ok = key_ok[:, None]
     k_ptrs = K + z * stride_kb + h_kv * stride_kh + (start_k + offs_n[:, None]) * stride_ks
-    k = tl.load(k_ptrs + offs_dq[None, :], mask=col_ok & (offs_dq[None, :] < D_QK), other=0.0)
+    k = load_tile(k_ptrs + offs_dq[None, :], key_ok, dq_ok, True, PAD_QK, 0)
     v_ptrs = V + z * stride_vb + h_kv * stride_vh + (start_k + offs_n[:, None]) * stride_vs
-    v = tl.load(v_ptrs + offs_dv[None, :], mask=col_ok & (offs_dv[None, :] < D_V), other=0.0)
+    v = load_tile(v_ptrs + offs_dv[None, :], key_ok, dv_ok, True, PAD_V, 0)
     dk = tl.zeros([BLOCK_N, HEAD_DIM_QK], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM_V], dtype=tl.float32)
     for g in range(group):
@@ -240,17 +247,17 @@ def _flash_bwd_dkdv_kernel(
             DQ_ACC + z * stride_dqb + h * stride_dqh + start_q * stride_dqs,
             slope, start_n, offs_n, offs_dq, offs_dv, len_q, len_k, diag, z * H_Q + h,
             stride_qs, stride_dos, stride_ls, stride_bm, stride_bn, stride_dqs,
-            D_QK, D_V, sm_scale, softcap, window_left, window_right, dropout_p, seed, offset,
-            BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_BIAS, HAS_ALIBI, HAS_SOFTCAP,
-            HAS_DROPOUT, DOT_PRECISION, ATOMIC_DQ,
+            dq_ok, dv_ok, sm_scale, softcap, window_left, window_right, dropout_p, seed, offset,
+            BLOCK_M, BLOCK_N, PAD_QK, PAD_V, HAS_LEFT, HAS_RIGHT, HAS_BIAS, HAS_ALIBI,
+            HAS_SOFTCAP, HAS_DROPOUT, DOT_PRECISION, ATOMIC_DQ,
         )  # fmt: skip
     dk_ptrs = DK + z * stride_dkb + h_kv * stride_dkh + (start_k + offs_n[:, None]) * stride_dks
     tl.store(
         dk_ptrs + offs_dq[None, :], (dk * sm_scale).to(DK.dtype.element_ty),
-        mask=col_ok & (offs_dq[None, :] < D_QK),
+        mask=col_ok & dq_ok[None, :],
     )  # fmt: skip
     dv_ptrs = DV + z * stride_dvb + h_kv * stride_dvh + (start_k + offs_n[:, None]) * stride_dvs
     tl.store(
         dv_ptrs + offs_dv[None, :], dv.to(DV.dtype.element_ty),
-        mask=col_ok & (offs_dv[None, :] < D_V),
+        mask=col_ok & dv_ok[None, :],
     )  # fmt: skip

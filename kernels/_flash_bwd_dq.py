@@ -11,9 +11,11 @@ import triton.language as tl
 from ._common import (
     LOG2E,
     diagonal_offset,
+    dim_mask,
     dropout_keep,
     key_block_range,
     load_bias_tile,
+    load_tile,
     scores_log2,
     seq_bounds,
     tanh_f32,
@@ -26,8 +28,9 @@ def _dq_block(
     dq, q, do, lse2, delta, k_head, v_head, bias_head, dbias_head,
     slope, start_n, offs_m, offs_dq, offs_dv, len_q, len_k, diag, bh,
     stride_ks, stride_vs, stride_bm, stride_bn, stride_dbm, stride_dbn,
-    D_QK, D_V, sm_scale, softcap, window_left, window_right, dropout_p, seed, offset,
-    BLOCK_N: tl.constexpr, MASKED: tl.constexpr, HAS_LEFT: tl.constexpr,
+    dq_ok, dv_ok, sm_scale, softcap, window_left, window_right, dropout_p, seed, offset,
+    BLOCK_N: tl.constexpr, MASKED: tl.constexpr, PAD_QK: tl.constexpr, PAD_V: tl.constexpr,
+    HAS_LEFT: tl.constexpr,
     HAS_RIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, WRITE_DBIAS: tl.constexpr,
     HAS_ALIBI: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
@@ -35,17 +38,16 @@ def _dq_block(
     """Add one key block's dS @ K to dq [BLOCK_M, HEAD_DIM_QK] (unscaled); write its dBias.
 
     q [BLOCK_M, HEAD_DIM_QK], do [BLOCK_M, HEAD_DIM_V], lse2 (log2 domain) and delta [BLOCK_M]
-    stay resident. MASKED=False is only used for blocks proved fully visible and in bounds.
+    stay resident. MASKED=False is only used for blocks proved fully visible and in bounds, whose
+    K/V rows load unmasked; `dq_ok` / `dv_ok` mask the head dim only where PAD_QK / PAD_V.
     """
     offs_n = start_n + tl.arange(0, BLOCK_N)
-    col_ok = offs_n[:, None] < len_k
-    k = tl.load(
-        k_head + offs_n[:, None] * stride_ks + offs_dq[None, :],
-        mask=col_ok & (offs_dq[None, :] < D_QK), other=0.0,
+    key_ok = offs_n < len_k
+    k = load_tile(
+        k_head + offs_n[:, None] * stride_ks + offs_dq[None, :], key_ok, dq_ok, MASKED, PAD_QK, 0
     )  # fmt: skip
-    v = tl.load(
-        v_head + offs_n[:, None] * stride_vs + offs_dv[None, :],
-        mask=col_ok & (offs_dv[None, :] < D_V), other=0.0,
+    v = load_tile(
+        v_head + offs_n[:, None] * stride_vs + offs_dv[None, :], key_ok, dv_ok, MASKED, PAD_V, 0
     )  # fmt: skip
     qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
     bias = 0.0
@@ -87,8 +89,9 @@ def _dq_rows(
     dq, q, do, lse2, delta, k_head, v_head, bias_head, dbias_head,
     slope, start_m, offs_m, offs_dq, offs_dv, len_q, len_k, diag, bh,
     stride_ks, stride_vs, stride_bm, stride_bn, stride_dbm, stride_dbn,
-    D_QK, D_V, sm_scale, softcap, window_left, window_right, dropout_p, seed, offset,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr,
+    dq_ok, dv_ok, sm_scale, softcap, window_left, window_right, dropout_p, seed, offset,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAD_QK: tl.constexpr, PAD_V: tl.constexpr,
+    HAS_LEFT: tl.constexpr,
     HAS_RIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, WRITE_DBIAS: tl.constexpr,
     HAS_ALIBI: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
@@ -109,27 +112,27 @@ def _dq_rows(
             dq, q, do, lse2, delta, k_head, v_head, bias_head, dbias_head,
             slope, start_n, offs_m, offs_dq, offs_dv, len_q, len_k, diag, bh,
             stride_ks, stride_vs, stride_bm, stride_bn, stride_dbm, stride_dbn,
-            D_QK, D_V, sm_scale, softcap, window_left, window_right, dropout_p, seed, offset,
-            BLOCK_N, True, HAS_LEFT, HAS_RIGHT, HAS_BIAS, WRITE_DBIAS, HAS_ALIBI, HAS_SOFTCAP,
-            HAS_DROPOUT, DOT_PRECISION,
+            dq_ok, dv_ok, sm_scale, softcap, window_left, window_right, dropout_p, seed, offset,
+            BLOCK_N, True, PAD_QK, PAD_V, HAS_LEFT, HAS_RIGHT, HAS_BIAS, WRITE_DBIAS, HAS_ALIBI,
+            HAS_SOFTCAP, HAS_DROPOUT, DOT_PRECISION,
         )  # fmt: skip
     for start_n in range(full_lo, full_hi, BLOCK_N):
         dq = _dq_block(
             dq, q, do, lse2, delta, k_head, v_head, bias_head, dbias_head,
             slope, start_n, offs_m, offs_dq, offs_dv, len_q, len_k, diag, bh,
             stride_ks, stride_vs, stride_bm, stride_bn, stride_dbm, stride_dbn,
-            D_QK, D_V, sm_scale, softcap, window_left, window_right, dropout_p, seed, offset,
-            BLOCK_N, False, HAS_LEFT, HAS_RIGHT, HAS_BIAS, WRITE_DBIAS, HAS_ALIBI, HAS_SOFTCAP,
-            HAS_DROPOUT, DOT_PRECISION,
+            dq_ok, dv_ok, sm_scale, softcap, window_left, window_right, dropout_p, seed, offset,
+            BLOCK_N, False, PAD_QK, PAD_V, HAS_LEFT, HAS_RIGHT, HAS_BIAS, WRITE_DBIAS, HAS_ALIBI,
+            HAS_SOFTCAP, HAS_DROPOUT, DOT_PRECISION,
         )  # fmt: skip
     for start_n in range(full_hi, hi, BLOCK_N):
         dq = _dq_block(
             dq, q, do, lse2, delta, k_head, v_head, bias_head, dbias_head,
             slope, start_n, offs_m, offs_dq, offs_dv, len_q, len_k, diag, bh,
             stride_ks, stride_vs, stride_bm, stride_bn, stride_dbm, stride_dbn,
-            D_QK, D_V, sm_scale, softcap, window_left, window_right, dropout_p, seed, offset,
-            BLOCK_N, True, HAS_LEFT, HAS_RIGHT, HAS_BIAS, WRITE_DBIAS, HAS_ALIBI, HAS_SOFTCAP,
-            HAS_DROPOUT, DOT_PRECISION,
+            dq_ok, dv_ok, sm_scale, softcap, window_left, window_right, dropout_p, seed, offset,
+            BLOCK_N, True, PAD_QK, PAD_V, HAS_LEFT, HAS_RIGHT, HAS_BIAS, WRITE_DBIAS, HAS_ALIBI,
+            HAS_SOFTCAP, HAS_DROPOUT, DOT_PRECISION,
         )  # fmt: skip
     return dq
 
@@ -146,7 +149,7 @@ def _flash_bwd_dq_kernel(
     H_Q, H_KV, MAX_Q, MAX_K, D_QK, D_V,
     sm_scale, softcap, window_left, window_right, dropout_p, seed, offset,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    HEAD_DIM_QK: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+    HEAD_DIM_QK: tl.constexpr, HEAD_DIM_V: tl.constexpr, PAD_QK: tl.constexpr, PAD_V: tl.constexpr,
     SEQ_MODE_Q: tl.constexpr, SEQ_MODE_K: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
     WRITE_DBIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
@@ -180,13 +183,13 @@ def _flash_bwd_dq_kernel(
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_dq = tl.arange(0, HEAD_DIM_QK)
     offs_dv = tl.arange(0, HEAD_DIM_V)
+    dq_ok = dim_mask(offs_dq, D_QK, PAD_QK)
+    dv_ok = dim_mask(offs_dv, D_V, PAD_V)
     row_ok = offs_m < len_q
     q_ptrs = Q + z * stride_qb + h * stride_qh + rows[:, None] * stride_qs
-    q = tl.load(q_ptrs + offs_dq[None, :], mask=row_ok[:, None] & (offs_dq[None, :] < D_QK),
-                other=0.0)  # fmt: skip
+    q = load_tile(q_ptrs + offs_dq[None, :], row_ok, dq_ok, True, PAD_QK, 0)
     do_ptrs = DO + z * stride_dob + h * stride_doh + rows[:, None] * stride_dos
-    do = tl.load(do_ptrs + offs_dv[None, :], mask=row_ok[:, None] & (offs_dv[None, :] < D_V),
-                 other=0.0)  # fmt: skip
+    do = load_tile(do_ptrs + offs_dv[None, :], row_ok, dv_ok, True, PAD_V, 0)
     lse_at = z * stride_lb + h * stride_lh + rows * stride_ls
     lse = tl.load(LSE + lse_at, mask=row_ok, other=0.0)
     # Rows that saw no key carry LSE -inf and only -inf scores: any finite stand-in gives P = 0
@@ -204,10 +207,10 @@ def _flash_bwd_dq_kernel(
         BIAS + z * stride_bb + h * stride_bh, DBIAS + z * stride_dbb + h * stride_dbh,
         slope, start_m, offs_m, offs_dq, offs_dv, len_q, len_k, diag, z * H_Q + h,
         stride_ks, stride_vs, stride_bm, stride_bn, stride_dbm, stride_dbn,
-        D_QK, D_V, sm_scale, softcap, window_left, window_right, dropout_p, seed, offset,
-        BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_BIAS, WRITE_DBIAS, HAS_ALIBI, HAS_SOFTCAP,
-        HAS_DROPOUT, DOT_PRECISION,
+        dq_ok, dv_ok, sm_scale, softcap, window_left, window_right, dropout_p, seed, offset,
+        BLOCK_M, BLOCK_N, PAD_QK, PAD_V, HAS_LEFT, HAS_RIGHT, HAS_BIAS, WRITE_DBIAS, HAS_ALIBI,
+        HAS_SOFTCAP, HAS_DROPOUT, DOT_PRECISION,
     )  # fmt: skip
     dq_ptrs = DQ + z * stride_dqb + h * stride_dqh + rows[:, None] * stride_dqs
     tl.store(dq_ptrs + offs_dq[None, :], (dq * sm_scale).to(DQ.dtype.element_ty),
-             mask=row_ok[:, None] & (offs_dq[None, :] < D_QK))  # fmt: skip
+             mask=row_ok[:, None] & dq_ok[None, :])  # fmt: skip

@@ -35,6 +35,7 @@ from ._common import (
     key_block_range,
     launch_geometry,
     load_bias_tile,
+    load_tile,
     lse_strides,
     next_pow2_dim,
     scores_log2,
@@ -97,23 +98,6 @@ def _prune_configs(configs, named_args, **kwargs):
 
 
 @triton.jit
-def _load_rows(ptrs, offs_n, len_k, offs_d, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-               CHECK_N: tl.constexpr):  # fmt: skip
-    """[BLOCK_N, BLOCK_D] K or V tile; masks only what can be out of bounds (0 there)."""
-    if CHECK_N:
-        mask = offs_n[:, None] < len_k
-        if HEAD_DIM != BLOCK_D:
-            mask = mask & (offs_d[None, :] < HEAD_DIM)
-        tile = tl.load(ptrs, mask=mask, other=0.0)
-    elif HEAD_DIM != BLOCK_D:
-        tile = tl.load(ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
-    else:
-        # Full tile: an unmasked load keeps the widest vector accesses.
-        tile = tl.load(ptrs)
-    return tile
-
-
-@triton.jit
 def _fwd_inner(
     acc, l_i, m_i, q,
     k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
@@ -141,7 +125,8 @@ def _fwd_inner(
         k_ptrs = k_ptrs + offs_nb[:, None] * stride_kn + offs_dk[None, :] * stride_kd
         v_ptrs = v_base + tl.cast(start_n, tl.int64) * stride_vn
         v_ptrs = v_ptrs + offs_nb[:, None] * stride_vn + offs_dv[None, :] * stride_vd
-        k = _load_rows(k_ptrs, offs_n, len_k, offs_dk, HEAD_DIM_QK, BLOCK_D, MASKED)
+        key_ok = offs_n < len_k
+        k = load_tile(k_ptrs, key_ok, offs_dk < HEAD_DIM_QK, MASKED, HEAD_DIM_QK != BLOCK_D, 0)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         bias_tile = qk  # placeholder, ignored unless HAS_BIAS
         if HAS_BIAS:
@@ -170,7 +155,7 @@ def _fwd_inner(
             # The normalizer counts every weight; dropout only thins what reaches V.
             keep = dropout_keep(seed, offset, bh, offs_m, offs_n, dropout_p)
             p = tl.where(keep, p, 0.0)
-        v = _load_rows(v_ptrs, offs_n, len_k, offs_dv, HEAD_DIM_V, BLOCK_DV, MASKED)
+        v = load_tile(v_ptrs, key_ok, offs_dv < HEAD_DIM_V, MASKED, HEAD_DIM_V != BLOCK_DV, 0)
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
         m_i = m_new
     return acc, l_i, m_i

@@ -272,3 +272,23 @@ def test_round_trip_with_the_forward_kernel():
     grads = flash_attention_backward(dout, q, k, v, out, lse, **kern, seed=seed, offset=offset)
     for name, value in zip(("dq", "dk", "dv"), grads):
         _assert_rule(name, value, high[name], low[name])
+
+
+def test_causal_launches_take_the_causal_dkdv_shape():
+    """`bwd_config` swaps in BWD_CAUSAL_DKDV's dK/dV shape for causal-like CUDA launches of its
+    head-dim bucket only; the dQ fields, other buckets and the interpreter keep the table's."""
+    from fusedlayers.kernels import _flash_bwd
+
+    fields = _flash_bwd.CONFIG_FIELDS
+    for bound, dkdv in _flash_bwd.BWD_CAUSAL_DKDV.items():
+        table = dict(zip(fields, _flash_bwd.BWD_CONFIGS[bound]))
+        causal = _flash_bwd.bwd_config(bound, on_cuda=True, causal=True)
+        assert [causal[f] for f in fields[:4]] == list(dkdv)
+        assert [causal[f] for f in fields[4:]] == [table[f] for f in fields[4:]]
+        assert _flash_bwd.bwd_config(bound, on_cuda=True, causal=False) == table
+        interpreter = dict(zip(fields, _flash_bwd.INTERPRETER_CONFIG))
+        assert _flash_bwd.bwd_config(bound, on_cuda=False, causal=True) == interpreter
+    others = [b for b in _flash_bwd.BWD_CONFIGS if b not in _flash_bwd.BWD_CAUSAL_DKDV]
+    for bound in others:
+        table = dict(zip(fields, _flash_bwd.BWD_CONFIGS[bound]))
+        assert _flash_bwd.bwd_config(bound, on_cuda=True, causal=True) == table
