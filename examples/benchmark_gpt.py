@@ -231,7 +231,9 @@ def profile_steps(step, steps: int, top: int = 25) -> dict[str, float]:
         wall = (time.perf_counter() - start) / steps
     events = prof.key_averages()
     print(events.table(sort_by="self_device_time_total", row_limit=top, max_name_column_width=70))
-    busy = sum(e.self_device_time_total for e in events) / steps / 1e3
+    # Device-side entries only (kernels, copies): an operator's row repeats its kernels' time.
+    kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+    busy = sum(e.self_device_time_total for e in kernels) / steps / 1e3
     print(f"GPU busy {busy:.1f} ms per step of {wall * 1e3:.1f} ms wall (profiled)")
     return {"profiled_gpu_busy_ms": busy, "profiled_wall_ms": wall * 1e3}
 
