@@ -108,6 +108,11 @@ def token_positions(
     return positions if tensor_format == "sbhd" else positions.t()
 
 
+def _check_table_covers(freqs: torch.Tensor, last: int) -> None:
+    if last >= freqs.shape[0]:
+        raise ValueError(f"RoPE table has {freqs.shape[0]} positions, position {last} requested")
+
+
 def apply_rotary_pos_emb(
     t: torch.Tensor,
     freqs: torch.Tensor,
@@ -128,15 +133,23 @@ def apply_rotary_pos_emb(
     del fused  # one implementation; TE's flag only picks its CUDA kernel
     if cp_size != 1 or cp_rank != 0:
         raise NotImplementedError("apply_rotary_pos_emb: context parallelism is not supported")
-    positions = token_positions(t, tensor_format, cu_seqlens, start_positions)
-    last = int(positions.max()) if positions.numel() else -1
-    if last >= freqs.shape[0]:
-        raise ValueError(f"RoPE table has {freqs.shape[0]} positions, position {last} requested")
     d_rot = freqs.shape[-1]
     if d_rot > t.shape[-1] or d_rot % 2:
         raise ValueError(f"rotary dim ({d_rot}) must be even and at most head dim ({t.shape[-1]})")
     compute = torch.float64 if torch.float64 in (t.dtype, freqs.dtype) else torch.float32
-    angles = freqs.reshape(freqs.shape[0], d_rot).to(compute)[positions].unsqueeze(-2)
+    table = freqs.reshape(freqs.shape[0], d_rot).to(compute)
+    if start_positions is None and tensor_format in ("sbhd", "bshd"):
+        # Dense, every sequence from position 0: the positions are 0..s-1, known from the shape.
+        # Slicing the table instead of gathering it per token reads nothing back from the device
+        # (a sync per call, which left the GPU idle between kernels in training) and computes
+        # cos/sin once per position instead of once per token.
+        s = t.shape[0 if tensor_format == "sbhd" else 1]
+        _check_table_covers(freqs, s - 1)
+        angles = table[:s].view((s, 1, 1, d_rot) if tensor_format == "sbhd" else (1, s, 1, d_rot))
+    else:
+        positions = token_positions(t, tensor_format, cu_seqlens, start_positions)
+        _check_table_covers(freqs, int(positions.max()) if positions.numel() else -1)
+        angles = table[positions].unsqueeze(-2)
     rot, rest = t[..., :d_rot].to(compute), t[..., d_rot:]
     rotated = rot * torch.cos(angles) + _rotate(rot, interleaved) * torch.sin(angles)
     return torch.cat((rotated.to(t.dtype), rest), dim=-1)

@@ -30,15 +30,16 @@ def test_rope_table_layout():
 @pytest.mark.parametrize("fmt", ["sbhd", "bshd"])
 @pytest.mark.parametrize("interleaved", [False, True])
 @pytest.mark.parametrize("d_rot", [8, 4])
-def test_rope_dense_matches_oracle(fmt, interleaved, d_rot):
+@pytest.mark.parametrize("offsets", [True, False], ids=["start_positions", "from_0"])
+def test_rope_dense_matches_oracle(fmt, interleaved, d_rot, offsets):
     b, s, h, d = 3, 7, 2, 8
     x = torch.randn(b, s, h, d, dtype=torch.float64)
-    start = torch.tensor([0, 3, 5])
+    start = torch.tensor([0, 3, 5]) if offsets else None
     table = RotaryPositionEmbedding(d_rot, interleaved=interleaved)(16).double()
     t = x.transpose(0, 1) if fmt == "sbhd" else x
     out = apply_rotary_pos_emb(t, table, fmt, start_positions=start, interleaved=interleaved)
     out = out.transpose(0, 1) if fmt == "sbhd" else out
-    positions = torch.arange(s)[None] + start[:, None]
+    positions = torch.arange(s)[None] + (start[:, None] if offsets else 0)
     torch.testing.assert_close(out, oracle.rope(x, positions, d_rot, interleaved=interleaved))
     assert torch.equal(out[..., d_rot:], x[..., d_rot:])  # partial rotation passes the rest
 
@@ -65,8 +66,21 @@ def test_rope_dtype_and_errors():
     torch.testing.assert_close(out.double(), want, atol=1e-2, rtol=1e-2)
     with pytest.raises(ValueError, match="positions"):
         apply_rotary_pos_emb(x, table, start_positions=torch.tensor([1]))
+    with pytest.raises(ValueError, match="RoPE table has 3 positions, position 3 requested"):
+        apply_rotary_pos_emb(x, table[:3])  # dense from 0: the bound comes from the shape
     with pytest.raises(ValueError, match="cu_seqlens"):
         apply_rotary_pos_emb(x[:, 0], table, "thd")
+
+
+@pytest.mark.parametrize("fmt", ["sbhd", "bshd"])
+def test_rope_from_position_0_compiles_without_graph_breaks(fmt):
+    """Dense RoPE from position 0 reads nothing back from the tensors (on a GPU such a read is a
+    sync per call), so the whole call traces into one graph; thd and start offsets still read
+    the largest position to check the table."""
+    x = torch.randn(2, 5, 2, 8, dtype=torch.float64)
+    table = RotaryPositionEmbedding(8)(8).double()
+    compiled = torch.compile(apply_rotary_pos_emb, fullgraph=True, backend="eager")
+    torch.testing.assert_close(compiled(x, table, fmt), apply_rotary_pos_emb(x, table, fmt))
 
 
 @pytest.mark.parametrize("cls", [LayerNorm, RMSNorm])
