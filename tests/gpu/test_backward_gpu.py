@@ -28,6 +28,10 @@ from fusedlayers.reference import attention_reference
 pytestmark = pytest.mark.gpu
 
 F16, BF16 = torch.float16, torch.bfloat16
+# The forward launcher's sequence and bias arguments for a dense batch with none of them.
+NO_SEQUENCES = dict.fromkeys(("cu_seqlens_q", "cu_seqlens_k", "seq_offsets_q", "seq_offsets_k",
+                              "max_seqlen_q", "max_seqlen_k", "seqlens_q", "seqlens_k", "bias",
+                              "alibi_slopes"))  # fmt: skip
 
 # name: (b, s_q, s_k, h, h_kv, d, d_v, window, bottom_right, extras). Lengths are not multiples
 # of the block sizes, so every case has ragged edge blocks.
@@ -193,11 +197,8 @@ def test_64k_token_sequence():
         torch.randn(1, 65536, 8, 128, generator=g, device="cuda", dtype=BF16) for _ in range(4)
     )
     kern = dict(softmax_scale=128**-0.5, window_left=-1, window_right=0, bottom_right=True)
-    none = dict.fromkeys(("cu_seqlens_q", "cu_seqlens_k", "seq_offsets_q", "seq_offsets_k",
-                          "max_seqlen_q", "max_seqlen_k", "seqlens_q", "seqlens_k", "bias",
-                          "alibi_slopes"))  # fmt: skip
     out, lse = flash_attention_forward(
-        q, k, v, **none, **kern, softcap=0.0, dropout_p=0.0, seed=0, offset=0
+        q, k, v, **NO_SEQUENCES, **kern, softcap=0.0, dropout_p=0.0, seed=0, offset=0
     )
     got = _backward(dict(q=q, k=k, v=v, dout=dout), out, lse, kern)
     leaves = [t.transpose(1, 2).detach().requires_grad_() for t in (q, k, v)]
@@ -229,21 +230,24 @@ SWEEP = {
 }  # fmt: skip
 
 
+def _timing_problem(b, h, s, d, causal, dtype):
+    """Seeded q, k, v, dout [b, s, h, d] on CUDA and the mask arguments of a dense launch."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v, dout = (torch.randn(b, s, h, d, generator=g, device="cuda", dtype=dtype)
+                     for _ in range(4))  # fmt: skip
+    mask = dict(softmax_scale=d**-0.5, window_left=-1, window_right=0 if causal else -1,
+                bottom_right=True)  # fmt: skip
+    return q, k, v, dout, mask
+
+
 def _bench_shape(b, h, s, d, causal, dtype=BF16) -> dict:
     """Median ms of our forward, backward and both, and SDPA flash's forward and both."""
     from fusedlayers.kernels._flash_fwd import flash_attention_forward
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from triton.testing import do_bench
 
-    g = torch.Generator(device="cuda").manual_seed(0)
-    q, k, v, dout = (torch.randn(b, s, h, d, generator=g, device="cuda", dtype=dtype)
-                     for _ in range(4))  # fmt: skip
-    mask = dict(softmax_scale=d**-0.5, window_left=-1, window_right=0 if causal else -1,
-                bottom_right=True)  # fmt: skip
-    none = dict.fromkeys(("cu_seqlens_q", "cu_seqlens_k", "seq_offsets_q", "seq_offsets_k",
-                          "max_seqlen_q", "max_seqlen_k", "seqlens_q", "seqlens_k", "bias",
-                          "alibi_slopes"))  # fmt: skip
-    fwd_args = dict(**none, **mask, softcap=0.0, dropout_p=0.0, seed=0, offset=0)
+    q, k, v, dout, mask = _timing_problem(b, h, s, d, causal, dtype)
+    fwd_args = dict(**NO_SEQUENCES, **mask, softcap=0.0, dropout_p=0.0, seed=0, offset=0)
 
     def ours_fwd():
         return flash_attention_forward(q, k, v, **fwd_args)
@@ -307,16 +311,9 @@ def _sweep_backward(b, h, s, d, causal, configs) -> list[dict]:
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from triton.testing import do_bench
 
-    g = torch.Generator(device="cuda").manual_seed(0)
-    q, k, v, dout = (torch.randn(b, s, h, d, generator=g, device="cuda", dtype=BF16)
-                     for _ in range(4))  # fmt: skip
-    mask = dict(softmax_scale=d**-0.5, window_left=-1, window_right=0 if causal else -1,
-                bottom_right=True)  # fmt: skip
-    none = dict.fromkeys(("cu_seqlens_q", "cu_seqlens_k", "seq_offsets_q", "seq_offsets_k",
-                          "max_seqlen_q", "max_seqlen_k", "seqlens_q", "seqlens_k", "bias",
-                          "alibi_slopes"))  # fmt: skip
+    q, k, v, dout, mask = _timing_problem(b, h, s, d, causal, BF16)
     out, lse = flash_attention_forward(
-        q, k, v, **none, **mask, softcap=0.0, dropout_p=0.0, seed=0, offset=0
+        q, k, v, **NO_SEQUENCES, **mask, softcap=0.0, dropout_p=0.0, seed=0, offset=0
     )
     leaves = [t.transpose(1, 2).detach().requires_grad_() for t in (q, k, v)]
     with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
