@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import torch
 
+from .validation import host_values
+
 FORMATS = ("sbhd", "bshd", "thd")
 
 
@@ -108,6 +110,26 @@ def token_positions(
     return positions if tensor_format == "sbhd" else positions.t()
 
 
+def _largest_position(
+    t: torch.Tensor,
+    tensor_format: str,
+    cu_seqlens: torch.Tensor | None,
+    start_positions: torch.Tensor | None,
+) -> int:
+    """The largest position `token_positions` gives `t`, computed on the host: `cu_seqlens` and
+    `start_positions` are read once per tensor version (`host_values`), where reducing the
+    device positions would sync on every call. -1 when there are no tokens."""
+
+    def on_host(x: torch.Tensor | None) -> torch.Tensor | None:
+        return None if x is None else torch.tensor(host_values(x))
+
+    shape_only = torch.empty((*t.shape[:-2], 0))  # token_positions reads t's leading dims only
+    positions = token_positions(
+        shape_only, tensor_format, on_host(cu_seqlens), on_host(start_positions)
+    )
+    return int(positions.max()) if positions.numel() else -1
+
+
 def _check_table_covers(freqs: torch.Tensor, last: int) -> None:
     if last >= freqs.shape[0]:
         raise ValueError(f"RoPE table has {freqs.shape[0]} positions, position {last} requested")
@@ -148,7 +170,7 @@ def apply_rotary_pos_emb(
         angles = table[:s].view((s, 1, 1, d_rot) if tensor_format == "sbhd" else (1, s, 1, d_rot))
     else:
         positions = token_positions(t, tensor_format, cu_seqlens, start_positions)
-        _check_table_covers(freqs, int(positions.max()) if positions.numel() else -1)
+        _check_table_covers(freqs, _largest_position(t, tensor_format, cu_seqlens, start_positions))
         angles = table[positions].unsqueeze(-2)
     rot, rest = t[..., :d_rot].to(compute), t[..., d_rot:]
     rotated = rot * torch.cos(angles) + _rotate(rot, interleaved) * torch.sin(angles)

@@ -72,6 +72,31 @@ def test_rope_dtype_and_errors():
         apply_rotary_pos_emb(x[:, 0], table, "thd")
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_rope_bound_check_computes_the_largest_position_on_the_host(seed):
+    """thd (empty sequences, rows past the last sequence) and start offsets: the table bound is
+    checked from host copies of cu_seqlens / start_positions, and must equal the largest of the
+    positions the rotation gathers."""
+    from fusedlayers.rope import _largest_position, token_positions
+
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(0, 6, (4,), generator=g)
+    cu = torch.cat([torch.zeros(1, dtype=torch.int64), lens.cumsum(0)]).to(torch.int32)
+    rows = int(cu[-1]) + int(torch.randint(0, 4, (1,), generator=g))  # trailing padding rows
+    start = torch.randint(0, 9, (4,), generator=g)
+    x = torch.randn(rows, 2, 8)
+    for starts in (None, start):
+        want = token_positions(x, "thd", cu, starts)
+        want = int(want.max()) if want.numel() else -1
+        assert _largest_position(x, "thd", cu, starts) == want
+    dense = torch.randn(4, 5, 2, 8)  # bshd: b = 4
+    want = int(token_positions(dense, "bshd", None, start).max())
+    assert _largest_position(dense, "bshd", None, start) == want == 4 + int(start.max())
+    table = RotaryPositionEmbedding(8)(max(want, 1))  # one position short of the largest
+    with pytest.raises(ValueError, match=f"position {want} requested"):
+        apply_rotary_pos_emb(dense, table, "bshd", start_positions=start)
+
+
 @pytest.mark.parametrize("fmt", ["sbhd", "bshd"])
 def test_rope_from_position_0_compiles_without_graph_breaks(fmt):
     """Dense RoPE from position 0 reads nothing back from the tensors (on a GPU such a read is a
