@@ -100,8 +100,7 @@ def test_rope_bound_check_computes_the_largest_position_on_the_host(seed):
 @pytest.mark.parametrize("fmt", ["sbhd", "bshd"])
 def test_rope_from_position_0_compiles_without_graph_breaks(fmt):
     """Dense RoPE from position 0 reads nothing back from the tensors (on a GPU such a read is a
-    sync per call), so the whole call traces into one graph; thd and start offsets still read
-    the largest position to check the table."""
+    sync per call), so the whole call traces into one graph."""
     x = torch.randn(2, 5, 2, 8, dtype=torch.float64)
     table = RotaryPositionEmbedding(8)(8).double()
     compiled = torch.compile(apply_rotary_pos_emb, fullgraph=True, backend="eager")
