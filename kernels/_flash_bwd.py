@@ -115,23 +115,27 @@ BWD_ATOMIC_CONFIGS: dict[int, tuple[int, ...]] = {
 ATOMIC_DQ_DEVICES = "never"
 
 
-def _table_entry(table: dict, fields: tuple, head_dim: int, on_cuda: bool) -> dict[str, int]:
-    """The launch shape for a head dim: the smallest bound >= head_dim (interpreter: its own)."""
-    if not on_cuda:
-        return dict(zip(fields, INTERPRETER_CONFIG))
+def _bucket(table: dict, head_dim: int) -> int:
+    """The table key serving a head dim: the smallest bound >= head_dim."""
     for bound in sorted(table):
         if head_dim <= bound:
-            return dict(zip(fields, table[bound]))
+            return bound
     raise ValueError(f"head dim ({head_dim}) exceeds the largest supported ({max(table)})")
+
+
+def _table_entry(table: dict, fields: tuple, head_dim: int, on_cuda: bool) -> dict[str, int]:
+    """The launch shape for a head dim: its bucket's entry (interpreter: its own)."""
+    if not on_cuda:
+        return dict(zip(fields, INTERPRETER_CONFIG))
+    return dict(zip(fields, table[_bucket(table, head_dim)]))
 
 
 def bwd_config(head_dim: int, on_cuda: bool, causal: bool = False) -> dict[str, int]:
     """Block sizes, warps and pipeline stages of both passes for a head dim (max of d_qk, d_v);
     `causal` (a right window bound) takes the BWD_CAUSAL_DKDV entry for the dK/dV pass."""
     cfg = _table_entry(BWD_CONFIGS, CONFIG_FIELDS, head_dim, on_cuda)
-    bound = min((b for b in BWD_CONFIGS if head_dim <= b), default=None)
-    if on_cuda and causal and bound in BWD_CAUSAL_DKDV:
-        cfg |= dict(zip(CONFIG_FIELDS[:4], BWD_CAUSAL_DKDV[bound]))
+    if on_cuda and causal and _bucket(BWD_CONFIGS, head_dim) in BWD_CAUSAL_DKDV:
+        cfg |= dict(zip(CONFIG_FIELDS[:4], BWD_CAUSAL_DKDV[_bucket(BWD_CONFIGS, head_dim)]))
     return cfg
 
 
