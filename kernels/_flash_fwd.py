@@ -29,6 +29,7 @@ import triton.language as tl
 
 from ._common import (
     LN2,
+    LOG2E,
     cdiv,
     diagonal_offset,
     dropout_keep,
@@ -61,6 +62,8 @@ _CANDIDATES = {
 _INTERPRET_CONFIG = (32, 16, 4, 1)
 _SMEM_BUDGET = 200 * 1024  # bytes; H100 allows 227 KiB per block, keep room for layout padding
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+# `tl.range(..., warp_specialize=True)` on the unmasked key band: off until measured on the H100.
+WARP_SPECIALIZE = False
 
 
 def _configs() -> list[triton.Config]:
@@ -109,7 +112,7 @@ def _fwd_inner(
     BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr,
-    HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
 ):  # fmt: skip
     """Online softmax over key blocks [lo, hi) for one query tile.
 
@@ -118,7 +121,9 @@ def _fwd_inner(
     unmasked blocks are fully visible and inside len_k, so they skip both.
     """
     offs_nb = tl.arange(0, BLOCK_N)
-    for start_n in range(lo, hi, BLOCK_N):
+    # Warp specialization (producer warps issue the loads, consumers the products) only on the
+    # unmasked band, whose body is the simplest; masked edge blocks keep the plain loop.
+    for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPECIALIZE and not MASKED):
         offs_n = start_n + offs_nb
         # Block origin in int64: start_n * stride can pass 2^31 on long sequences.
         k_ptrs = k_base + tl.cast(start_n, tl.int64) * stride_kn
@@ -128,26 +133,33 @@ def _fwd_inner(
         key_ok = offs_n < len_k
         k = load_tile(k_ptrs, key_ok, offs_dk < HEAD_DIM_QK, MASKED, HEAD_DIM_QK != BLOCK_D, 0)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-        bias_tile = qk  # placeholder, ignored unless HAS_BIAS
-        if HAS_BIAS:
-            bias_tile = load_bias_tile(
-                bias_base, offs_m, offs_n, stride_bm, stride_bn, len_q, len_k
-            )
-        s = scores_log2(
-            qk, sm_scale, softcap, bias_tile, alibi_slope, offs_m, offs_n, diag,
-            HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI,
-        )  # fmt: skip
+        # Plain scores (no softcap, bias or ALiBi) are qk times a positive constant: the row max
+        # is taken on the raw products and scaled once, and `qk * scale - max` is one FMA per
+        # element. Modified scores arrive already scaled (`scores_log2`).
+        s = qk
+        s_scale = sm_scale * LOG2E
+        if HAS_SOFTCAP or HAS_BIAS or HAS_ALIBI:
+            s_scale = 1.0
+            bias_tile = qk  # placeholder, ignored unless HAS_BIAS
+            if HAS_BIAS:
+                bias_tile = load_bias_tile(
+                    bias_base, offs_m, offs_n, stride_bm, stride_bn, len_q, len_k
+                )
+            s = scores_log2(
+                qk, sm_scale, softcap, bias_tile, alibi_slope, offs_m, offs_n, diag,
+                HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI,
+            )  # fmt: skip
         if MASKED:
             visible = visible_tile(
                 offs_m, offs_n, diag, window_left, window_right, len_q, len_k,
                 HAS_LEFT, HAS_RIGHT, True, False,
             )  # fmt: skip
             s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_new = tl.maximum(m_i, tl.max(s, 1) * s_scale)
         if MASKED or HAS_BIAS:
             # A row with nothing visible yet has max -inf: shift by 0 so exp2 gives 0, not NaN.
             m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.math.exp2(s - m_new[:, None])
+        p = tl.math.exp2(s * s_scale - m_new[:, None])
         alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
@@ -215,7 +227,8 @@ def _attn_fwd(
     SEQ_MODE_Q: tl.constexpr, SEQ_MODE_K: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     """One program: BLOCK_M query rows of one (sequence, query head); writes out and lse rows."""
     tl.static_assert(BLOCK_D >= HEAD_DIM_QK and BLOCK_DV >= HEAD_DIM_V)
@@ -267,7 +280,7 @@ def _attn_fwd(
             diag, window_left, window_right, len_q, len_k,
             sm_scale, softcap, alibi_slope, seed, offset, bh, dropout_p,
             HEAD_DIM_QK, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, seg != 1, HAS_LEFT, HAS_RIGHT,
-            HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI, HAS_DROPOUT, DOT_PRECISION,
+            HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI, HAS_DROPOUT, DOT_PRECISION, WARP_SPECIALIZE,
         )  # fmt: skip
 
     out, lse = _normalize(acc, l_i, m_i, dropout_p, HAS_DROPOUT)
@@ -348,6 +361,7 @@ def forward_launch(
         HAS_LEFT=window_left >= 0, HAS_RIGHT=window_right >= 0, HAS_SOFTCAP=softcap > 0,
         HAS_BIAS=bias is not None, HAS_ALIBI=alibi_slopes is not None,
         HAS_DROPOUT=dropout_p > 0, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        WARP_SPECIALIZE=WARP_SPECIALIZE,
     )  # fmt: skip
     return out, lse, grid, args, constexprs
 
