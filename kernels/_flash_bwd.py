@@ -113,6 +113,11 @@ BWD_ATOMIC_CONFIGS: dict[int, tuple[int, ...]] = {
 # save nothing there) or "any" (tests force it on the interpreter). deterministic=True and dBias
 # always take the two-pass path.
 ATOMIC_DQ_DEVICES = "never"
+# The dK/dV pass splits a GQA group over several programs while it launches fewer than this
+# many waves of programs (`group_splits`); GROUP_SPLITS_OVERRIDE forces a split count (tests,
+# the interpreter and benchmarks; None = decide by the waves).
+MIN_DKDV_WAVES = 4
+GROUP_SPLITS_OVERRIDE: int | None = None
 
 
 def _bucket(table: dict, head_dim: int) -> int:
@@ -247,24 +252,79 @@ def flash_attention_backward(
     return dq, dk, dv, dbias
 
 
+def group_splits(programs: int, group: int, device: torch.device) -> int:
+    """How many programs share one key block's GQA group in the dK/dV pass (1 = no split).
+
+    The pass runs one program per (key block, KV head, sequence), each looping over the group's
+    query heads; with few KV heads (MQA) that is too few programs to fill the GPU, and under a
+    causal mask the first key blocks carry most of the work, so the last wave runs nearly empty.
+    Splitting the group multiplies the programs until about MIN_DKDV_WAVES waves; the shares'
+    fp32 partial sums are added up afterwards (deterministic, no atomics). Every share gets at
+    least one head.
+    """
+    if GROUP_SPLITS_OVERRIDE is not None:
+        wanted = GROUP_SPLITS_OVERRIDE
+    elif device.type != "cuda" or group == 1:
+        return 1
+    else:
+        wanted = cdiv(MIN_DKDV_WAVES * _multiprocessors(device), programs)
+    wanted = max(1, min(group, wanted))
+    return cdiv(group, cdiv(group, wanted))
+
+
+_SM_COUNT: dict[int, int] = {}
+
+
+def _multiprocessors(device: torch.device) -> int:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SM_COUNT:
+        _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SM_COUNT[index]
+
+
 def _launch_dkdv(
     q, k, v, dout, lse, delta, dk, dv, bias_args, alibi_args, seq_ptrs, strides, scalars, geo,
     opts, dq_acc: torch.Tensor | None, cfg: dict[str, int],
 ) -> None:  # fmt: skip
     """The dK/dV kernel; with an fp32 `dq_acc` it also adds the unscaled dQ into it (atomics).
 
-    `cfg` needs BLOCK_M1, BLOCK_N1, WARPS1, STAGES1 (both config tables provide them).
+    `cfg` needs BLOCK_M1, BLOCK_N1, WARPS1, STAGES1 (both config tables provide them). When
+    `group_splits` deals the GQA group out over several programs, they write fp32 partial sums
+    `[splits, *k.shape]` that are then added into dk / dv.
     """
     # Without an accumulator the kernel never touches DQ_ACC; q stands in for the pointer.
     dq_args = (dq_acc, strides4(dq_acc, geo.varlen)[:3]) if dq_acc is not None else (q, (0, 0, 0))
-    h_kv = k.shape[-2]
-    _flash_bwd_dkdv_kernel[(cdiv(geo.k.max_len, cfg["BLOCK_N1"]) * geo.batch * h_kv,)](
-        q, k, v, dout, lse, delta, dk, dv, bias_args[0], alibi_args[0], dq_args[0], *seq_ptrs,
-        *strides, *strides4(dk, geo.varlen)[:3], *strides4(dv, geo.varlen)[:3],
-        *bias_args[1], *alibi_args[1], *dq_args[1], *scalars,
+    h_q, h_kv = q.shape[-2], k.shape[-2]
+    programs = cdiv(geo.k.max_len, cfg["BLOCK_N1"]) * geo.batch * h_kv
+    splits = group_splits(programs, h_q // h_kv, q.device)
+    dk_out, dv_out = dk, dv
+    if splits > 1:
+        # Rows no program writes (past a sequence's end) must add up to 0.
+        new = torch.empty if geo.k.owns_all_rows else torch.zeros
+        dk_out = new((splits, *dk.shape), dtype=torch.float32, device=dk.device)
+        dv_out = new((splits, *dv.shape), dtype=torch.float32, device=dv.device)
+    _flash_bwd_dkdv_kernel[(programs * splits,)](
+        q, k, v, dout, lse, delta, dk_out, dv_out, bias_args[0], alibi_args[0], dq_args[0],
+        *seq_ptrs, *strides, *_split_strides4(dk_out, splits, geo.varlen)[:3],
+        *_split_strides4(dv_out, splits, geo.varlen)[:3], *bias_args[1], *alibi_args[1],
+        *dq_args[1], _split_stride(dk_out, splits), _split_stride(dv_out, splits), h_q, h_kv,
+        splits, *scalars[2:],
         BLOCK_M=cfg["BLOCK_M1"], BLOCK_N=cfg["BLOCK_N1"], ATOMIC_DQ=dq_acc is not None, **opts,
         num_warps=cfg["WARPS1"], num_stages=cfg["STAGES1"],
     )  # fmt: skip
+    if splits > 1:
+        # A fixed-order reduction over the shares: bitwise reproducible run to run.
+        dk.copy_(dk_out.sum(0))
+        dv.copy_(dv_out.sum(0))
+
+
+def _split_strides4(t: torch.Tensor, splits: int, varlen: bool) -> tuple[int, int, int, int]:
+    """strides4 of one share of a [splits, ...] partial buffer, or of t itself."""
+    return strides4(t[0] if splits > 1 else t, varlen)
+
+
+def _split_stride(t: torch.Tensor, splits: int) -> int:
+    return t.stride(0) if splits > 1 else 0
 
 
 def _new_dbias(bias: torch.Tensor, geo, h_q: int) -> torch.Tensor:

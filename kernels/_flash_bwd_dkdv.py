@@ -185,8 +185,8 @@ def _flash_bwd_dkdv_kernel(
     stride_lb, stride_lh, stride_ls, stride_dkb, stride_dks, stride_dkh,
     stride_dvb, stride_dvs, stride_dvh,
     stride_bb, stride_bh, stride_bm, stride_bn, stride_ab, stride_ah,
-    stride_dqb, stride_dqs, stride_dqh,
-    H_Q, H_KV, MAX_Q, MAX_K, D_QK, D_V,
+    stride_dqb, stride_dqs, stride_dqh, stride_dk_split, stride_dv_split,
+    H_Q, H_KV, GROUP_SPLITS, MAX_Q, MAX_K, D_QK, D_V,
     sm_scale, softcap, window_left, window_right, dropout_p, seed, offset,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM_QK: tl.constexpr, HEAD_DIM_V: tl.constexpr,
@@ -196,9 +196,12 @@ def _flash_bwd_dkdv_kernel(
     HAS_ALIBI: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     DOT_PRECISION: tl.constexpr, ATOMIC_DQ: tl.constexpr,
 ):  # fmt: skip
-    """dK and dV for one key block of one KV head, summed over the GQA group.
+    """dK and dV for one key block of one KV head, summed over the GQA group (or one share of it).
 
-    Grid: (cdiv(MAX_K, BLOCK_N) * batch * H_KV,). dK leaves already multiplied by sm_scale.
+    Grid: (cdiv(MAX_K, BLOCK_N) * GROUP_SPLITS * batch * H_KV,). With GROUP_SPLITS > 1 the group's
+    query heads are dealt out in GROUP_SPLITS contiguous shares, one program each, and share i
+    writes its partial sums at DK + i * stride_dk_split (fp32 buffers the launcher adds up);
+    otherwise the split strides are unused. dK leaves already multiplied by sm_scale.
     ATOMIC_DQ: also add the unscaled dQ shares to DQ_ACC (fp32, laid out like q, zero-filled by
     the launcher, strides (batch, row, head)); without it DQ_ACC is a dummy, never touched.
     """
@@ -206,8 +209,10 @@ def _flash_bwd_dkdv_kernel(
     # neighbouring programs share one group's q/dO in L2. Under causal-like windows the first key
     # blocks see the most queries, so they also start first.
     num_n = tl.cdiv(MAX_K, BLOCK_N)
-    pid_zh = tl.program_id(0) // num_n
+    pid_rest = tl.program_id(0) // num_n
     start_n = (tl.program_id(0) % num_n) * BLOCK_N
+    split = pid_rest % GROUP_SPLITS
+    pid_zh = pid_rest // GROUP_SPLITS
     # int64 from here on: batch * stride and row * stride overflow int32 on long sequences.
     z = (pid_zh // H_KV).to(tl.int64)
     h_kv = (pid_zh % H_KV).to(tl.int64)
@@ -219,6 +224,9 @@ def _flash_bwd_dkdv_kernel(
     start_k = start_k.to(tl.int64)
     diag = diagonal_offset(len_q, len_k, BOTTOM_RIGHT)
     group = H_Q // H_KV
+    share = tl.cdiv(group, GROUP_SPLITS)
+    g_lo = split * share
+    g_hi = tl.minimum(g_lo + share, group)
 
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_dq = tl.arange(0, HEAD_DIM_QK)
@@ -233,7 +241,7 @@ def _flash_bwd_dkdv_kernel(
     v = load_tile(v_ptrs + offs_dv[None, :], key_ok, dv_ok, True, PAD_V, 0)
     dk = tl.zeros([BLOCK_N, HEAD_DIM_QK], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM_V], dtype=tl.float32)
-    for g in range(group):
+    for g in range(g_lo, g_hi):
         h = h_kv * group + g
         slope = 0.0
         if HAS_ALIBI:
@@ -251,12 +259,14 @@ def _flash_bwd_dkdv_kernel(
             BLOCK_M, BLOCK_N, PAD_QK, PAD_V, HAS_LEFT, HAS_RIGHT, HAS_BIAS, HAS_ALIBI,
             HAS_SOFTCAP, HAS_DROPOUT, DOT_PRECISION, ATOMIC_DQ,
         )  # fmt: skip
-    dk_ptrs = DK + z * stride_dkb + h_kv * stride_dkh + (start_k + offs_n[:, None]) * stride_dks
+    dk_ptrs = DK + split.to(tl.int64) * stride_dk_split + z * stride_dkb + h_kv * stride_dkh
+    dk_ptrs += (start_k + offs_n[:, None]) * stride_dks
     tl.store(
         dk_ptrs + offs_dq[None, :], (dk * sm_scale).to(DK.dtype.element_ty),
         mask=col_ok & dq_ok[None, :],
     )  # fmt: skip
-    dv_ptrs = DV + z * stride_dvb + h_kv * stride_dvh + (start_k + offs_n[:, None]) * stride_dvs
+    dv_ptrs = DV + split.to(tl.int64) * stride_dv_split + z * stride_dvb + h_kv * stride_dvh
+    dv_ptrs += (start_k + offs_n[:, None]) * stride_dvs
     tl.store(
         dv_ptrs + offs_dv[None, :], dv.to(DV.dtype.element_ty),
         mask=col_ok & dv_ok[None, :],

@@ -26,6 +26,24 @@ from fusedlayers.reference import attention_reference
 GRAD_NAMES = ("dq", "dk", "dv", "dbias")
 
 
+class KernelSpy:
+    """Stands in for a Triton kernel (a module global the launcher looks up per call): records
+    the grid and keyword arguments of every launch, then launches it."""
+
+    def __init__(self, kernel):
+        self.kernel, self.launches, self.grids = kernel, [], []
+
+    def __getitem__(self, grid):
+        launch = self.kernel[grid]
+
+        def run(*args, **kwargs):
+            self.grids.append(grid)
+            self.launches.append(kwargs)
+            return launch(*args, **kwargs)
+
+        return run
+
+
 @dataclasses.dataclass(frozen=True)
 class Case:
     """One attention problem. `s_q`/`s_k` are the padded (dense) or max (varlen) lengths.

@@ -18,7 +18,7 @@ import dataclasses
 
 import pytest
 import torch
-from attention_testing import Case, check_case, make_inputs, run_kernel
+from attention_testing import Case, KernelSpy, check_case, make_inputs, run_kernel
 from fusedlayers.kernels import _flash_bwd
 from fusedlayers.kernels._flash_bwd import flash_attention_backward
 
@@ -28,40 +28,24 @@ F16, F32 = torch.float16, torch.float32
 CAUSAL = (-1, 0)
 
 
-class _Spy:
-    """Stands in for a Triton kernel: records the keyword arguments of every launch."""
-
-    def __init__(self, kernel):
-        self.kernel, self.launches = kernel, []
-
-    def __getitem__(self, grid):
-        launch = self.kernel[grid]
-
-        def run(*args, **kwargs):
-            self.launches.append(kwargs)
-            return launch(*args, **kwargs)
-
-        return run
-
-
 @pytest.fixture
-def spies(monkeypatch) -> dict[str, _Spy]:
+def spies(monkeypatch) -> dict[str, KernelSpy]:
     """Spies on the launcher's dK/dV and dQ kernels (module globals, looked up per call)."""
     found = {}
     for name, attr in (("dkdv", "_flash_bwd_dkdv_kernel"), ("dq", "_flash_bwd_dq_kernel")):
-        found[name] = _Spy(getattr(_flash_bwd, attr))
+        found[name] = KernelSpy(getattr(_flash_bwd, attr))
         monkeypatch.setattr(_flash_bwd, attr, found[name])
     return found
 
 
 @pytest.fixture
-def atomic(monkeypatch, spies) -> dict[str, _Spy]:
+def atomic(monkeypatch, spies) -> dict[str, KernelSpy]:
     """Let deterministic=False take the atomic path on the interpreter too."""
     monkeypatch.setattr(_flash_bwd, "ATOMIC_DQ_DEVICES", "any")
     return spies
 
 
-def _ran_atomic(spies: dict[str, _Spy]) -> bool:
+def _ran_atomic(spies: dict[str, KernelSpy]) -> bool:
     """True when every backward since the last reset was the single atomic launch."""
     dkdv = [launch["ATOMIC_DQ"] for launch in spies["dkdv"].launches]
     atomic = bool(dkdv) and all(dkdv) and not spies["dq"].launches

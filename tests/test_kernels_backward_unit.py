@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from fusedlayers.kernels import dropout_keep_mask
+from attention_testing import KernelSpy
+from fusedlayers.kernels import _flash_bwd, dropout_keep_mask
 from fusedlayers.kernels._flash_bwd import flash_attention_backward
 
 from fusedlayers.reference import attention_reference
@@ -292,3 +293,53 @@ def test_causal_launches_take_the_causal_dkdv_shape():
     for bound in others:
         table = dict(zip(fields, _flash_bwd.BWD_CONFIGS[bound]))
         assert _flash_bwd.bwd_config(bound, on_cuda=True, causal=True) == table
+
+
+@pytest.mark.parametrize(
+    "h, h_kv, splits, window",
+    [(4, 1, 4, (-1, 0)), (6, 2, 2, (-1, -1)), (5, 1, 2, (7, 0))],
+    ids=["mqa-4-shares-causal", "gqa-2-shares", "uneven-shares-window"],
+)
+def test_gqa_group_split_over_programs(monkeypatch, h, h_kv, splits, window):
+    """dK/dV with the GQA group dealt out over several programs (fp32 partial sums added after):
+    the same gradients as the one-program-per-group launch, within the pass rule."""
+    monkeypatch.setattr(_flash_bwd, "GROUP_SPLITS_OVERRIDE", splits)
+    spy = KernelSpy(_flash_bwd._flash_bwd_dkdv_kernel)
+    monkeypatch.setattr(_flash_bwd, "_flash_bwd_dkdv_kernel", spy)
+    tensors = _dense(13 + h, 2, 33, 40, h, h_kv, 16, dtype=F16)
+    ref, kern = _mask_kwargs(0.25, window, True)
+    _check(tensors, F16, ref, kern)
+    group = h // h_kv
+    expected = _flash_bwd.cdiv(group, _flash_bwd.cdiv(group, splits))
+    assert spy.grids == [(expected * _flash_bwd.cdiv(40, 16) * 2 * h_kv,)]
+
+
+def test_group_split_keeps_unowned_rows_zero(monkeypatch):
+    """Varlen with gaps and an empty sequence, group split in 3: rows no sequence owns are 0."""
+    monkeypatch.setattr(_flash_bwd, "GROUP_SPLITS_OVERRIDE", 3)
+    lens_q, lens_k, gap = [17, 0, 30], [20, 9, 30], 3
+    tensors, ref_seq, kern_seq = _varlen_tensors(lens_q, lens_k, gap, 3, 1, 16, F16, seed=14)
+    _, _, _, off_k = _varlen_meta(lens_q, lens_k, gap)
+    ref, kern = _mask_kwargs(0.2, (-1, 0), True)
+    got = _check(tensors, F16, dict(ref, **ref_seq), dict(kern, **kern_seq))
+    owned_k = torch.zeros(tensors["k"].shape[0], dtype=torch.bool)
+    for start, n in zip(off_k.tolist(), lens_k):
+        owned_k[start : start + n] = True
+    assert (got["dk"][~owned_k] == 0).all() and (got["dv"][~owned_k] == 0).all()
+
+
+def test_group_splits_fill_the_gpu_only_when_needed():
+    """The split count: none for MHA or plenty of programs; enough waves for MQA; never more
+    shares than heads, and no empty share."""
+    cuda = torch.device("cuda", 0)
+    _flash_bwd._SM_COUNT[0] = 132
+    try:
+        assert _flash_bwd.group_splits(256, 1, cuda) == 1  # MHA
+        assert _flash_bwd.group_splits(10_000, 32, cuda) == 1  # enough programs already
+        assert _flash_bwd.group_splits(256, 32, cuda) == 3  # MQA: 256 -> 768 programs >= 528
+        assert _flash_bwd.group_splits(8, 4, cuda) == 4  # capped by the group
+        assert _flash_bwd.group_splits(100, 5, cuda) == 5  # 6 wanted, 5 heads
+        assert _flash_bwd.group_splits(200, 4, cuda) == 2  # 3 wanted: shares of 2 -> 2 shares
+        assert _flash_bwd.group_splits(8, 4, torch.device("cpu")) == 1
+    finally:
+        del _flash_bwd._SM_COUNT[0]
