@@ -77,7 +77,7 @@ CONFIG_FIELDS = ("BLOCK_M1", "BLOCK_N1", "WARPS1", "STAGES1", "BLOCK_M2", "BLOCK
 # Every entry must pass tests/gpu/test_backward_gpu.py, its determinism test included: with
 # query-major dK/dV tiles, (32, 128, 8, 3, ...) gave run-to-run different, wrong dK under Triton 3.6
 # on the H100 (a miscompile; no kernel writes memory another program reads). The d=128 dK/dV
-# entry won `python tests/gpu/test_backward_gpu.py --sweep` at b=8, h=16, s=2048 and again at
+# entry won the per-pass sweep (now `examples/tune_attention.py --bwd`) at b=8, h=16, s=2048 and again at
 # b=4, h=16, s=4096 (bf16, H100); that second sweep moved the d=128 dQ entry from (64, 32, 4, 3) to
 # (128, 64, 8, 3): 0.37 / 0.23 ms faster per backward, non-causal / causal (2026-11-23).
 BWD_CONFIGS: dict[int, tuple[int, ...]] = {

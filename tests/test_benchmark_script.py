@@ -333,3 +333,28 @@ def test_a_failing_backward_still_times_the_forward(cpu_pipeline, monkeypatch, t
     fwd, fwdbwd = (r["providers"]["fusedlayers"] for r in rows)
     assert fwd["status"] == "ok"
     assert fwdbwd["status"] == "error" and "head dim" in fwdbwd["error"]
+
+
+def test_tuning_sweep_jobs_and_best_per_pass():
+    """tune_attention: each backward candidate keeps the other pass at its table entry, and the
+    best candidate per pass is the least total over causal and not (inf = failed a check)."""
+    import tune_attention as ta
+    from fusedlayers.kernels import _flash_bwd
+
+    jobs = ta.sweep_jobs([128], 4096, fwd=True, bwd=True)
+    table = _flash_bwd.BWD_CONFIGS[128]
+    dkdv = [j for j in jobs if j.get("half") == "dkdv"]
+    dq = [j for j in jobs if j.get("half") == "dq"]
+    assert len(dkdv) == 2 * len(ta.BWD_SWEEP[128]["dkdv"])
+    assert all(tuple(j["cfg"][4:]) == table[4:] for j in dkdv)
+    assert all(tuple(j["cfg"][:4]) == table[:4] for j in dq)
+    assert sum(j["kind"] == "fwd" for j in jobs) == 2 * len(ta.FWD_SWEEP[128])
+
+    def row(cfg, causal, ms, half="dkdv"):
+        return dict(kind="bwd", d=128, half=half, causal=causal, cfg=cfg, ms=ms)
+
+    a, b = (1, 2, 3, 4, 9, 9, 9, 9), (5, 6, 7, 8, 9, 9, 9, 9)
+    rows = [row(a, False, 1.0), row(a, True, 3.0), row(b, False, 2.0), row(b, True, 1.5)]
+    assert ta.best_per_pass(rows) == {("bwd", 128, "dkdv"): (5, 6, 7, 8)}
+    rows[2]["ms"] = float("inf")  # b failed its check once: never the best
+    assert ta.best_per_pass(rows) == {("bwd", 128, "dkdv"): (1, 2, 3, 4)}

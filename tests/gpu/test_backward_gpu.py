@@ -1,22 +1,17 @@
-"""The flash-attention backward on CUDA (fp16/bf16) against fp64 autograd, plus a timing script.
+"""The flash-attention backward on CUDA (fp16/bf16) against fp64 autograd.
 
 Each case runs `flash_attention_backward` on `out`/`lse` from the reference in the input dtype,
 so a failure points at the backward alone. Pass rule: every gradient's max error against fp64
 autograd through `attention_reference` is at most 3x the error of PyTorch computing it from
 input-dtype tensors, plus one unit of the dtype at the gradient's magnitude.
 
-Run as a script for a first forward+backward timing against SDPA's FlashAttention-2 backend:
-    python tests/gpu/test_backward_gpu.py [--sweep [--dims 128,64] [--seqlen 4096]] [--out DIR]
+The launch-shape sweep that picks the table entries is `examples/tune_attention.py --bwd`.
 
 Layouts: dense q [b, s_q, h, d], k/v [b, s_k, h_kv, d(_v)]; varlen q [t_q, h, d]; lse dense
 [b, h, s_q] / varlen [h, t_q].
 """
 
 from __future__ import annotations
-
-import argparse
-import json
-import math
 
 import pytest
 import torch
@@ -209,190 +204,3 @@ def test_64k_token_sequence():
     for name, ref_grad in zip(("dq", "dk", "dv"), ref_grads):
         assert torch.isfinite(got[name]).all(), name
         assert _relative_error(got[name], ref_grad.transpose(1, 2)) < 2e-2, name
-
-
-# Candidate launch shapes for the timing sweep, per padded head dim, one list per pass: dK/dV
-# (BLOCK_M1, BLOCK_N1, WARPS1, STAGES1) and dQ (BLOCK_M2, BLOCK_N2, WARPS2, STAGES2). The two
-# passes are separate kernels whose times add, so each list is swept with the other pass held at
-# its table entry, and the best of each combine. FlexAttention's sm90 choice for 64 <= d <= 128
-# is (64, 128, 8, 3) / (128, 64, 8, 3).
-SWEEP = {
-    128: dict(
-        dkdv=[(32, 64, 4, 3), (64, 64, 4, 3), (64, 64, 8, 2), (32, 128, 8, 2), (32, 128, 8, 3),
-              (64, 128, 8, 2), (64, 128, 8, 3)],
-        dq=[(64, 32, 4, 3), (64, 64, 4, 3), (64, 64, 4, 2), (128, 32, 8, 3), (128, 64, 8, 2),
-            (128, 64, 8, 3)],
-    ),
-    64: dict(
-        dkdv=[(64, 64, 4, 3), (32, 128, 4, 3), (64, 128, 4, 3), (64, 128, 8, 3), (32, 64, 4, 4)],
-        dq=[(64, 64, 4, 3), (128, 64, 4, 3), (128, 64, 8, 3), (128, 32, 4, 3), (64, 128, 4, 3)],
-    ),
-}  # fmt: skip
-
-
-def _timing_problem(b, h, s, d, causal, dtype):
-    """Seeded q, k, v, dout [b, s, h, d] on CUDA and the mask arguments of a dense launch."""
-    g = torch.Generator(device="cuda").manual_seed(0)
-    q, k, v, dout = (torch.randn(b, s, h, d, generator=g, device="cuda", dtype=dtype)
-                     for _ in range(4))  # fmt: skip
-    mask = dict(softmax_scale=d**-0.5, window_left=-1, window_right=0 if causal else -1,
-                bottom_right=True)  # fmt: skip
-    return q, k, v, dout, mask
-
-
-def _bench_shape(b, h, s, d, causal, dtype=BF16) -> dict:
-    """Median ms of our forward, backward and both, and SDPA flash's forward and both."""
-    from fusedlayers.kernels._flash_fwd import flash_attention_forward
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-    from triton.testing import do_bench
-
-    q, k, v, dout, mask = _timing_problem(b, h, s, d, causal, dtype)
-    fwd_args = dict(**NO_SEQUENCES, **mask, softcap=0.0, dropout_p=0.0, seed=0, offset=0)
-
-    def ours_fwd():
-        return flash_attention_forward(q, k, v, **fwd_args)
-
-    out, lse = ours_fwd()
-
-    # The sweep tunes BWD_CONFIGS, the two-pass table, and checks it for races: deterministic.
-    def ours_bwd():
-        return flash_attention_backward(dout, q, k, v, out, lse, **mask, deterministic=True)
-
-    def ours_both():
-        o, m = ours_fwd()
-        return flash_attention_backward(dout, q, k, v, o, m, **mask, deterministic=True)
-
-    leaves = [t.transpose(1, 2).detach().requires_grad_() for t in (q, k, v)]
-    dout_t = dout.transpose(1, 2)
-
-    def sdpa_fwd():
-        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-            return torch.nn.functional.scaled_dot_product_attention(*leaves, is_causal=causal)
-
-    def sdpa_both():
-        return torch.autograd.grad(sdpa_fwd(), leaves, dout_t)
-
-    fns = dict(ours_fwd=ours_fwd, ours_bwd=ours_bwd, ours_fwdbwd=ours_both, sdpa_fwd=sdpa_fwd,
-               sdpa_fwdbwd=sdpa_both)  # fmt: skip
-    ms = {name: do_bench(fn, warmup=25, rep=100, return_mode="median") for name, fn in fns.items()}
-    ms["sdpa_bwd"] = ms["sdpa_fwdbwd"] - ms["sdpa_fwd"]
-    ours_grads, again = ours_bwd()[:3], ours_bwd()[:3]
-    max_rel = max(_relative_error(a, r.transpose(1, 2)) for a, r in zip(ours_grads, sdpa_both()))
-    same = all(torch.equal(a, b) for a, b in zip(ours_grads, again))
-    return dict(ms=ms, grad_rel_err_vs_sdpa=max_rel, deterministic=same)
-
-
-def _tflops(b, h, s, d, causal, ms, factor) -> float:
-    flops = 4 * b * h * s * s * d * (0.5 if causal else 1.0) * factor
-    return flops / (ms * 1e-3) / 1e12
-
-
-def _row_line(b, h, s, d, row) -> str:
-    """One line: times, TFLOP/s (fwd+bwd counts 3.5x the forward, bwd 2.5x) and the speedup."""
-    ms, causal = row["ms"], row["causal"]
-
-    def rate(name, factor):
-        return f"{ms[name]:.3f} ms {_tflops(b, h, s, d, causal, ms[name], factor):.0f} TF/s"
-
-    return (
-        f"causal={int(causal)} cfg={row['config']} | bwd ours "
-        f"{rate('ours_bwd', 2.5)}, sdpa {rate('sdpa_bwd', 2.5)} | fwd ours {rate('ours_fwd', 1)}, "
-        f"sdpa {rate('sdpa_fwd', 1)} | fwd+bwd ours {rate('ours_fwdbwd', 3.5)}, sdpa "
-        f"{rate('sdpa_fwdbwd', 3.5)} | speedup {ms['sdpa_fwdbwd'] / ms['ours_fwdbwd']:.2f}x "
-        f"| grad rel err vs sdpa {row['grad_rel_err_vs_sdpa']:.1e} "
-        f"deterministic {row['deterministic']}"
-    )
-
-
-def _sweep_backward(b, h, s, d, causal, configs) -> list[dict]:
-    """Backward-only median ms of each launch shape; a shape counts only if it is bitwise
-    deterministic and its gradients agree with SDPA's flash backend (norm-wise 5e-3)."""
-    from fusedlayers.kernels._flash_fwd import flash_attention_forward
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-    from triton.testing import do_bench
-
-    q, k, v, dout, mask = _timing_problem(b, h, s, d, causal, BF16)
-    out, lse = flash_attention_forward(
-        q, k, v, **NO_SEQUENCES, **mask, softcap=0.0, dropout_p=0.0, seed=0, offset=0
-    )
-    leaves = [t.transpose(1, 2).detach().requires_grad_() for t in (q, k, v)]
-    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-        ref = torch.nn.functional.scaled_dot_product_attention(*leaves, is_causal=causal)
-    ref_grads = [t.transpose(1, 2) for t in torch.autograd.grad(ref, leaves, dout.transpose(1, 2))]
-    saved, rows = _flash_bwd.BWD_CONFIGS[d], []
-    saved_causal = _flash_bwd.BWD_CAUSAL_DKDV.pop(d, None)  # the sweep sets every field itself
-    for cfg in configs:
-        _flash_bwd.BWD_CONFIGS[d] = cfg
-        try:
-
-            def run():
-                return flash_attention_backward(dout, q, k, v, out, lse, **mask,
-                                                deterministic=True)[:3]  # fmt: skip
-
-            first, again = run(), run()
-            err = max(_relative_error(a, r) for a, r in zip(first, ref_grads))
-            same = all(torch.equal(a, b) for a, b in zip(first, again))
-            ms = do_bench(run, warmup=10, rep=50, return_mode="median")
-            ok = same and err < 5e-3
-            rows.append(dict(config=cfg, causal=causal, ms=ms if ok else math.inf,
-                             raw_ms=ms, rel_err=err, deterministic=same))  # fmt: skip
-        except Exception as exc:  # a shape that does not compile or launch (shared memory)
-            rows.append(dict(config=cfg, causal=causal, ms=math.inf, error=repr(exc)[:200]))
-        finally:
-            _flash_bwd.BWD_CONFIGS[d] = saved
-        r = rows[-1]
-        raw = r.get("raw_ms", math.inf)
-        tflops = _tflops(b, h, s, d, causal, raw, 2.5)
-        print(f"d={d} causal={int(causal)} {cfg}: {raw:.3f} ms ({tflops:.0f} TF/s) "
-              f"err {r.get('rel_err', -1):.1e} det {r.get('deterministic')} {r.get('error', '')}",
-              flush=True)  # fmt: skip
-    if saved_causal is not None:
-        _flash_bwd.BWD_CAUSAL_DKDV[d] = saved_causal
-    return rows
-
-
-def sweep(dims: list[int], seqlen: int) -> dict:
-    """Sweep each pass's candidates (SWEEP) at b * s = 16k tokens, h * d = 2048, causal and not;
-    returns the rows and, per head dim, the best complete config."""
-    report = {}
-    for d in dims:
-        base = _flash_bwd.BWD_CONFIGS[d]
-        b, h = 16384 // seqlen, 2048 // d
-        best = {}
-        for half, slot in (("dkdv", slice(0, 4)), ("dq", slice(4, 8))):
-            totals = {tuple(cand): 0.0 for cand in SWEEP[d][half]}
-            configs = [base[:4] + c if half == "dq" else c + base[4:] for c in totals]
-            rows = [r for causal in (False, True)
-                    for r in _sweep_backward(b, h, seqlen, d, causal, configs)]  # fmt: skip
-            for r in rows:
-                totals[tuple(r["config"][slot])] += r["ms"]
-            best[half] = min(totals, key=totals.get)
-            report[f"{d}/{half}"] = dict(rows=rows, totals={str(k): v for k, v in totals.items()})
-        report[f"best_{d}"] = best["dkdv"] + best["dq"]
-        print(f"best d={d}: {report[f'best_{d}']} (table: {base})", flush=True)
-    return report
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sweep", action="store_true", help="sweep the SWEEP launch shapes")
-    parser.add_argument("--dims", default="128,64", help="head dims to sweep")
-    parser.add_argument("--seqlen", type=int, default=4096, help="sweep sequence length")
-    parser.add_argument("--out", default=None, help="folder for backward_bench.json")
-    args = parser.parse_args()
-    if args.sweep:
-        report = sweep([int(d) for d in args.dims.split(",")], args.seqlen)
-    else:
-        b, h, s, d = 8, 16, 2048, 128
-        rows = [dict(causal=c, config=_flash_bwd.BWD_CONFIGS[d], **_bench_shape(b, h, s, d, c))
-                for c in (False, True)]  # fmt: skip
-        for row in rows:
-            print(_row_line(b, h, s, d, row), flush=True)
-        report = dict(results=rows)
-    if args.out:
-        with open(f"{args.out}/backward_bench.json", "w") as f:
-            json.dump(report, f, indent=1, default=str)
-
-
-if __name__ == "__main__":
-    main()
