@@ -38,6 +38,7 @@ from ._common import (
     load_bias_tile,
     load_tile,
     lse_strides,
+    next_pow2,
     next_pow2_dim,
     scores_log2,
     seed_offset,
@@ -51,19 +52,26 @@ from ._common import (
 # --------------------------------------------------------------------------------------------------
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) candidates per padded head dim, for Hopper-class GPUs.
+# From `examples/tune_attention.py --fwd` on the H100 (bf16, s = 4096, 2026-11-23): d=128 (128,
+# 128, 8, 3) 510 / 414 TF/s (non-causal / causal) against 464 / 391 for (128, 64, 8, 3); d=64 (128,
+# 64, 4, 3) 436 / 366, (64, 64, 4, 3) 405 / 332, (128, 128, 4, 3) 407 / 322, (128, 128, 8, 3) 355 /
+# 307. Warp-specialized loops (`tl.range(..., warp_specialize=True)`) were no faster (495 / 406
+# at best) and some failed to compile in Triton 3.6.
 _CANDIDATES = {
-    16: [(128, 64, 4, 3), (128, 128, 8, 3), (64, 64, 4, 3)],
-    32: [(128, 64, 4, 3), (128, 128, 8, 3), (64, 64, 4, 3)],
-    64: [(128, 64, 4, 3), (128, 128, 8, 3), (64, 64, 4, 3)],
-    128: [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 2)],
+    16: [(128, 64, 4, 3), (64, 64, 4, 3), (128, 128, 4, 3)],
+    32: [(128, 64, 4, 3), (64, 64, 4, 3), (128, 128, 4, 3)],
+    64: [(128, 64, 4, 3), (64, 64, 4, 3), (128, 128, 4, 3)],
+    128: [(128, 128, 8, 3), (128, 64, 8, 3), (64, 64, 4, 3)],
     256: [(64, 64, 4, 2), (128, 64, 8, 2), (64, 32, 4, 2)],
 }
 # The interpreter runs one small config: multi-block loops on tiny shapes, no benchmarking.
 _INTERPRET_CONFIG = (32, 16, 4, 1)
-_SMEM_BUDGET = 200 * 1024  # bytes; H100 allows 227 KiB per block, keep room for layout padding
+# Shared memory a block may use when the device does not say (the H100's opt-in limit). The
+# estimate in `_prune_configs` counts exactly what the pipeliner allocates for the tiles; an
+# older 200 KiB budget pruned d=128's (128, 128, 8, 3), 224 KiB and the fastest there.
+_DEFAULT_SMEM = 227 * 1024
+_SMEM_LIMIT: dict[int, int] = {}
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-# `tl.range(..., warp_specialize=True)` on the unmasked key band: off until measured on the H100.
-WARP_SPECIALIZE = False
 
 
 def _configs() -> list[triton.Config]:
@@ -89,10 +97,28 @@ def _prune_configs(configs, named_args, **kwargs):
             continue
         # Q tile resident, K and V tiles multi-buffered by the pipeliner.
         smem = elem * (bm * block_d + cfg.num_stages * bn * (block_d + block_dv))
-        if smem <= _SMEM_BUDGET:
+        if smem <= _smem_limit(args["q_ptr"].device):
             kept.append(cfg)
     # fp32 at d = 256 overflows every candidate: fall back to the smallest tile.
     return kept or [min(configs, key=lambda c: c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"])]
+
+
+def _smem_limit(device: torch.device) -> int:
+    """Bytes of shared memory one block may use on `device` (its opt-in limit), cached."""
+    if device.type != "cuda":
+        return _DEFAULT_SMEM
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SMEM_LIMIT:
+        props = torch.cuda.get_device_properties(index)
+        _SMEM_LIMIT[index] = getattr(props, "shared_memory_per_block_optin", _DEFAULT_SMEM)
+    return _SMEM_LIMIT[index]
+
+
+def seq_bucket(max_len_q: int, max_len_k: int) -> int:
+    """The autotuner's length bucket: the next power of two of the longer side, within [256,
+    16384]. The best tile depends on the length (short sequences want more, smaller programs),
+    but tuning per exact length would re-tune on every varlen batch."""
+    return min(max(next_pow2(max(max_len_q, max_len_k, 1)), 256), 16384)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -112,7 +138,7 @@ def _fwd_inner(
     BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr,
-    HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     """Online softmax over key blocks [lo, hi) for one query tile.
 
@@ -121,9 +147,7 @@ def _fwd_inner(
     unmasked blocks are fully visible and inside len_k, so they skip both.
     """
     offs_nb = tl.arange(0, BLOCK_N)
-    # Warp specialization (producer warps issue the loads, consumers the products) only on the
-    # unmasked band, whose body is the simplest; masked edge blocks keep the plain loop.
-    for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPECIALIZE and not MASKED):
+    for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + offs_nb
         # Block origin in int64: start_n * stride can pass 2^31 on long sequences.
         k_ptrs = k_base + tl.cast(start_n, tl.int64) * stride_kn
@@ -206,7 +230,15 @@ def _normalize(acc, l_i, m_i, dropout_p, HAS_DROPOUT: tl.constexpr):
 
 @triton.autotune(
     configs=_configs(),
-    key=["HEAD_DIM_QK", "HEAD_DIM_V", "HAS_LEFT", "HAS_RIGHT", "HAS_BIAS", "HAS_DROPOUT"],
+    key=[
+        "HEAD_DIM_QK",
+        "HEAD_DIM_V",
+        "HAS_LEFT",
+        "HAS_RIGHT",
+        "HAS_BIAS",
+        "HAS_DROPOUT",
+        "SEQ_BUCKET",
+    ],  # fmt: skip
     prune_configs_by={"early_config_prune": _prune_configs},
 )
 @triton.jit
@@ -220,17 +252,19 @@ def _attn_fwd(
     stride_lb, stride_lh, stride_ls,
     stride_bb, stride_bh, stride_bm, stride_bn,
     stride_ab, stride_ah,
-    num_heads_q, group, full_len_q, full_len_k,
+    num_heads_q, group, full_len_q, full_len_k, SEQ_BUCKET,
     sm_scale, softcap, window_left, window_right, dropout_p, seed, offset,
     HEAD_DIM_QK: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     SEQ_MODE_Q: tl.constexpr, SEQ_MODE_K: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    """One program: BLOCK_M query rows of one (sequence, query head); writes out and lse rows."""
+    """One program: BLOCK_M query rows of one (sequence, query head); writes out and lse rows.
+
+    SEQ_BUCKET (`seq_bucket`) only keys the autotuner; the kernel never reads it.
+    """
     tl.static_assert(BLOCK_D >= HEAD_DIM_QK and BLOCK_DV >= HEAD_DIM_V)
     bh, start_m = _program_tile(full_len_q, BLOCK_M, HAS_RIGHT)
     z = bh // num_heads_q
@@ -280,7 +314,7 @@ def _attn_fwd(
             diag, window_left, window_right, len_q, len_k,
             sm_scale, softcap, alibi_slope, seed, offset, bh, dropout_p,
             HEAD_DIM_QK, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, seg != 1, HAS_LEFT, HAS_RIGHT,
-            HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI, HAS_DROPOUT, DOT_PRECISION, WARP_SPECIALIZE,
+            HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI, HAS_DROPOUT, DOT_PRECISION,
         )  # fmt: skip
 
     out, lse = _normalize(acc, l_i, m_i, dropout_p, HAS_DROPOUT)
@@ -346,6 +380,7 @@ def forward_launch(
         *strides4(out, geom.varlen), *lse_strides(lse, geom.varlen),
         *bias_strides, *alibi_strides,
         num_heads_q, num_heads_q // num_heads_kv, geom.q.max_len, geom.k.max_len,
+        seq_bucket(geom.q.max_len, geom.k.max_len),
         float(softmax_scale), float(softcap), int(window_left), int(window_right),
         float(dropout_p), seed, offset,
     )  # fmt: skip
@@ -361,7 +396,6 @@ def forward_launch(
         HAS_LEFT=window_left >= 0, HAS_RIGHT=window_right >= 0, HAS_SOFTCAP=softcap > 0,
         HAS_BIAS=bias is not None, HAS_ALIBI=alibi_slopes is not None,
         HAS_DROPOUT=dropout_p > 0, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        WARP_SPECIALIZE=WARP_SPECIALIZE,
     )  # fmt: skip
     return out, lse, grid, args, constexprs
 
@@ -401,8 +435,10 @@ def flash_attention_forward(
 # `Autotuner.run`: it rebuilds its key on every call, testing each of ~60 argument names for
 # membership in a list, ~100 us of host time per launch on the H100's host (cProfile, Triton
 # 3.6), more than the kernel itself at s = 1k. The signature (every constexpr and every tensor
-# argument's dtype) is finer than the autotuner's key, so each entry maps to one of its picks.
+# argument's dtype, and the length bucket) is finer than the autotuner's key, so each entry maps
+# to one of its picks.
 _PICKED: dict[tuple, triton.Config] = {}
+_SEQ_BUCKET_ARG = _attn_fwd.arg_names.index("SEQ_BUCKET")
 
 
 def _launch(grid, args, constexprs) -> None:
@@ -410,6 +446,7 @@ def _launch(grid, args, constexprs) -> None:
     signature = (
         tuple(constexprs.values()),
         tuple(a.dtype for a in args if isinstance(a, torch.Tensor)),
+        args[_SEQ_BUCKET_ARG],
     )
     config = _PICKED.get(signature)
     if config is None:

@@ -318,7 +318,8 @@ def test_entry_routes_eager_calls_around_the_dispatcher(device, monkeypatch):
 
 def test_forward_consults_the_autotuner_once_per_launch_signature(device, monkeypatch):
     """Later launches reuse the autotuner's pick (its per-call key building costs ~100 us of host
-    time on the H100's host) and compute the same bits; a new signature asks it again."""
+    time on the H100's host) and compute the same bits; a new signature or length bucket asks
+    it again."""
     from fusedlayers.kernels import _flash_fwd
 
     monkeypatch.setattr(_flash_fwd, "_PICKED", {})
@@ -336,6 +337,14 @@ def test_forward_consults_the_autotuner_once_per_launch_signature(device, monkey
     assert all(torch.equal(a, b) for a, b in zip(first, second))
     flash_attention(q, k, v, softmax_scale=0.3)  # no window: another signature
     assert len(calls) == 2
+    # The autotuner's length bucket (a power of two from 256): 12 keys and 200 share one, 300
+    # starts the next, so it is asked once more.
+    longer = make_inputs(Case(h=2, h_kv=1, s_q=9, s_k=200), device)
+    flash_attention(*(longer[n] for n in ("q", "k", "v")), softmax_scale=0.3)
+    assert len(calls) == 2
+    longest = make_inputs(Case(h=2, h_kv=1, s_q=9, s_k=300), device)
+    flash_attention(*(longest[n] for n in ("q", "k", "v")), softmax_scale=0.3)
+    assert len(calls) == 3
 
 
 def test_opcheck(device):
