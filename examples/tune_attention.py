@@ -133,15 +133,12 @@ def backward_runner(q, k, v, dout, causal: bool, cfg: tuple):
     )
 
     def run():
-        saved = _flash_bwd.BWD_CONFIGS[d], _flash_bwd.BWD_CAUSAL_DKDV.pop(d, None)
-        _flash_bwd.BWD_CONFIGS[d] = cfg
+        saved, _flash_bwd.BWD_CONFIGS[d] = _flash_bwd.BWD_CONFIGS[d], cfg
         try:
             return flash_attention_backward(dout, q, k, v, out, lse, **mask,
                                             deterministic=True)[:3]  # fmt: skip
         finally:
-            _flash_bwd.BWD_CONFIGS[d] = saved[0]
-            if saved[1] is not None:
-                _flash_bwd.BWD_CAUSAL_DKDV[d] = saved[1]
+            _flash_bwd.BWD_CONFIGS[d] = saved
 
     return run
 

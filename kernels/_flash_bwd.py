@@ -76,21 +76,19 @@ CONFIG_FIELDS = ("BLOCK_M1", "BLOCK_N1", "WARPS1", "STAGES1", "BLOCK_M2", "BLOCK
                  "STAGES2")  # fmt: skip
 # Every entry must pass tests/gpu/test_backward_gpu.py, its determinism test included: with
 # query-major dK/dV tiles, (32, 128, 8, 3, ...) gave run-to-run different, wrong dK under Triton 3.6
-# on the H100 (a miscompile; no kernel writes memory another program reads). The d=128 dK/dV
-# entry won the per-pass sweep (now `examples/tune_attention.py --bwd`) at b=8, h=16, s=2048 and again at
-# b=4, h=16, s=4096 (bf16, H100); that second sweep moved the d=128 dQ entry from (64, 32, 4, 3) to
-# (128, 64, 8, 3): 0.37 / 0.23 ms faster per backward, non-causal / causal (2026-11-23).
+# on the H100 (a miscompile; no kernel writes memory another program reads). The entries won
+# `examples/tune_attention.py --bwd` (each pass swept with the other at its entry; b=16384/s,
+# h=2048/d, s=4096, causal and not, bf16, H100, 2026-11-23, bench/h100-2026-11-23c/tune.log):
+# - d=128: dK/dV (32, 64, 4, 3) 3.68 / 2.25 ms (non-causal / causal) against FlexAttention's
+#   (64, 128, 8, 3) 3.79 / 2.47; dQ (128, 64, 8, 3) against (64, 64, 4, 3) 4.47 / 2.56.
+# - d=64: dK/dV (32, 128, 4, 3) 4.47 / 2.59 against (64, 64, 4, 3) 4.53 / 2.84 and (32, 64, 4, 3)
+#   4.58 / 2.63 (the two entries it replaces, non-causal and causal); dQ (128, 64, 4, 3) 4.12 / 2.85
+#   against (64, 64, 4, 3) 4.42 / 2.81. (64, 128, 4, 3) spills badly: 15.4 ms.
 BWD_CONFIGS: dict[int, tuple[int, ...]] = {
-    64: (64, 64, 4, 3, 64, 64, 4, 3),
+    64: (32, 128, 4, 3, 128, 64, 4, 3),
     128: (32, 64, 4, 3, 128, 64, 8, 3),
     256: (32, 64, 8, 2, 64, 32, 8, 2),
 }
-# dK/dV launch shapes (BLOCK_M1, BLOCK_N1, WARPS1, STAGES1) that replace the table's for causal-like
-# launches (a right window bound). Measured per kernel on the H100 (bf16, 2026-11-23): at d=64 the
-# dK/dV kernel spills registers, less with 32 query rows per step; causal, b=8 h=12 s=2048 (the
-# GPT's shape) it takes 360 us against 496 with 64 rows, while non-causal, b=4 h=32 s=4096, 64 rows
-# stay faster (2708 against 2883 us).
-BWD_CAUSAL_DKDV: dict[int, tuple[int, ...]] = {64: (32, 64, 4, 3)}
 # The interpreter runs one program at a time: small tiles keep it quick and make the tiny test
 # shapes span several blocks, so block edges and the skipped/unmasked block ranges are exercised.
 INTERPRETER_CONFIG = (16, 16, 4, 1, 16, 16, 4, 1)
@@ -114,9 +112,11 @@ BWD_ATOMIC_CONFIGS: dict[int, tuple[int, ...]] = {
 # always take the two-pass path.
 ATOMIC_DQ_DEVICES = "never"
 # The dK/dV pass splits a GQA group over several programs while it launches fewer than this
-# many waves of programs (`group_splits`); GROUP_SPLITS_OVERRIDE forces a split count (tests,
-# the interpreter and benchmarks; None = decide by the waves).
-MIN_DKDV_WAVES = 4
+# many waves of programs (`group_splits`), (causal-like, other) launches; GROUP_SPLITS_OVERRIDE
+# forces a split count (tests, the interpreter and benchmarks; None = decide by the waves).
+# Measured on the H100 (GQA 32:1, b=4, s=4096, d=128, 256 programs, forward+backward): causal
+# 7.39 -> 5.97 ms split in 3; non-causal, whose programs carry equal work, 9.79 -> 10.12 ms.
+MIN_DKDV_WAVES = (4, 1)
 GROUP_SPLITS_OVERRIDE: int | None = None
 
 
@@ -135,13 +135,9 @@ def _table_entry(table: dict, fields: tuple, head_dim: int, on_cuda: bool) -> di
     return dict(zip(fields, table[_bucket(table, head_dim)]))
 
 
-def bwd_config(head_dim: int, on_cuda: bool, causal: bool = False) -> dict[str, int]:
-    """Block sizes, warps and pipeline stages of both passes for a head dim (max of d_qk, d_v);
-    `causal` (a right window bound) takes the BWD_CAUSAL_DKDV entry for the dK/dV pass."""
-    cfg = _table_entry(BWD_CONFIGS, CONFIG_FIELDS, head_dim, on_cuda)
-    if on_cuda and causal and _bucket(BWD_CONFIGS, head_dim) in BWD_CAUSAL_DKDV:
-        cfg |= dict(zip(CONFIG_FIELDS[:4], BWD_CAUSAL_DKDV[_bucket(BWD_CONFIGS, head_dim)]))
-    return cfg
+def bwd_config(head_dim: int, on_cuda: bool) -> dict[str, int]:
+    """Block sizes, warps and pipeline stages of both passes for a head dim (max of d_qk, d_v)."""
+    return _table_entry(BWD_CONFIGS, CONFIG_FIELDS, head_dim, on_cuda)
 
 
 def bwd_atomic_config(head_dim: int, on_cuda: bool) -> dict[str, int]:
@@ -238,7 +234,7 @@ def flash_attention_backward(
         dq = dq_acc if q.dtype == torch.float32 else torch.empty_like(dq_acc, dtype=q.dtype)
         torch.mul(dq_acc, softmax_scale, out=dq)
         return dq, dk, dv, None
-    cfg = bwd_config(head_dim, q.is_cuda, causal=window_right >= 0)
+    cfg = bwd_config(head_dim, q.is_cuda)
     _launch_dkdv(*shared, None, cfg)
     dq = _new_grad(q, geo.q.owns_all_rows)
     dbias_args = (dbias, dbias.stride()) if dbias is not None else (q, (0, 0, 0, 0))
@@ -252,22 +248,23 @@ def flash_attention_backward(
     return dq, dk, dv, dbias
 
 
-def group_splits(programs: int, group: int, device: torch.device) -> int:
+def group_splits(programs: int, group: int, device: torch.device, causal: bool) -> int:
     """How many programs share one key block's GQA group in the dK/dV pass (1 = no split).
 
     The pass runs one program per (key block, KV head, sequence), each looping over the group's
     query heads; with few KV heads (MQA) that is too few programs to fill the GPU, and under a
-    causal mask the first key blocks carry most of the work, so the last wave runs nearly empty.
-    Splitting the group multiplies the programs until about MIN_DKDV_WAVES waves; the shares'
-    fp32 partial sums are added up afterwards (deterministic, no atomics). Every share gets at
-    least one head.
+    causal mask (`causal`: a right window bound) the first key blocks carry most of the work, so
+    the last wave runs nearly empty. Splitting the group multiplies the programs until about
+    MIN_DKDV_WAVES waves; the shares' fp32 partial sums are added up afterwards (deterministic,
+    no atomics). Every share gets at least one head.
     """
     if GROUP_SPLITS_OVERRIDE is not None:
         wanted = GROUP_SPLITS_OVERRIDE
     elif device.type != "cuda" or group == 1:
         return 1
     else:
-        wanted = cdiv(MIN_DKDV_WAVES * _multiprocessors(device), programs)
+        waves = MIN_DKDV_WAVES[0 if causal else 1]
+        wanted = cdiv(waves * _multiprocessors(device), programs)
     wanted = max(1, min(group, wanted))
     return cdiv(group, cdiv(group, wanted))
 
@@ -296,7 +293,7 @@ def _launch_dkdv(
     dq_args = (dq_acc, strides4(dq_acc, geo.varlen)[:3]) if dq_acc is not None else (q, (0, 0, 0))
     h_q, h_kv = q.shape[-2], k.shape[-2]
     programs = cdiv(geo.k.max_len, cfg["BLOCK_N1"]) * geo.batch * h_kv
-    splits = group_splits(programs, h_q // h_kv, q.device)
+    splits = group_splits(programs, h_q // h_kv, q.device, causal=opts["HAS_RIGHT"])
     dk_out, dv_out = dk, dv
     if splits > 1:
         # Rows no program writes (past a sequence's end) must add up to 0.

@@ -275,26 +275,6 @@ def test_round_trip_with_the_forward_kernel():
         _assert_rule(name, value, high[name], low[name])
 
 
-def test_causal_launches_take_the_causal_dkdv_shape():
-    """`bwd_config` swaps in BWD_CAUSAL_DKDV's dK/dV shape for causal-like CUDA launches of its
-    head-dim bucket only; the dQ fields, other buckets and the interpreter keep the table's."""
-    from fusedlayers.kernels import _flash_bwd
-
-    fields = _flash_bwd.CONFIG_FIELDS
-    for bound, dkdv in _flash_bwd.BWD_CAUSAL_DKDV.items():
-        table = dict(zip(fields, _flash_bwd.BWD_CONFIGS[bound]))
-        causal = _flash_bwd.bwd_config(bound, on_cuda=True, causal=True)
-        assert [causal[f] for f in fields[:4]] == list(dkdv)
-        assert [causal[f] for f in fields[4:]] == [table[f] for f in fields[4:]]
-        assert _flash_bwd.bwd_config(bound, on_cuda=True, causal=False) == table
-        interpreter = dict(zip(fields, _flash_bwd.INTERPRETER_CONFIG))
-        assert _flash_bwd.bwd_config(bound, on_cuda=False, causal=True) == interpreter
-    others = [b for b in _flash_bwd.BWD_CONFIGS if b not in _flash_bwd.BWD_CAUSAL_DKDV]
-    for bound in others:
-        table = dict(zip(fields, _flash_bwd.BWD_CONFIGS[bound]))
-        assert _flash_bwd.bwd_config(bound, on_cuda=True, causal=True) == table
-
-
 @pytest.mark.parametrize(
     "h, h_kv, splits, window",
     [(4, 1, 4, (-1, 0)), (6, 2, 2, (-1, -1)), (5, 1, 2, (7, 0))],
@@ -333,13 +313,19 @@ def test_group_splits_fill_the_gpu_only_when_needed():
     shares than heads, and no empty share."""
     cuda = torch.device("cuda", 0)
     _flash_bwd._SM_COUNT[0] = 132
+
+    def splits(programs, group, device=cuda, causal=True):
+        return _flash_bwd.group_splits(programs, group, device, causal)
+
     try:
-        assert _flash_bwd.group_splits(256, 1, cuda) == 1  # MHA
-        assert _flash_bwd.group_splits(10_000, 32, cuda) == 1  # enough programs already
-        assert _flash_bwd.group_splits(256, 32, cuda) == 3  # MQA: 256 -> 768 programs >= 528
-        assert _flash_bwd.group_splits(8, 4, cuda) == 4  # capped by the group
-        assert _flash_bwd.group_splits(100, 5, cuda) == 5  # 6 wanted, 5 heads
-        assert _flash_bwd.group_splits(200, 4, cuda) == 2  # 3 wanted: shares of 2 -> 2 shares
-        assert _flash_bwd.group_splits(8, 4, torch.device("cpu")) == 1
+        assert splits(256, 1) == 1  # MHA
+        assert splits(10_000, 32) == 1  # enough programs already
+        assert splits(256, 32) == 3  # MQA causal: 256 -> 768 programs >= 4 waves of 132
+        assert splits(256, 32, causal=False) == 1  # equal work per program: 2 waves suffice
+        assert splits(64, 32, causal=False) == 3  # under one wave: split
+        assert splits(8, 4) == 4  # capped by the group
+        assert splits(100, 5) == 5  # 6 wanted, 5 heads
+        assert splits(200, 4) == 2  # 3 wanted: shares of 2 -> 2 shares
+        assert splits(8, 4, torch.device("cpu")) == 1
     finally:
         del _flash_bwd._SM_COUNT[0]
