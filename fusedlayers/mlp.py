@@ -9,18 +9,36 @@ Parameters (TE names): `layer_norm_weight [hidden]`, `layer_norm_bias [hidden]` 
 Activations follow TE's definitions: `gelu` is the tanh approximation, `qgelu(x) = x *
 sigmoid(1.702 x)`, `srelu(x) = relu(x)^2`; a gated `*glu` applies its activation to the first half
 of FC1's output and multiplies by the second half.
+
+Two paths behind one entry, `apply_activation`:
+- kernel: the fused Triton kernels of `fusedlayers.kernels.fused_activation` (one pass forward,
+  one backward that recomputes the activation and writes both halves of a gated gradient), for
+  fp16/bf16/fp32. `backend="kernel"` asks for them (CPU tensors need `TRITON_INTERPRET=1`);
+  `auto` takes them for CUDA tensors.
+- reference: the PyTorch functions below (`activation_reference`), also the tests' oracle.
+  `use_reference=True` (or `reference_mode()`), CPU tensors and fp64 take it.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
+from ._logging import debug_enabled, log_decision
 from .linear import TEExtraState, default_init_method, linear
-from .normalization import apply_normalization, check_normalization
+from .normalization import BACKENDS, apply_normalization, check_normalization
 from .reference_switch import ReferenceSwitch
+
+try:
+    from .kernels import ACTIVATION_DTYPES, fused_activation
+except ImportError as error:  # Triton missing (no Linux wheel) or broken: the reference serves
+    fused_activation, _KERNELS_MISSING = None, f"kernels unavailable ({error})"
+    ACTIVATION_DTYPES = ()
+else:
+    _KERNELS_MISSING = None
 
 
 def _gelu(x: torch.Tensor) -> torch.Tensor:
@@ -52,14 +70,78 @@ def is_gated(activation: str) -> bool:
     return activation in _GATED
 
 
-def apply_activation(x: torch.Tensor, activation: str) -> torch.Tensor:
-    """`x [..., n]` -> `[..., n]`, or `[..., n / 2]` for a gated activation."""
+def activation_reference(x: torch.Tensor, activation: str) -> torch.Tensor:
+    """The PyTorch path: `x [..., n]` -> `[..., n]`, or `[..., n / 2]` for a gated activation,
+    computed by torch in x's dtype."""
     if activation in _GATED:
         first, second = x.chunk(2, dim=-1)
         return _ACTIVATIONS[_GATED[activation]](first) * second
     if activation not in _ACTIVATIONS:
         raise ValueError(f"activation ({activation!r}) must be one of {ACTIVATIONS}")
     return _ACTIVATIONS[activation](x)
+
+
+def _check_inputs(x: torch.Tensor, activation: str) -> None:
+    """What neither path can take: an unknown name, a gated activation without two equal halves."""
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation ({activation!r}) must be one of {ACTIVATIONS}")
+    if is_gated(activation) and (x.dim() == 0 or x.shape[-1] % 2):
+        raise ValueError(
+            f"activation ({activation!r}) is gated and needs x with an even last dimension (its "
+            f"two halves), got x of shape {tuple(x.shape)}"
+        )
+
+
+def _kernel_blocker(x: torch.Tensor) -> str:
+    """Why the Triton kernel cannot take this call ("" when it can), naming argument and value."""
+    if _KERNELS_MISSING is not None:
+        return _KERNELS_MISSING
+    if x.dtype not in ACTIVATION_DTYPES:
+        return f"x dtype ({x.dtype}) is not one the activation kernel takes {ACTIVATION_DTYPES}"
+    if x.dim() == 0:
+        return f"x is 0-d ({tuple(x.shape)}); the kernel needs a last dimension"
+    return ""
+
+
+def _use_kernel(backend: str, x: torch.Tensor) -> tuple[bool, str]:
+    """(run the kernel?, why). `auto`: CUDA tensors of the kernel's dtypes; `kernel` insists."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend ({backend!r}) must be one of {BACKENDS}")
+    if backend == "reference":
+        return False, "use_reference=True"
+    blocker = _kernel_blocker(x)
+    if backend == "kernel":
+        if blocker:
+            raise ValueError(f"backend='kernel': {blocker}")
+        if not x.is_cuda and os.environ.get("TRITON_INTERPRET", "0") != "1":
+            raise ValueError(
+                f"backend='kernel' needs CUDA tensors, got x on {x.device}; set TRITON_INTERPRET=1 "
+                "to run the kernel on the CPU interpreter"
+            )
+        return True, "backend='kernel'"
+    if not x.is_cuda:
+        return False, f"x on {x.device} (no CUDA): reference path"
+    if blocker:
+        return False, f"{blocker}: reference path"
+    return True, "CUDA tensors"
+
+
+def apply_activation(x: torch.Tensor, activation: str, backend: str = "auto") -> torch.Tensor:
+    """`x [..., n]` -> `[..., n]`, or `[..., n / 2]` for a gated activation (n even), x's dtype.
+
+    backend: `auto` runs the fused Triton kernels on CUDA tensors of fp16/bf16/fp32 and the
+    PyTorch reference otherwise (CPU tensors, fp64); `kernel` insists (ValueError naming what it
+    cannot take; CPU tensors need `TRITON_INTERPRET=1`); `reference` is the PyTorch path.
+    `LayerNormMLP` passes `reference` when its `use_reference` switch is on, else `auto`.
+    """
+    _check_inputs(x, activation)
+    use_kernel, why = _use_kernel(backend, x)
+    if debug_enabled():
+        path = "kernel: " if use_kernel else "reference: "
+        log_decision(f"activation {activation}", path + why)
+    if not use_kernel:
+        return activation_reference(x, activation)
+    return fused_activation(x, activation)
 
 
 class LayerNormMLP(TEExtraState, ReferenceSwitch):
@@ -126,7 +208,11 @@ class LayerNormMLP(TEExtraState, ReferenceSwitch):
             self.zero_centered_gamma,
             backend="reference" if self.reference_active else "auto",
         )
-        hidden = apply_activation(linear(ln_out, self.fc1_weight, self.fc1_bias), self.activation)
+        hidden = apply_activation(
+            linear(ln_out, self.fc1_weight, self.fc1_bias),
+            self.activation,
+            backend="reference" if self.reference_active else "auto",
+        )
         out = linear(hidden, self.fc2_weight, None if self.return_bias else self.fc2_bias)
         outputs = (out,)
         if self.return_bias:
@@ -136,4 +222,4 @@ class LayerNormMLP(TEExtraState, ReferenceSwitch):
         return outputs if len(outputs) > 1 else out
 
 
-__all__ = ["LayerNormMLP", "ACTIVATIONS", "apply_activation"]
+__all__ = ["LayerNormMLP", "ACTIVATIONS", "activation_reference", "apply_activation"]

@@ -1,5 +1,5 @@
-"""fusedlayers.kernels: Triton flash-attention and normalization kernels, each behind one
-differentiable entry.
+"""fusedlayers.kernels: Triton flash-attention, normalization and MLP-activation kernels, each
+behind one differentiable entry.
 
 Offers:
     flash_attention(q, k, v, *, ...) -> (out, lse)
@@ -16,14 +16,35 @@ Offers:
         (torch.library ops `fusedlayers::norm_fwd` and `fusedlayers::norm_bwd`): fp16/bf16/fp32
         input, parameters of any of those dtypes, optional bias, TE's zero-centered gamma, fp32
         statistics, deterministic dweight/dbias (no atomics); n up to `MAX_NORM_HIDDEN`.
+    fused_activation(x, activation) -> y
+        TransformerEngine's MLP activations (`KERNEL_ACTIVATIONS`: gelu (tanh form), relu, qgelu,
+        srelu, silu and the gated geglu, reglu, qgeglu, sreglu, swiglu) in one kernel forward and
+        one backward (torch.library ops `fusedlayers::activation_fwd` and
+        `fusedlayers::activation_bwd`): x [..., w] -> y [..., w], or [..., w / 2] for gated ones;
+        fp16/bf16/fp32 (`ACTIVATION_DTYPES`), fp32 math, the backward recomputes the activation
+        from x and writes both halves of a gated dx in one pass.
 
 The kernels assume validated input; `fusedlayers` checks and normalizes everything first.
 """
 
+from ._activation import ACTIVATIONS as _ACTIVATIONS
+from ._activation import SUPPORTED_DTYPES as ACTIVATION_DTYPES
 from ._dropout import dropout_keep_mask
 from ._norm import MAX_HIDDEN as MAX_NORM_HIDDEN
 from ._norm import SUPPORTED_DTYPES as NORM_DTYPES
+from .activation_ops import fused_activation
 from .norm_ops import layer_norm
 from .ops import flash_attention
 
-__all__ = ["MAX_NORM_HIDDEN", "NORM_DTYPES", "dropout_keep_mask", "flash_attention", "layer_norm"]
+KERNEL_ACTIVATIONS = tuple(_ACTIVATIONS)
+
+__all__ = [
+    "ACTIVATION_DTYPES",
+    "KERNEL_ACTIVATIONS",
+    "MAX_NORM_HIDDEN",
+    "NORM_DTYPES",
+    "dropout_keep_mask",
+    "flash_attention",
+    "fused_activation",
+    "layer_norm",
+]
