@@ -25,8 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import cdiv, next_pow2
-from ._norm import _rows_view
+from ._common import cdiv, next_pow2, rows_view
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # TE activation name -> (the elementwise activation, gated?)
@@ -182,7 +181,7 @@ def activation_forward(x: torch.Tensor, activation: str) -> torch.Tensor:
     y = torch.empty(output_shape(x.shape, activation), dtype=x.dtype, device=x.device)
     if y.numel() == 0:
         return y
-    x2 = _rows_view(x, x.shape[-1])
+    x2 = rows_view(x, x.shape[-1])
     n_rows, n_cols = x2.shape[0], y.shape[-1]
     grid, blocks = _grid_and_blocks(n_rows, n_cols, x.device)
     _act_fwd_kernel[grid](
@@ -203,7 +202,7 @@ def activation_backward(dy: torch.Tensor, x: torch.Tensor, activation: str) -> t
     if dx.numel() == 0:
         return dx
     n_cols = dy.shape[-1]
-    x2, dy2 = _rows_view(x, x.shape[-1]), _rows_view(dy, n_cols)
+    x2, dy2 = rows_view(x, x.shape[-1]), rows_view(dy, n_cols)
     n_rows = x2.shape[0]
     grid, blocks = _grid_and_blocks(n_rows, n_cols, x.device)
     _act_bwd_kernel[grid](

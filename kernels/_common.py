@@ -13,6 +13,7 @@ softmax numerator; the LSE is converted back to natural log when stored.
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -419,3 +420,39 @@ def next_pow2(n: int) -> int:
 def next_pow2_dim(d: int) -> int:
     """Padded tile width for a head dim: next power of two, at least 16 (tl.dot's minimum K)."""
     return max(16, next_pow2(d))
+
+
+def rows_view(t: torch.Tensor, n_cols: int) -> torch.Tensor:
+    """t [..., n] as [m, n] with a unit column stride (a view whenever possible)."""
+    t2 = t.reshape(-1, n_cols)
+    return t2 if t2.stride(-1) == 1 or n_cols == 1 else t2.contiguous()
+
+
+# Device properties for launch decisions, read once per device (the query costs host time).
+# The H100's values stand in where there is no CUDA device (the interpreter).
+H100_MULTIPROCESSORS, H100_SMEM_PER_BLOCK = 132, 227 * 1024
+
+
+@functools.cache
+def _cuda_properties(index: int):
+    return torch.cuda.get_device_properties(index)
+
+
+def _properties(device: torch.device):
+    if device.type != "cuda":
+        return None
+    return _cuda_properties(
+        device.index if device.index is not None else torch.cuda.current_device()
+    )
+
+
+def multiprocessors(device: torch.device) -> int:
+    """Streaming multiprocessors of `device`."""
+    props = _properties(device)
+    return H100_MULTIPROCESSORS if props is None else props.multi_processor_count
+
+
+def smem_per_block(device: torch.device) -> int:
+    """Bytes of shared memory one block may use on `device` (its opt-in limit)."""
+    props = _properties(device)
+    return getattr(props, "shared_memory_per_block_optin", H100_SMEM_PER_BLOCK)

@@ -32,6 +32,7 @@ from ._common import (
     launch_geometry,
     load_tile,
     lse_strides,
+    multiprocessors,
     next_pow2_dim,
     seq_bounds,
     strides4,
@@ -264,19 +265,9 @@ def group_splits(programs: int, group: int, device: torch.device, causal: bool) 
         return 1
     else:
         waves = MIN_DKDV_WAVES[0 if causal else 1]
-        wanted = cdiv(waves * _multiprocessors(device), programs)
+        wanted = cdiv(waves * multiprocessors(device), programs)
     wanted = max(1, min(group, wanted))
     return cdiv(group, cdiv(group, wanted))
-
-
-_SM_COUNT: dict[int, int] = {}
-
-
-def _multiprocessors(device: torch.device) -> int:
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _SM_COUNT:
-        _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return _SM_COUNT[index]
 
 
 def _launch_dkdv(

@@ -43,6 +43,7 @@ from ._common import (
     scores_log2,
     seed_offset,
     seq_bounds,
+    smem_per_block,
     strides4,
     visible_tile,
 )
@@ -66,11 +67,6 @@ _CANDIDATES = {
 }
 # The interpreter runs one small config: multi-block loops on tiny shapes, no benchmarking.
 _INTERPRET_CONFIG = (32, 16, 4, 1)
-# Shared memory a block may use when the device does not say (the H100's opt-in limit). The
-# estimate in `_prune_configs` counts exactly what the pipeliner allocates for the tiles; an
-# older 200 KiB budget pruned d=128's (128, 128, 8, 3), 224 KiB and the fastest there.
-_DEFAULT_SMEM = 227 * 1024
-_SMEM_LIMIT: dict[int, int] = {}
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
@@ -97,21 +93,12 @@ def _prune_configs(configs, named_args, **kwargs):
             continue
         # Q tile resident, K and V tiles multi-buffered by the pipeliner.
         smem = elem * (bm * block_d + cfg.num_stages * bn * (block_d + block_dv))
-        if smem <= _smem_limit(args["q_ptr"].device):
+        # Against the device's own limit: an older fixed 200 KiB budget pruned d=128's fastest
+        # tile, (128, 128, 8, 3) at 224 KiB of the H100's 227.
+        if smem <= smem_per_block(args["q_ptr"].device):
             kept.append(cfg)
     # fp32 at d = 256 overflows every candidate: fall back to the smallest tile.
     return kept or [min(configs, key=lambda c: c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"])]
-
-
-def _smem_limit(device: torch.device) -> int:
-    """Bytes of shared memory one block may use on `device` (its opt-in limit), cached."""
-    if device.type != "cuda":
-        return _DEFAULT_SMEM
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _SMEM_LIMIT:
-        props = torch.cuda.get_device_properties(index)
-        _SMEM_LIMIT[index] = getattr(props, "shared_memory_per_block_optin", _DEFAULT_SMEM)
-    return _SMEM_LIMIT[index]
 
 
 def seq_bucket(max_len_q: int, max_len_k: int) -> int:

@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import cdiv, next_pow2
+from ._common import cdiv, multiprocessors, next_pow2, rows_view
 
 # Largest hidden size the one-row-in-registers kernels take. The 32-warp programs spill registers
 # to local memory for the backward from 16384 and the forward at 65536 (sm_90 cubins): correct,
@@ -165,10 +165,6 @@ def _geometry(n_cols: int, tile: int, warp_elems: int) -> tuple[int, int, int]:
 
 
 @functools.cache
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def _backward_programs_cap(device: torch.device, num_warps: int) -> int:
     """How many backward programs to launch at most: enough to fill every SM to
     `_BWD_WARPS_PER_SM`, no more, since each program adds a partials row to sum. The interpreter
@@ -176,13 +172,7 @@ def _backward_programs_cap(device: torch.device, num_warps: int) -> int:
     test-sized inputs."""
     if device.type != "cuda":
         return 4
-    return _sm_count(device) * max(1, _BWD_WARPS_PER_SM // num_warps)
-
-
-def _rows_view(t: torch.Tensor, n_cols: int) -> torch.Tensor:
-    """t [..., n] as [m, n] with a unit column stride (a view whenever possible)."""
-    t2 = t.reshape(-1, n_cols)
-    return t2 if t2.stride(-1) == 1 or n_cols == 1 else t2.contiguous()
+    return multiprocessors(device) * max(1, _BWD_WARPS_PER_SM // num_warps)
 
 
 def norm_forward(
@@ -198,7 +188,7 @@ def norm_forward(
     Assumes validated input: x fp16/bf16/fp32 with 0 < n <= MAX_HIDDEN, weight/bias [n].
     """
     n_cols = x.shape[-1]
-    x2 = _rows_view(x, n_cols)
+    x2 = rows_view(x, n_cols)
     n_rows = x2.shape[0]
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
@@ -230,7 +220,7 @@ def norm_backward(
     `bias_dtype`, None without a bias). `mean`/`rstd` are the forward's."""
     has_bias = bias_dtype is not None
     n_cols = x.shape[-1]
-    x2, dy2 = _rows_view(x, n_cols), _rows_view(dy, n_cols)
+    x2, dy2 = rows_view(x, n_cols), rows_view(dy, n_cols)
     n_rows = x2.shape[0]
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if n_rows == 0:

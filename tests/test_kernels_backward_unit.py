@@ -308,24 +308,21 @@ def test_group_split_keeps_unowned_rows_zero(monkeypatch):
     assert (got["dk"][~owned_k] == 0).all() and (got["dv"][~owned_k] == 0).all()
 
 
-def test_group_splits_fill_the_gpu_only_when_needed():
+def test_group_splits_fill_the_gpu_only_when_needed(monkeypatch):
     """The split count: none for MHA or plenty of programs; enough waves for MQA; never more
     shares than heads, and no empty share."""
     cuda = torch.device("cuda", 0)
-    _flash_bwd._SM_COUNT[0] = 132
+    monkeypatch.setattr(_flash_bwd, "multiprocessors", lambda device: 132)
 
     def splits(programs, group, device=cuda, causal=True):
         return _flash_bwd.group_splits(programs, group, device, causal)
 
-    try:
-        assert splits(256, 1) == 1  # MHA
-        assert splits(10_000, 32) == 1  # enough programs already
-        assert splits(256, 32) == 3  # MQA causal: 256 -> 768 programs >= 4 waves of 132
-        assert splits(256, 32, causal=False) == 1  # equal work per program: 2 waves suffice
-        assert splits(64, 32, causal=False) == 3  # under one wave: split
-        assert splits(8, 4) == 4  # capped by the group
-        assert splits(100, 5) == 5  # 6 wanted, 5 heads
-        assert splits(200, 4) == 2  # 3 wanted: shares of 2 -> 2 shares
-        assert splits(8, 4, torch.device("cpu")) == 1
-    finally:
-        del _flash_bwd._SM_COUNT[0]
+    assert splits(256, 1) == 1  # MHA
+    assert splits(10_000, 32) == 1  # enough programs already
+    assert splits(256, 32) == 3  # MQA causal: 256 -> 768 programs >= 4 waves of 132
+    assert splits(256, 32, causal=False) == 1  # equal work per program: 2 waves suffice
+    assert splits(64, 32, causal=False) == 3  # under one wave: split
+    assert splits(8, 4) == 4  # capped by the group
+    assert splits(100, 5) == 5  # 6 wanted, 5 heads
+    assert splits(200, 4) == 2  # 3 wanted: shares of 2 -> 2 shares
+    assert splits(8, 4, torch.device("cpu")) == 1
