@@ -1,5 +1,5 @@
-"""fusedlayers.kernels: Triton flash-attention and normalization kernels, each behind one
-differentiable entry.
+"""fusedlayers.kernels: Triton flash-attention, normalization and rotary-embedding kernels, each
+behind one differentiable entry.
 
 Offers:
     flash_attention(q, k, v, *, ...) -> (out, lse)
@@ -16,6 +16,12 @@ Offers:
         (torch.library ops `fusedlayers::norm_fwd` and `fusedlayers::norm_bwd`): fp16/bf16/fp32
         input, parameters of any of those dtypes, optional bias, TE's zero-centered gamma, fp32
         statistics, deterministic dweight/dbias (no atomics); n up to `MAX_NORM_HIDDEN`.
+    rope(t, cos, sin, positions=None, *, seq_dim, interleaved) -> out
+        Fused rotary position embedding forward and backward (torch.library ops
+        `fusedlayers::rope_fwd` and `fusedlayers::rope_bwd`): t [s, b, h, d], [b, s, h, d] or
+        [t, h, d] in `ROPE_DTYPES`, any strides (stride(-1) == 1) read in place; fp32 cos/sin
+        tables [n_pos, d_rot]; positions from the sequence index or an int tensor; rotate-half
+        or interleaved pairs, partial rotation (channels d_rot..d pass through).
 
 The kernels assume validated input; `fusedlayers` checks and normalizes everything first.
 """
@@ -23,7 +29,17 @@ The kernels assume validated input; `fusedlayers` checks and normalizes everythi
 from ._dropout import dropout_keep_mask
 from ._norm import MAX_HIDDEN as MAX_NORM_HIDDEN
 from ._norm import SUPPORTED_DTYPES as NORM_DTYPES
+from ._rope import SUPPORTED_DTYPES as ROPE_DTYPES
 from .norm_ops import layer_norm
 from .ops import flash_attention
+from .rope_ops import rope
 
-__all__ = ["MAX_NORM_HIDDEN", "NORM_DTYPES", "dropout_keep_mask", "flash_attention", "layer_norm"]
+__all__ = [
+    "MAX_NORM_HIDDEN",
+    "NORM_DTYPES",
+    "ROPE_DTYPES",
+    "dropout_keep_mask",
+    "flash_attention",
+    "layer_norm",
+    "rope",
+]
