@@ -38,8 +38,10 @@ def small_tiles(monkeypatch):
 
 @dataclasses.dataclass(frozen=True)
 class RopeCase:
-    """One RoPE problem. `strided`: t is the middle (k) slice of a fused `[..., 3h, d]` QKV
-    tensor, read in place, and the incoming gradient has stride(-1) != 1 (the launcher's copy)."""
+    """One RoPE problem. `strided`: t is k sliced from a fused QKV tensor and read in place,
+    "heads" from `[..., 3h, d]` (TE issue 1195's head split: head stride d) or "per_head" from
+    `[..., h, 3, d]` (head stride 3d); the incoming gradient then has stride(-1) != 1 (the
+    launcher's one copy)."""
 
     fmt: str = "bshd"
     b: int = 2
@@ -50,7 +52,7 @@ class RopeCase:
     dtype: torch.dtype = torch.float32
     interleaved: bool = False
     start: bool = False
-    strided: bool = False
+    strided: str | None = None
     seed: int = 0
 
     @property
@@ -65,8 +67,8 @@ def make_inputs(case: RopeCase) -> dict:
     g = torch.Generator().manual_seed(case.seed)
     lead, h, d = case.lead, case.h, case.d
     d_rot = case.d_rot or d
-    heads = 3 * h if case.strided else h
-    base = torch.randn(*lead, heads, d, generator=g)
+    fused = {None: (h, d), "heads": (3 * h, d), "per_head": (h, 3, d)}[case.strided]
+    base = torch.randn(*lead, *fused, generator=g)
     dy = torch.randn(*lead, d, h, generator=g).transpose(-1, -2)  # stride(-1) == h
     if not case.strided:
         dy = dy.contiguous()
@@ -87,7 +89,9 @@ def make_inputs(case: RopeCase) -> dict:
 
 
 def _view(base: torch.Tensor, case: RopeCase) -> torch.Tensor:
-    return base[..., case.h : 2 * case.h, :] if case.strided else base
+    if case.strided == "heads":
+        return base[..., case.h : 2 * case.h, :]
+    return base[..., 1, :] if case.strided == "per_head" else base
 
 
 def rope_results(case: RopeCase, inputs: dict, backend: str, dtype: torch.dtype) -> tuple:
@@ -144,13 +148,14 @@ def test_start_positions(device, fmt, interleaved):
     check_rope_case(case, device)
 
 
+@pytest.mark.parametrize("strided", ["heads", "per_head"])
 @pytest.mark.parametrize("interleaved", [False, True], ids=["half", "interleaved"])
 @pytest.mark.parametrize("fmt", ["sbhd", "bshd", "thd"])
-def test_strided_fused_qkv_slice(device, fmt, interleaved):
-    """k as a head slice of a fused [..., h + 2*hg, d] projection output (TE issue 1195's
-    layout): read in place; the gradient arrives with stride(-1) != 1."""
+def test_strided_fused_qkv_slice(device, fmt, interleaved, strided):
+    """k as a slice of a fused projection output ([..., h + 2*hg, d], TE issue 1195's layout, or
+    per head [..., h, 3, d]): read in place; the gradient arrives with stride(-1) != 1."""
     case = RopeCase(
-        fmt=fmt, interleaved=interleaved, strided=True, d_rot=10, dtype=torch.float16, seed=3
+        fmt=fmt, interleaved=interleaved, strided=strided, d_rot=10, dtype=torch.float16, seed=3
     )
     check_rope_case(case, device)
 
@@ -159,7 +164,7 @@ def test_default_tile_geometry(device, monkeypatch):
     """The launch geometry the GPU uses (12 heads of 64: 4 heads x 16 tokens per tile)."""
     monkeypatch.setattr(_rope, "_TILE", 4096)
     assert _rope._geometry(12, 64, 64) == (16, 4, 32, 0)
-    case = RopeCase(s=40, h=12, d=64, dtype=torch.float16, strided=True, seed=4)
+    case = RopeCase(s=40, h=12, d=64, dtype=torch.float16, strided="heads", seed=4)
     inputs = make_inputs(case)
     got, high, low = (
         rope_results(case, inputs, backend, dtype)
