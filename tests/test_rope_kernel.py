@@ -160,6 +160,27 @@ def test_strided_fused_qkv_slice(device, fmt, interleaved, strided):
     check_rope_case(case, device)
 
 
+def test_strided_view_is_read_in_place(device, monkeypatch):
+    """The kernel gets the caller's strided view itself (same storage, same first element): no
+    copy on the way from apply_rotary_pos_emb to the launch."""
+    launched = []
+    kernel = _rope._rope_kernel
+
+    class Recording:
+        def __getitem__(self, grid):
+            def launch(t4, *args, **kwargs):
+                launched.append((t4.data_ptr(), t4.stride()))
+                return kernel[grid](t4, *args, **kwargs)
+
+            return launch
+
+    monkeypatch.setattr(_rope, "_rope_kernel", Recording())
+    case = RopeCase(fmt="sbhd", strided="heads", dtype=torch.float16)
+    t = _view(make_inputs(case)["base"].to(device, case.dtype), case)
+    apply_rotary_pos_emb(t, RotaryPositionEmbedding(16)(8).to(device), "sbhd", backend="kernel")
+    assert launched == [(t.data_ptr(), t.transpose(0, 1).stride())]
+
+
 def test_default_tile_geometry(device, monkeypatch):
     """The launch geometry the GPU uses (12 heads of 64: 4 heads x 16 tokens per tile)."""
     monkeypatch.setattr(_rope, "_TILE", 4096)
