@@ -248,6 +248,7 @@ class MultiheadAttention(ReferenceSwitch):
             tensor_format=self.qkv_format,
             start_positions=start,
             interleaved=self.rotary_pos_interleaved,
+            backend="reference" if self.reference_active else "auto",
         )
         q = apply_rotary_pos_emb(q, q_freqs, cu_seqlens=cu_seqlens_q, **rope)
         k = apply_rotary_pos_emb(k, k_freqs, cu_seqlens=cu_seqlens_kv, **rope)

@@ -12,15 +12,35 @@ every sequence). Token at position `p` of sequence `i` uses row `p + start_posit
 Channel pairing: rotate-half (default) pairs channel `j` with `j + d_rot/2` and the table holds
 `[f_0 .. f_{n-1}, f_0 .. f_{n-1}]`; interleaved pairs `2j` with `2j+1` and the table holds
 `[f_0, f_0, f_1, f_1, ...]`. Output has `t`'s shape and dtype; the rotation runs in fp32.
+
+Two paths behind `apply_rotary_pos_emb`, chosen by `backend`:
+- kernel: the fused Triton kernel of `fusedlayers.kernels.rope`, one read of t and one write of
+  the output per direction, strided views (q/k sliced from a fused QKV projection) read in place.
+  torch computes the fp32 cos/sin tables from `freqs` (only the first s rows for dense input
+  from position 0). `auto` takes it for CUDA tensors of fp16/bf16/fp32.
+- reference: the PyTorch code below (fp32, fp64 for fp64 inputs): the `use_reference=True` path
+  and the tests' oracle. CPU tensors, fp64 and a `freqs` that requires grad (the kernel has no
+  gradient for the table) take it under `auto`.
 """
 
 from __future__ import annotations
 
+import os
+
 import torch
 
+from ._logging import debug_enabled, log_decision
 from .validation import host_values
 
+try:
+    from .kernels import ROPE_DTYPES, rope
+except ImportError as error:  # Triton missing (no Linux wheel) or broken: the reference serves
+    rope, ROPE_DTYPES, _KERNELS_MISSING = None, (), f"kernels unavailable ({error})"
+else:
+    _KERNELS_MISSING = None
+
 FORMATS = ("sbhd", "bshd", "thd")
+BACKENDS = ("auto", "kernel", "reference")
 
 
 class RotaryPositionEmbedding(torch.nn.Module):
@@ -135,6 +155,124 @@ def _check_table_covers(freqs: torch.Tensor, last: int) -> None:
         raise ValueError(f"RoPE table has {freqs.shape[0]} positions, position {last} requested")
 
 
+def _check_format(tensor_format: str) -> None:
+    if tensor_format not in FORMATS:
+        raise ValueError(f"tensor_format ({tensor_format!r}) must be one of {FORMATS}")
+
+
+def _check_table_bound(
+    t: torch.Tensor,
+    freqs: torch.Tensor,
+    tensor_format: str,
+    cu_seqlens: torch.Tensor | None,
+    start_positions: torch.Tensor | None,
+) -> None:
+    """Every position a token uses must be a row of `freqs`; checked on the host."""
+    if start_positions is None and tensor_format != "thd":
+        # Dense from position 0: the largest position is s - 1, known from the shape.
+        _check_table_covers(freqs, t.shape[_seq_dim(tensor_format)] - 1)
+    else:
+        _check_table_covers(freqs, _largest_position(t, tensor_format, cu_seqlens, start_positions))
+
+
+def _seq_dim(tensor_format: str) -> int:
+    """The dim of t that indexes positions within a sequence (thd: the token dim)."""
+    return 1 if tensor_format == "bshd" else 0
+
+
+def _kernel_blocker(t: torch.Tensor, freqs: torch.Tensor, tensor_format: str) -> str:
+    """Why the Triton kernel cannot take this call ("" when it can), naming argument and value."""
+    if _KERNELS_MISSING is not None:
+        return _KERNELS_MISSING
+    if t.dtype not in ROPE_DTYPES:
+        return f"t dtype ({t.dtype}) is not one the RoPE kernel takes {ROPE_DTYPES}"
+    if freqs.dtype == torch.float64:
+        return "freqs dtype (torch.float64): the reference computes in fp64, the kernel in fp32"
+    if freqs.requires_grad and torch.is_grad_enabled():
+        return "freqs requires grad: the kernel has no gradient for the angle table"
+    if freqs.device != t.device:
+        return f"freqs is on {freqs.device} but t is on {t.device}"
+    rank = 3 if tensor_format == "thd" else 4
+    if t.dim() != rank:
+        return (
+            f"t has {t.dim()} dims ({tuple(t.shape)}), tensor_format {tensor_format!r} has {rank}"
+        )
+    return ""
+
+
+def _use_kernel(
+    backend: str, t: torch.Tensor, freqs: torch.Tensor, tensor_format: str
+) -> tuple[bool, str]:
+    """(run the kernel?, why). `auto`: CUDA tensors the kernel supports; `kernel` insists."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend ({backend!r}) must be one of {BACKENDS}")
+    if backend == "reference":
+        return False, "use_reference=True"
+    blocker = _kernel_blocker(t, freqs, tensor_format)
+    if backend == "kernel":
+        if blocker:
+            raise ValueError(f"backend='kernel': {blocker}")
+        if not t.is_cuda and os.environ.get("TRITON_INTERPRET", "0") != "1":
+            raise ValueError(
+                f"backend='kernel' needs CUDA tensors, got t on {t.device}; set TRITON_INTERPRET=1 "
+                "to run the kernel on the CPU interpreter"
+            )
+        return True, "backend='kernel'"
+    if not t.is_cuda:
+        return False, f"t on {t.device} (no CUDA): reference path"
+    if blocker:
+        return False, f"{blocker}: reference path"
+    return True, "CUDA tensors"
+
+
+def _rope_kernel(
+    t: torch.Tensor,
+    freqs: torch.Tensor,
+    tensor_format: str,
+    start_positions: torch.Tensor | None,
+    interleaved: bool,
+    cu_seqlens: torch.Tensor | None,
+) -> torch.Tensor:
+    """The fused kernel on validated input: torch turns the angles into fp32 cos/sin tables."""
+    table = freqs.reshape(freqs.shape[0], freqs.shape[-1])
+    seq_dim = _seq_dim(tensor_format)
+    if start_positions is None and tensor_format != "thd":
+        # Dense from 0: the kernel takes each token's position from its index, so there is no
+        # positions tensor, and only the s rows used get a cos and a sin.
+        table, positions = table[: t.shape[seq_dim]], None
+    else:
+        positions = token_positions(t, tensor_format, cu_seqlens, start_positions)
+    angles = table.to(torch.float32)
+    return rope(t, angles.cos(), angles.sin(), positions, seq_dim=seq_dim, interleaved=interleaved)
+
+
+def _rope_reference(
+    t: torch.Tensor,
+    freqs: torch.Tensor,
+    tensor_format: str,
+    start_positions: torch.Tensor | None,
+    interleaved: bool,
+    cu_seqlens: torch.Tensor | None,
+) -> torch.Tensor:
+    """The PyTorch path, in fp32 (fp64 when t or freqs is fp64), on validated input."""
+    d_rot = freqs.shape[-1]
+    compute = torch.float64 if torch.float64 in (t.dtype, freqs.dtype) else torch.float32
+    table = freqs.reshape(freqs.shape[0], d_rot).to(compute)
+    if start_positions is None and tensor_format in ("sbhd", "bshd"):
+        # Dense, every sequence from position 0: the positions are 0..s-1, known from the shape.
+        # Slicing the table instead of gathering it per token reads nothing back from the device
+        # (a sync per call, which left the GPU idle between kernels in training) and computes
+        # cos/sin once per position instead of once per token.
+        s = t.shape[_seq_dim(tensor_format)]
+        angles = table[:s].view((s, 1, 1, d_rot) if tensor_format == "sbhd" else (1, s, 1, d_rot))
+    else:
+        positions = token_positions(t, tensor_format, cu_seqlens, start_positions)
+        angles = table[positions].unsqueeze(-2)
+    rot, rest = t[..., :d_rot].to(compute), t[..., d_rot:]
+    rotated = rot * torch.cos(angles) + _rotate(rot, interleaved) * torch.sin(angles)
+    return torch.cat((rotated.to(t.dtype), rest), dim=-1)
+
+
 def apply_rotary_pos_emb(
     t: torch.Tensor,
     freqs: torch.Tensor,
@@ -145,36 +283,35 @@ def apply_rotary_pos_emb(
     cu_seqlens: torch.Tensor | None = None,
     cp_size: int = 1,
     cp_rank: int = 0,
+    backend: str = "auto",
 ) -> torch.Tensor:
     """Rotate `t` (`sbhd [s, b, h, d]`, `bshd [b, s, h, d]`, `thd [t, h, d]`) by `freqs [s_max, 1,
     1, d_rot]` (`d_rot <= d`, `s_max` covering every position used); see the module docstring.
+    Returns a tensor of t's shape and dtype (contiguous on the kernel path).
 
-    `fused` is accepted for TE compatibility (one implementation serves both). Context parallelism
-    is not supported (`cp_size` must be 1).
+    backend: `auto` runs the fused Triton kernel on CUDA tensors of fp16/bf16/fp32 and the
+    PyTorch reference otherwise (CPU tensors, fp64, a `freqs` that requires grad); `kernel`
+    insists (ValueError naming what it cannot take; CPU tensors need `TRITON_INTERPRET=1`);
+    `reference` is the PyTorch path. MultiheadAttention passes `reference` when its
+    `use_reference` switch is on, else `auto`.
+
+    `fused` is accepted for TE compatibility and ignored: in TE it picks TE's CUDA kernel over its
+    PyTorch code; here `backend` picks the path, and `auto` fuses on CUDA whatever `fused` says.
+    Context parallelism is not supported (`cp_size` must be 1).
     """
-    del fused  # one implementation; TE's flag only picks its CUDA kernel
+    del fused  # TE's switch between its own two implementations; `backend` decides here
     if cp_size != 1 or cp_rank != 0:
         raise NotImplementedError("apply_rotary_pos_emb: context parallelism is not supported")
     d_rot = freqs.shape[-1]
     if d_rot > t.shape[-1] or d_rot % 2:
         raise ValueError(f"rotary dim ({d_rot}) must be even and at most head dim ({t.shape[-1]})")
-    compute = torch.float64 if torch.float64 in (t.dtype, freqs.dtype) else torch.float32
-    table = freqs.reshape(freqs.shape[0], d_rot).to(compute)
-    if start_positions is None and tensor_format in ("sbhd", "bshd"):
-        # Dense, every sequence from position 0: the positions are 0..s-1, known from the shape.
-        # Slicing the table instead of gathering it per token reads nothing back from the device
-        # (a sync per call, which left the GPU idle between kernels in training) and computes
-        # cos/sin once per position instead of once per token.
-        s = t.shape[0 if tensor_format == "sbhd" else 1]
-        _check_table_covers(freqs, s - 1)
-        angles = table[:s].view((s, 1, 1, d_rot) if tensor_format == "sbhd" else (1, s, 1, d_rot))
-    else:
-        positions = token_positions(t, tensor_format, cu_seqlens, start_positions)
-        _check_table_covers(freqs, _largest_position(t, tensor_format, cu_seqlens, start_positions))
-        angles = table[positions].unsqueeze(-2)
-    rot, rest = t[..., :d_rot].to(compute), t[..., d_rot:]
-    rotated = rot * torch.cos(angles) + _rotate(rot, interleaved) * torch.sin(angles)
-    return torch.cat((rotated.to(t.dtype), rest), dim=-1)
+    _check_format(tensor_format)
+    _check_table_bound(t, freqs, tensor_format, cu_seqlens, start_positions)
+    use_kernel, why = _use_kernel(backend, t, freqs, tensor_format)
+    if debug_enabled():
+        log_decision("RoPE", ("kernel: " if use_kernel else "reference: ") + why)
+    path = _rope_kernel if use_kernel else _rope_reference
+    return path(t, freqs, tensor_format, start_positions, interleaved, cu_seqlens)
 
 
 __all__ = ["RotaryPositionEmbedding", "apply_rotary_pos_emb"]

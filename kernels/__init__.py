@@ -1,5 +1,5 @@
-"""fusedlayers.kernels: Triton flash-attention, normalization and MLP-activation kernels, each
-behind one differentiable entry.
+"""fusedlayers.kernels: Triton flash-attention, normalization, MLP-activation and rotary-embedding
+kernels, each behind one differentiable entry.
 
 Offers:
     flash_attention(q, k, v, *, ...) -> (out, lse)
@@ -23,6 +23,12 @@ Offers:
         `fusedlayers::activation_bwd`): x [..., w] -> y [..., w], or [..., w / 2] for gated ones;
         fp16/bf16/fp32 (`ACTIVATION_DTYPES`), fp32 math, the backward recomputes the activation
         from x and writes both halves of a gated dx in one pass.
+    rope(t, cos, sin, positions=None, *, seq_dim, interleaved) -> out
+        Fused rotary position embedding forward and backward (torch.library ops
+        `fusedlayers::rope_fwd` and `fusedlayers::rope_bwd`): t [s, b, h, d], [b, s, h, d] or
+        [t, h, d] in `ROPE_DTYPES`, any strides (stride(-1) == 1) read in place; fp32 cos/sin
+        tables [n_pos, d_rot]; positions from the sequence index or an int tensor; rotate-half
+        or interleaved pairs, partial rotation (channels d_rot..d pass through).
 
 The kernels assume validated input; `fusedlayers` checks and normalizes everything first.
 """
@@ -32,9 +38,11 @@ from ._activation import SUPPORTED_DTYPES as ACTIVATION_DTYPES
 from ._dropout import dropout_keep_mask
 from ._norm import MAX_HIDDEN as MAX_NORM_HIDDEN
 from ._norm import SUPPORTED_DTYPES as NORM_DTYPES
+from ._rope import SUPPORTED_DTYPES as ROPE_DTYPES
 from .activation_ops import fused_activation
 from .norm_ops import layer_norm
 from .ops import flash_attention
+from .rope_ops import rope
 
 KERNEL_ACTIVATIONS = tuple(_ACTIVATIONS)
 
@@ -43,8 +51,10 @@ __all__ = [
     "KERNEL_ACTIVATIONS",
     "MAX_NORM_HIDDEN",
     "NORM_DTYPES",
+    "ROPE_DTYPES",
     "dropout_keep_mask",
     "flash_attention",
     "fused_activation",
     "layer_norm",
+    "rope",
 ]
