@@ -207,7 +207,23 @@ def _fused_varlen_runner(data, cu, max_len, causal, flops) -> Runner:
     return Runner("fusedlayers", call, leaves, data[3], flops, _canon_same, note=f"varlen: {api}")
 
 
-def _dpa_runner(name, data, flops, case: Case, packed: bool) -> Runner:
+def _packed_views(buf: torch.Tensor, views: str) -> tuple[Callable, str]:
+    """q/k/v views of an sb3hd buffer: `split` through fusedlayers.split_packed (what a fused
+    QKV projection in MultiheadAttention does: the gradient comes back as one buffer, no copy),
+    or `select` (`buf[:, :, i]`: autograd's select backward copies each gradient into a
+    zero-filled buffer and sums them)."""
+    import fusedlayers
+
+    if views == "select":
+        return lambda: [buf[:, :, i] for i in range(3)], "buf[:, :, i] selects"
+    if hasattr(fusedlayers, "split_packed"):
+        return lambda: fusedlayers.split_packed(buf, 2), "fusedlayers.split_packed(buf, 2)"
+    return lambda: buf.unbind(2), "buf.unbind(2) (no split_packed yet)"
+
+
+def _dpa_runner(name, data, flops, case: Case, views: str | None) -> Runner:
+    """DotProductAttention on sbhd: separate contiguous q/k/v (`views` None) or views of one
+    [s, b, 3, h, d] buffer (`views` "split" or "select", see `_packed_views`)."""
     import fusedlayers
 
     mask = "causal" if case.causal else "no_mask"
@@ -216,15 +232,17 @@ def _dpa_runner(name, data, flops, case: Case, packed: bool) -> Runner:
     ).to(DEVICE)
     sbhd = [t.permute(2, 0, 1, 3) for t in data[:3]]
     dout = data[3].permute(2, 0, 1, 3).flatten(-2).contiguous()
-    if packed:
+    note = ""
+    if views is not None:
         # One [s, b, 3, h, d] buffer, as a fused QKV projection writes it; q/k/v are its views.
         buf = _leaf(torch.stack(sbhd, dim=2))
-        leaves, forward = [buf], lambda: call(buf[:, :, 0], buf[:, :, 1], buf[:, :, 2])
+        split, how = _packed_views(buf, views)
+        leaves, forward, note = [buf], lambda: call(*split()), f"{name}: {how}"
     else:
         leaves = [_leaf(t) for t in sbhd]
         forward = lambda: call(*leaves)
-    canon = functools.partial(_canon_sbhd, case.hq, packed)
-    return Runner(name, forward, leaves, dout, flops, canon)
+    canon = functools.partial(_canon_sbhd, case.hq, views is not None)
+    return Runner(name, forward, leaves, dout, flops, canon, note=note)
 
 
 def _sdpa_call(backend: str, leaves, causal, mask, gqa) -> torch.Tensor:
@@ -417,13 +435,18 @@ def _packed_setup(case: Case, want: Callable[[str], bool]) -> Setup:
     flops = attention_flops(case.b, case.hq, case.s, case.s, case.d, causal=case.causal)
     f: dict[str, Callable[[], Runner]] = {}
     if want("fusedlayers"):
-        f["fusedlayers-sb3hd"] = P(_dpa_runner, "fusedlayers-sb3hd", data, flops, case, True)
-        f["fusedlayers-sbhd"] = P(_dpa_runner, "fusedlayers-sbhd", data, flops, case, False)
+        for name, views in (("sb3hd", "split"), ("sb3hd-select", "select"), ("sbhd", None)):
+            name = f"fusedlayers-{name}"
+            f[name] = P(_dpa_runner, name, data, flops, case, views)
     if want("sdpa-flash"):
         f["sdpa-flash"] = P(_sdpa_runner, "sdpa-flash", "FLASH_ATTENTION", data, flops, case.causal)
     ref = P(_sdpa_reference, data, causal=case.causal)
     notes = [
-        "fusedlayers-sb3hd: q/k/v are views of one [s, b, 3, h, d] buffer; "
+        "fusedlayers-sb3hd: q/k/v = fusedlayers.split_packed(buf, 2) of one [s, b, 3, h, d] "
+        "buffer, as MultiheadAttention's fused QKV projection splits it: the kernels write the "
+        "gradients into one buffer laid out like buf and it comes back uncopied; "
+        "fusedlayers-sb3hd-select: plain buf[:, :, i] views, whose gradient autograd's select "
+        "backward copies (a zero-filled buffer per view, then the sum); "
         "fusedlayers-sbhd: the same module on contiguous q/k/v"
     ]
     return Setup(f, {"main": ref}, "fusedlayers-sb3hd", "sdpa-flash", notes)

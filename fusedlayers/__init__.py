@@ -5,6 +5,8 @@ Public API:
     flash_attn_func, flash_attn_varlen_func,  flash-attn's functional API
     flash_attn_{qkv,kv}packed_func, flash_attn_varlen_{qkv,kv}packed_func
     attention_reference                       the pure-PyTorch oracle / debug path
+    split_packed                              q/k/v views of one packed tensor whose gradient
+                                              comes back as one buffer, without a copy
     reference_mode                            run every module on the reference path in a block
 """
 
@@ -17,6 +19,7 @@ from .functional import (
     flash_attn_varlen_kvpacked_func,
     flash_attn_varlen_qkvpacked_func,
 )
+from .packing import split_packed
 from .reference import attention_reference
 from .reference_switch import reference_mode
 
@@ -32,4 +35,5 @@ __all__ = [
     "flash_attn_varlen_kvpacked_func",
     "flash_attn_varlen_qkvpacked_func",
     "reference_mode",
+    "split_packed",
 ]

@@ -7,8 +7,10 @@ Names, arguments and semantics follow flash-attn 2:
     flash_attn_kvpacked_func(q, kv)       kv [b, s_k, 2, hg, d]
     flash_attn_varlen_qkvpacked_func      qkv [t, 3, h, d]
     flash_attn_varlen_kvpacked_func       kv [t_k, 2, hg, d]
-Packed inputs are read in place: the packed functions select views and hand them to the same
-front end (packing is data the kernels take through strides, not another code path).
+Packed inputs are read in place: the packed functions take views (`split_packed`) and hand them
+to the same front end (packing is data the kernels take through strides, not another code path);
+the backward writes the gradients into one buffer laid out like the packed tensor and returns it
+as the packed tensor's gradient, without a copy.
 
 GQA/MQA: query head `i` reads KV head `i // (h / hg)`. `causal=True` is bottom-right aligned,
 as in flash-attn >= 2.1: with s_q=2, s_k=5 the mask is
@@ -30,6 +32,7 @@ import torch
 
 from .attention import attention
 from .masks import flash_attn_spec
+from .packing import split_packed
 
 
 def _finish(out, lse, return_attn_probs):
@@ -113,12 +116,13 @@ def flash_attn_varlen_func(
 
 
 def _unpack(packed: torch.Tensor, count: int, dim: int, name: str) -> list[torch.Tensor]:
+    """The q/k/v views of a packed tensor; their gradients come back to it as one buffer."""
     if packed.dim() <= dim or packed.shape[dim] != count:
         raise ValueError(
             f"{name} must have size {count} in dim {dim} (packed q/k/v), got shape "
             f"{tuple(packed.shape)}"
         )
-    return list(packed.unbind(dim))
+    return list(split_packed(packed, dim))
 
 
 def flash_attn_qkvpacked_func(

@@ -30,6 +30,7 @@ import torch
 from .dot_product_attention import DotProductAttention
 from .inference import InferenceParams
 from .linear import LayerNormLinear, Linear, check_extra_state
+from .packing import split_packed
 from .qkv_storage import QKVSpec, install_qkv_storage_hooks, storage_form
 from .reference_switch import ReferenceSwitch
 from .rope import apply_rotary_pos_emb
@@ -42,17 +43,19 @@ _BOTTOM_RIGHT = {"causal": "causal_bottom_right", "padding_causal": "padding_cau
 
 def split_qkv(mixed: torch.Tensor, heads: int, groups: int, head_dim: int, interleaved: bool):
     """Projection output `[..., (h + 2g) * d]` -> q `[..., h, d]`, k, v `[..., g, d]` (views;
-    q is copied only for interleaved rows with `1 < g < h`)."""
+    q is copied only for interleaved rows with `1 < g < h`).
+
+    The split is `split_packed`'s: when q, k and v reach the attention kernels as views, their
+    gradients come back as one buffer and `mixed` gets it without a cat.
+    """
     lead = mixed.shape[:-1]
     per_group = heads // groups
     if interleaved:  # rows [g, h/g + 2, d]
-        q, k, v = mixed.view(*lead, groups, per_group + 2, head_dim).split(
-            [per_group, 1, 1], dim=-2
-        )
+        rows = mixed.view(*lead, groups, per_group + 2, head_dim)
+        q, k, v = split_packed(rows, -2, [per_group, 1, 1])
     else:  # rows [h/g + 2, g, d] == [all q | all k | all v]
-        q, k, v = mixed.view(*lead, per_group + 2, groups, head_dim).split(
-            [per_group, 1, 1], dim=-3
-        )
+        rows = mixed.view(*lead, per_group + 2, groups, head_dim)
+        q, k, v = split_packed(rows, -3, [per_group, 1, 1])
     return (
         q.reshape(*lead, heads, head_dim),
         k.reshape(*lead, groups, head_dim),
@@ -61,12 +64,13 @@ def split_qkv(mixed: torch.Tensor, heads: int, groups: int, head_dim: int, inter
 
 
 def split_kv(mixed: torch.Tensor, groups: int, head_dim: int, interleaved: bool):
-    """Cross-attention `key_value` output `[..., 2 * g * d]` -> k, v `[..., g, d]` (views)."""
+    """Cross-attention `key_value` output `[..., 2 * g * d]` -> k, v `[..., g, d]` (views,
+    through `split_packed`: their gradients come back to `mixed` as one buffer)."""
     lead = mixed.shape[:-1]
     if interleaved:  # rows [g, 2, d]
-        k, v = mixed.view(*lead, groups, 2, head_dim).unbind(-2)
+        k, v = split_packed(mixed.view(*lead, groups, 2, head_dim), -2)
     else:  # rows [2, g, d]
-        k, v = mixed.view(*lead, 2, groups, head_dim).unbind(-3)
+        k, v = split_packed(mixed.view(*lead, 2, groups, head_dim), -3)
     return k, v
 
 

@@ -154,11 +154,16 @@ def use_atomic_dq(q: torch.Tensor, deterministic: bool, dbias_requested: bool) -
     return q.is_cuda or ATOMIC_DQ_DEVICES == "any"
 
 
-def _new_grad(like: torch.Tensor, owns_all_rows: bool) -> torch.Tensor:
-    """Contiguous gradient buffer; rows no sequence owns are never written, so zero them."""
-    if owns_all_rows:
-        return torch.empty(like.shape, dtype=like.dtype, device=like.device)
-    return torch.zeros(like.shape, dtype=like.dtype, device=like.device)
+def _new_grad(
+    like: torch.Tensor, owns_all_rows: bool, given: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The gradient buffer for `like`: `given` (the caller's, any strides with stride(-1) == 1)
+    or a new contiguous one. Rows no sequence owns are never written, so zero them."""
+    if given is None:
+        if owns_all_rows:
+            return torch.empty(like.shape, dtype=like.dtype, device=like.device)
+        return torch.zeros(like.shape, dtype=like.dtype, device=like.device)
+    return given if owns_all_rows else given.zero_()
 
 
 def flash_attention_backward(
@@ -189,19 +194,26 @@ def flash_attention_backward(
     seed: int = 0,
     offset: int = 0,
     deterministic: bool = False,
+    dq: torch.Tensor | None = None,
+    dk: torch.Tensor | None = None,
+    dv: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Gradients of flash attention with respect to q, k, v and, optionally, the bias.
 
     Takes the forward's inputs (layouts in the module docstring; any strides with stride(-1) == 1),
     its `out` and fp32 `lse`, and the same mask, bias, ALiBi, softcap and dropout arguments as
-    `flash_attention_forward`. Returns (dq, dk, dv, dbias): dq/dk/dv contiguous with the shapes of
-    q/k/v, zero in rows no sequence owns; dbias [b, h_q, s_q, s_k] in the bias dtype when
-    `bias_requires_grad`, else None.
+    `flash_attention_forward`. Returns (dq, dk, dv, dbias): dq/dk/dv with the shapes of q/k/v
+    (contiguous unless given below), zero in rows no sequence owns; dbias [b, h_q, s_q, s_k] in
+    the bias dtype when `bias_requires_grad`, else None.
 
     `deterministic=True` (or a requested dBias) runs the two-pass scheme: no atomics, every call
     bitwise reproducible. `deterministic=False` runs the atomic-dQ scheme where `use_atomic_dq`
     allows it (see `ATOMIC_DQ_DEVICES`; off by default): fewer block products, dk/dv still
     bitwise reproducible, dq equal up to fp32 summation order (not bitwise) from run to run.
+
+    `dq`, `dk`, `dv`: optional preallocated outputs with the shapes and dtypes of q/k/v and any
+    strides with stride(-1) == 1 (e.g. views of one packed gradient buffer); the kernels write
+    into them (zeroing rows no sequence owns) and they are returned in place of new ones.
     """
     geo = launch_geometry(
         q, k, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seq_offsets_q=seq_offsets_q,
@@ -210,8 +222,8 @@ def flash_attention_backward(
     )  # fmt: skip
     h_q = q.shape[-2]
     lse = lse.contiguous()
-    dk = _new_grad(k, geo.k.owns_all_rows)
-    dv = _new_grad(v, geo.k.owns_all_rows)
+    dk = _new_grad(k, geo.k.owns_all_rows, dk)
+    dv = _new_grad(v, geo.k.owns_all_rows, dv)
     dbias = _new_dbias(bias, geo, h_q) if bias is not None and bias_requires_grad else None
     seq_ptrs = _seq_pointers(geo, q)
     delta = _preprocess(out, dout, lse, geo, seq_ptrs)
@@ -232,12 +244,13 @@ def flash_attention_backward(
         dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         _launch_dkdv(*shared, dq_acc, bwd_atomic_config(head_dim, q.is_cuda))
         # One elementwise pass: multiply in fp32 and cast on the store (fp32 q: in place).
-        dq = dq_acc if q.dtype == torch.float32 else torch.empty_like(dq_acc, dtype=q.dtype)
+        if dq is None:
+            dq = dq_acc if q.dtype == torch.float32 else torch.empty_like(dq_acc, dtype=q.dtype)
         torch.mul(dq_acc, softmax_scale, out=dq)
         return dq, dk, dv, None
     cfg = bwd_config(head_dim, q.is_cuda)
     _launch_dkdv(*shared, None, cfg)
-    dq = _new_grad(q, geo.q.owns_all_rows)
+    dq = _new_grad(q, geo.q.owns_all_rows, dq)
     dbias_args = (dbias, dbias.stride()) if dbias is not None else (q, (0, 0, 0, 0))
     _flash_bwd_dq_kernel[(cdiv(geo.q.max_len, cfg["BLOCK_M2"]) * geo.batch * h_q,)](
         q, k, v, dout, lse, delta, dq, bias_args[0], dbias_args[0], alibi_args[0], *seq_ptrs,

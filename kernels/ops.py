@@ -11,17 +11,21 @@ Shapes (docs/internals.md):
             -> out [b, s_q, h_q, d_v] (dtype of q), lse [b, h_q, s_q] (fp32, natural log)
     varlen  q [t_q, h_q, d_qk], k [t_k, h_kv, d_qk], v [t_k, h_kv, d_v]
             -> out [t_q, h_q, d_v], lse [h_q, t_q]
-Outputs and gradients are always returned contiguous: the fake implementations promise exactly
-that, and the real ones make it true whatever buffers the launchers allocate. The LSE is not
-differentiable (the kernels have no gradient for it).
+The ops' outputs and gradients are always contiguous: the fake implementations promise exactly
+that, and the real ones make it true whatever buffers the launchers allocate. The eager route
+differs in one way: q/k/v that are views tiling one packed buffer get their gradients as views of
+one new buffer laid out the same way (kernels/_packed.py), so the packed gradient needs no copy.
+The LSE is not differentiable (the kernels have no gradient for it).
 """
 
+import functools
 import inspect
 
 import torch
 
 from ._flash_bwd import flash_attention_backward
 from ._flash_fwd import flash_attention_forward
+from ._packed import GradGroup, packed_grad_buffers, plan_packed_grads
 from ._routes import eager_function, pick_forward
 
 Tensor = torch.Tensor
@@ -140,8 +144,34 @@ def _backward_impl(
     """Backward attention: (dq, dk, dv, dbias); dbias is empty [0] unless `bias_requires_grad`.
 
     dbias, when asked for, has the shape of `bias` ([b, h_q, s_q, s_k], before autograd sums it
-    over the broadcast dims of the expanded view the caller passed).
+    over the broadcast dims of the expanded view the caller passed). dq, dk, dv are new
+    contiguous tensors: a custom op's outputs may not alias each other.
     """
+    dq, dk, dv, dbias = _launch_backward(**locals())  # every parameter above, by name
+    return (
+        dq.to(q.dtype).contiguous(),
+        dk.to(k.dtype).contiguous(),
+        dv.to(v.dtype).contiguous(),
+        dbias,
+    )
+
+
+def _launch_backward(
+    dout: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    *,
+    bias: Tensor | None,
+    bias_requires_grad: bool,
+    rng_state: Tensor | None,
+    grads: tuple[Tensor | None, ...] = (None, None, None),
+    **options,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The backward launch shared by the op and the eager route: `options` are
+    `_backward_impl`'s remaining arguments; `grads` optional preallocated (dq, dk, dv)."""
     seed, offset = _seed_offset(rng_state)
     dq, dk, dv, dbias = flash_attention_backward(
         dout,
@@ -150,37 +180,31 @@ def _backward_impl(
         v,
         out,
         lse,
-        cu_seqlens_q=cu_seqlens_q,
-        cu_seqlens_k=cu_seqlens_k,
-        seq_offsets_q=seq_offsets_q,
-        seq_offsets_k=seq_offsets_k,
-        max_seqlen_q=max_seqlen_q,
-        max_seqlen_k=max_seqlen_k,
-        seqlens_q=seqlens_q,
-        seqlens_k=seqlens_k,
-        softmax_scale=softmax_scale,
-        window_left=window_left,
-        window_right=window_right,
-        bottom_right=bottom_right,
         bias=bias,
         bias_requires_grad=bias_requires_grad,
-        alibi_slopes=alibi_slopes,
-        softcap=softcap,
-        dropout_p=dropout_p,
         seed=seed,
         offset=offset,
-        deterministic=deterministic,
+        dq=grads[0],
+        dk=grads[1],
+        dv=grads[2],
+        **options,
     )
     if bias_requires_grad:
         dbias = dbias.reshape(bias.shape).to(bias.dtype).contiguous()
     else:
         dbias = q.new_empty(0)
-    return (
-        dq.to(q.dtype).contiguous(),
-        dk.to(k.dtype).contiguous(),
-        dv.to(v.dtype).contiguous(),
-        dbias,
-    )
+    return dq, dk, dv, dbias
+
+
+def _backward_packed(
+    plan: tuple[GradGroup, ...], dout: Tensor, q: Tensor, k: Tensor, v: Tensor, *args, **kwargs
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The eager backward: q/k/v that tile one packed buffer (`plan`, from the forward) get
+    their gradients as views of one new buffer laid out like it, written by the kernels in
+    place, so a split of the packed tensor can hand back its gradient without a copy
+    (`kernels/_packed.py`). The others get new contiguous gradients, as the op's do."""
+    grads = tuple(packed_grad_buffers(plan, q, k, v))
+    return _launch_backward(dout, q, k, v, *args, grads=grads, **kwargs)
 
 
 flash_attn_bwd = torch.library.custom_op("fusedlayers::flash_attn_bwd", mutates_args=())(
@@ -260,12 +284,22 @@ def _backward(ctx, dout, _dlse, backward_op=flash_attn_bwd):
 flash_attn_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
+def _eager_setup_context(ctx, inputs, output) -> None:
+    """`_setup_context` plus the packed-gradient plan, made on the host while q/k/v are at
+    hand (memoized per geometry) so the backward only allocates and views."""
+    _setup_context(ctx, inputs, output)
+    ctx.grad_plan = plan_packed_grads(*inputs[:3])
+
+
+def _eager_backward(ctx, dout, dlse):
+    backward_op = functools.partial(_backward_packed, ctx.grad_plan)
+    return _backward(ctx, dout, dlse, backward_op=backward_op)
+
+
 # Eager calls skip the dispatcher and the op's autograd wrapper (host time: see _routes.py).
+# Only they share one gradient buffer between packed q/k/v; the op keeps fresh outputs.
 _EagerFlashAttention = eager_function(
-    "_EagerFlashAttention",
-    _forward_impl,
-    _setup_context,
-    lambda ctx, dout, dlse: _backward(ctx, dout, dlse, backward_op=_backward_impl),
+    "_EagerFlashAttention", _forward_impl, _eager_setup_context, _eager_backward
 )
 
 
