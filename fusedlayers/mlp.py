@@ -21,15 +21,15 @@ Two paths behind one entry, `apply_activation`:
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
+from ._backend import choose_backend
 from ._logging import debug_enabled, log_decision
 from .linear import TEExtraState, default_init_method, linear
-from .normalization import BACKENDS, apply_normalization, check_normalization
+from .normalization import apply_normalization, check_normalization
 from .reference_switch import ReferenceSwitch
 
 try:
@@ -104,26 +104,8 @@ def _kernel_blocker(x: torch.Tensor) -> str:
 
 
 def _use_kernel(backend: str, x: torch.Tensor) -> tuple[bool, str]:
-    """(run the kernel?, why). `auto`: CUDA tensors of the kernel's dtypes; `kernel` insists."""
-    if backend not in BACKENDS:
-        raise ValueError(f"backend ({backend!r}) must be one of {BACKENDS}")
-    if backend == "reference":
-        return False, "use_reference=True"
-    blocker = _kernel_blocker(x)
-    if backend == "kernel":
-        if blocker:
-            raise ValueError(f"backend='kernel': {blocker}")
-        if not x.is_cuda and os.environ.get("TRITON_INTERPRET", "0") != "1":
-            raise ValueError(
-                f"backend='kernel' needs CUDA tensors, got x on {x.device}; set TRITON_INTERPRET=1 "
-                "to run the kernel on the CPU interpreter"
-            )
-        return True, "backend='kernel'"
-    if not x.is_cuda:
-        return False, f"x on {x.device} (no CUDA): reference path"
-    if blocker:
-        return False, f"{blocker}: reference path"
-    return True, "CUDA tensors"
+    """(run the kernel?, why): `choose_backend` for the activation kernels."""
+    return choose_backend(backend, x, "x", _kernel_blocker(x))
 
 
 def apply_activation(x: torch.Tensor, activation: str, backend: str = "auto") -> torch.Tensor:

@@ -16,11 +16,10 @@ Two paths behind one entry, `apply_normalization`:
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 
+from ._backend import choose_backend
 from ._logging import debug_enabled, log_decision
 from .reference_switch import ReferenceSwitch
 
@@ -33,7 +32,6 @@ else:
     _KERNELS_MISSING = None
 
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
-BACKENDS = ("auto", "kernel", "reference")
 # The smallest hidden size for which `auto` (what the modules use) sends CUDA tensors to the Triton
 # kernels; None keeps them off. Measured on the H100, bf16, 16384 rows, against this module's
 # fp32 torch path (bench/h100-2026-11-23/norm.md): at hidden 4096 and 8192 the kernels are 5-6.7x
@@ -81,31 +79,15 @@ def _kernel_blocker(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
 
 
 def _use_kernel(backend: str, x, weight, bias) -> tuple[bool, str]:
-    """(run the kernel?, why). `auto`: CUDA tensors the kernel supports; `kernel` insists."""
-    if backend not in BACKENDS:
-        raise ValueError(f"backend ({backend!r}) must be one of {BACKENDS}")
-    if backend == "reference":
-        return False, "use_reference=True"
-    blocker = _kernel_blocker(x, weight, bias)
-    if backend == "kernel":
-        if blocker:
-            raise ValueError(f"backend='kernel': {blocker}")
-        if not x.is_cuda and os.environ.get("TRITON_INTERPRET", "0") != "1":
-            raise ValueError(
-                f"backend='kernel' needs CUDA tensors, got x on {x.device}; set TRITON_INTERPRET=1 "
-                "to run the kernel on the CPU interpreter"
-            )
-        return True, "backend='kernel'"
-    if not x.is_cuda:
-        return False, f"x on {x.device} (no CUDA): reference path"
+    """(run the kernel?, why): `choose_backend`, with `auto` keeping rows under the measured
+    break-even (KERNEL_MIN_HIDDEN) on the reference path."""
+    not_worth = ""
     if KERNEL_MIN_HIDDEN is None or x.shape[-1] < KERNEL_MIN_HIDDEN:
-        return False, (
+        not_worth = (
             f"hidden size ({x.shape[-1]}) below the norm kernels' measured break-even "
-            f"(KERNEL_MIN_HIDDEN={KERNEL_MIN_HIDDEN}): reference path"
+            f"(KERNEL_MIN_HIDDEN={KERNEL_MIN_HIDDEN})"
         )
-    if blocker:
-        return False, f"{blocker}: reference path"
-    return True, "CUDA tensors"
+    return choose_backend(backend, x, "x", _kernel_blocker(x, weight, bias), not_worth)
 
 
 def normalization_reference(

@@ -25,10 +25,9 @@ Two paths behind `apply_rotary_pos_emb`, chosen by `backend`:
 
 from __future__ import annotations
 
-import os
-
 import torch
 
+from ._backend import choose_backend
 from ._logging import debug_enabled, log_decision
 from .validation import host_values
 
@@ -40,7 +39,6 @@ else:
     _KERNELS_MISSING = None
 
 FORMATS = ("sbhd", "bshd", "thd")
-BACKENDS = ("auto", "kernel", "reference")
 
 
 class RotaryPositionEmbedding(torch.nn.Module):
@@ -203,26 +201,8 @@ def _kernel_blocker(t: torch.Tensor, freqs: torch.Tensor, tensor_format: str) ->
 def _use_kernel(
     backend: str, t: torch.Tensor, freqs: torch.Tensor, tensor_format: str
 ) -> tuple[bool, str]:
-    """(run the kernel?, why). `auto`: CUDA tensors the kernel supports; `kernel` insists."""
-    if backend not in BACKENDS:
-        raise ValueError(f"backend ({backend!r}) must be one of {BACKENDS}")
-    if backend == "reference":
-        return False, "use_reference=True"
-    blocker = _kernel_blocker(t, freqs, tensor_format)
-    if backend == "kernel":
-        if blocker:
-            raise ValueError(f"backend='kernel': {blocker}")
-        if not t.is_cuda and os.environ.get("TRITON_INTERPRET", "0") != "1":
-            raise ValueError(
-                f"backend='kernel' needs CUDA tensors, got t on {t.device}; set TRITON_INTERPRET=1 "
-                "to run the kernel on the CPU interpreter"
-            )
-        return True, "backend='kernel'"
-    if not t.is_cuda:
-        return False, f"t on {t.device} (no CUDA): reference path"
-    if blocker:
-        return False, f"{blocker}: reference path"
-    return True, "CUDA tensors"
+    """(run the kernel?, why): `choose_backend` for the RoPE kernel."""
+    return choose_backend(backend, t, "t", _kernel_blocker(t, freqs, tensor_format))
 
 
 def _rope_kernel(
