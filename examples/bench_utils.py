@@ -71,6 +71,33 @@ def attention_flops(
     return 4.0 * b * h * d * pairs * PASS_FACTOR[pass_]
 
 
+def benchmark_device(dry_run: bool) -> str:
+    """ "cuda", or "cpu" for a --dry-run pipeline check; exits when CUDA is wanted but absent."""
+    if dry_run:
+        return "cpu"
+    import torch
+
+    if not torch.cuda.is_available():
+        raise SystemExit("needs a CUDA GPU (or --dry-run for the CPU pipeline check)")
+    return "cuda"
+
+
+def device_label(device: str) -> str:
+    """The GPU's name for a table header, or a warning that a dry run measured nothing."""
+    import torch
+
+    return torch.cuda.get_device_name() if device == "cuda" else "CPU dry run (not a measurement)"
+
+
+def write_table(table: str, out_dir: Path | None, name: str) -> None:
+    """Print a markdown table and, with `out_dir`, write it there as `name`."""
+    print(table)
+    if out_dir is not None:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / name).write_text(table)
+        print(f"wrote {out_dir / name}")
+
+
 def rel_err(x, ref) -> float:
     """||x - ref|| / ||ref|| in fp32; NaN or inf anywhere reads as inf so it can never pass."""
     x, ref = x.float(), ref.float()

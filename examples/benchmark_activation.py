@@ -30,7 +30,16 @@ if DRY_RUN:  # must precede any triton.jit decoration (fusedlayers.kernels impor
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import torch  # noqa: E402
-from bench_utils import bench_ms, csv_arg, git_describe, ints_arg, rel_err  # noqa: E402
+from bench_utils import (  # noqa: E402
+    bench_ms,
+    benchmark_device,
+    csv_arg,
+    device_label,
+    git_describe,
+    ints_arg,
+    rel_err,
+    write_table,
+)
 
 from fusedlayers.mlp import (  # noqa: E402
     ACTIVATIONS,
@@ -176,9 +185,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> str:
     args = parse_args(argv)
-    device = "cpu" if args.dry_run else "cuda"
-    if device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("needs a CUDA GPU (or --dry-run for the CPU pipeline check)")
+    device = benchmark_device(args.dry_run)
     dtype = DTYPES[args.dtype]
     started = time.perf_counter()
     rows = []
@@ -192,7 +199,7 @@ def main(argv: list[str] | None = None) -> str:
                 rows.append({"activation": activation, "pass": pass_, "x": shape, "cells": cells})
                 elapsed = time.perf_counter() - started
                 print(f"[{elapsed:5.1f}s] {activation} {pass_} {shape}", flush=True)
-    gpu = torch.cuda.get_device_name() if device == "cuda" else "CPU dry run (not a measurement)"
+    gpu = device_label(device)
     header = (
         f"## MLP activations: {args.dtype}, rows {args.rows} ({gpu}; torch {torch.__version__}; "
         f"fusedlayers git {git_describe()})\n\n"
@@ -202,11 +209,7 @@ def main(argv: list[str] | None = None) -> str:
         "+ autograd.grad of a random dy."
     )
     table = markdown(rows, args, header)
-    print(table)
-    if args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "activation.md").write_text(table)
-        print(f"wrote {args.out / 'activation.md'}")
+    write_table(table, args.out, "activation.md")
     return table
 
 

@@ -35,11 +35,14 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from bench_utils import (  # noqa: E402
     bench_ms,
+    benchmark_device,
     configure_dynamo,
     csv_arg,
+    device_label,
     git_describe,
     ints_arg,
-    rel_err,  # noqa: E402
+    rel_err,
+    write_table,
 )
 from fusedlayers.kernels import layer_norm  # noqa: E402
 
@@ -205,9 +208,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> str:
     args = parse_args(argv)
-    device = "cpu" if args.dry_run else "cuda"
-    if device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("needs a CUDA GPU (or --dry-run for the CPU pipeline check)")
+    device = benchmark_device(args.dry_run)
     configure_dynamo()
     dtype = DTYPES[args.dtype]
     started = time.perf_counter()
@@ -222,7 +223,7 @@ def main(argv: list[str] | None = None) -> str:
                 print(
                     f"[{time.perf_counter() - started:5.1f}s] {norm} {pass_} {hidden}", flush=True
                 )
-    gpu = torch.cuda.get_device_name() if device == "cuda" else "CPU dry run (not a measurement)"
+    gpu = device_label(device)
     header = (
         f"## Norms: {args.dtype}, rows {args.rows} ({gpu}; torch {torch.__version__}; "
         f"fusedlayers git {git_describe()})\n\n"
@@ -232,11 +233,7 @@ def main(argv: list[str] | None = None) -> str:
         "forward + autograd.grad of a random dy for x, weight (and bias)."
     )
     table = markdown(rows, args, header)
-    print(table)
-    if args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "norm.md").write_text(table)
-        print(f"wrote {args.out / 'norm.md'}")
+    write_table(table, args.out, "norm.md")
     return table
 
 

@@ -31,7 +31,15 @@ if DRY_RUN:  # must precede any triton.jit decoration (fusedlayers.kernels impor
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import torch  # noqa: E402
-from bench_utils import bench_ms, csv_arg, git_describe, rel_err  # noqa: E402
+from bench_utils import (  # noqa: E402
+    bench_ms,
+    benchmark_device,
+    csv_arg,
+    device_label,
+    git_describe,
+    rel_err,
+    write_table,
+)
 
 from fusedlayers.rope import RotaryPositionEmbedding, apply_rotary_pos_emb  # noqa: E402
 
@@ -163,15 +171,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> str:
     args = parse_args(argv)
-    device = "cpu" if args.dry_run else "cuda"
-    if device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("needs a CUDA GPU (or --dry-run for the CPU pipeline check)")
+    device = benchmark_device(args.dry_run)
     rows = []
     for fmt in args.formats:
         inputs = make_inputs(args, fmt, device)
         for pass_ in PASSES:
             rows.append({"format": fmt, "pass": pass_, **run_case(fmt, pass_, inputs, args)})
-    gpu = torch.cuda.get_device_name() if device == "cuda" else "CPU dry run (not a measurement)"
+    gpu = device_label(device)
     header = (
         f"## RoPE: b={args.batch} s={args.seqlen} h={args.heads} d={args.head_dim} "
         f"rotary_percent={args.rotary_percent} interleaved={args.interleaved} {args.dtype} "
@@ -182,7 +188,7 @@ def main(argv: list[str] | None = None) -> str:
         "against the reference on fp32 copies."
     )
     table = markdown(rows, header)
-    print(table)
+    write_table(table, None, "rope.md")
     return table
 
 

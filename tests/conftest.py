@@ -28,3 +28,19 @@ def pytest_collection_modifyitems(config, items):
 def device():
     """The device the kernel tests run on: CUDA when present, else the Triton interpreter."""
     return "cuda" if HAS_CUDA else "cpu"
+
+
+@pytest.fixture
+def kernels_on_cpu(monkeypatch):
+    """Send CPU tensors to the attention kernels (the modules pick the reference on CPU
+    otherwise); `backend="reference"` still takes the reference."""
+    import fusedlayers.attention as front_end
+
+    original = front_end._choose_backend
+
+    def choose(backend, q):
+        if backend == "reference":
+            return original(backend, q)
+        return True, "test: kernels under TRITON_INTERPRET"
+
+    monkeypatch.setattr(front_end, "_choose_backend", choose)

@@ -25,19 +25,6 @@ HIDDEN, HEADS, HEAD_DIM = 32, 4, 16
 FORMS = {"separate": (False, True), "interleaved": (True, True), "concat": (True, False)}
 
 
-@pytest.fixture
-def kernels_on_cpu(monkeypatch):
-    """Send CPU tensors to the kernels (the modules pick the reference on CPU otherwise)."""
-    original = front_end._choose_backend
-
-    def choose(backend, q):
-        if backend == "reference":
-            return original(backend, q)
-        return True, "test: kernels under TRITON_INTERPRET"
-
-    monkeypatch.setattr(front_end, "_choose_backend", choose)
-
-
 @pytest.mark.parametrize(
     "form,groups,fmt",
     [

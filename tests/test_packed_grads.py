@@ -50,19 +50,6 @@ DTYPES = [torch.float32, torch.float16]
 
 
 @pytest.fixture
-def kernels_on_cpu(monkeypatch):
-    """Send CPU tensors to the kernels (the modules pick the reference on CPU otherwise)."""
-    original = front_end._choose_backend
-
-    def choose(backend, q):
-        if backend == "reference":
-            return original(backend, q)
-        return True, "test: kernels under TRITON_INTERPRET"
-
-    monkeypatch.setattr(front_end, "_choose_backend", choose)
-
-
-@pytest.fixture
 def written(monkeypatch):
     """Records (dq, dk, dv) as the kernels wrote them, and fills every planned gradient buffer
     with NaN first: uninitialized memory may hold anything, so nothing may be left unwritten."""
