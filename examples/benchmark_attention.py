@@ -411,6 +411,14 @@ def _varlen_setup(case: Case, want: Callable[[str], bool]) -> Setup:
             _fused_dense_runner, "fusedlayers-dense", dense, dense_flops, causal, None, "dense"
         )
         refs["dense"] = P(_sdpa_reference, dense, causal=causal)
+        # The same tokens as n equal sequences: the dense shape closest to the varlen batch.
+        s_eq = t // n
+        equal = [x[: n * s_eq].reshape(n, s_eq, h, d).transpose(1, 2) for x in data]
+        f["fusedlayers-dense-equal"] = P(
+            _fused_dense_runner, "fusedlayers-dense-equal", equal,
+            attention_flops(n, h, s_eq, s_eq, d, causal=causal), causal, None, "dense-equal",
+        )  # fmt: skip
+        refs["dense-equal"] = P(_sdpa_reference, equal, causal=causal)
     padded, valid = _padded(data, lengths)
     # Causal with right padding is exact without a mask (valid queries see only valid keys and
     # padded rows get dout 0); without causal, padded keys are masked where the backend can.
@@ -426,6 +434,9 @@ def _varlen_setup(case: Case, want: Callable[[str], bool]) -> Setup:
         "*-padded: SDPA on the padded batch [seqs, h, max_len, d]; TFLOP/s count the padding; "
         "non-causal rows pass a key-padding mask, which SDPA-flash does not take",
         "fusedlayers-dense: all tokens as one sequence (more work; TFLOP/s count its own)",
+        f"fusedlayers-dense-equal: the first {n} x (tokens // {n}) tokens as {n} sequences of "
+        "equal length (a dense batch with the varlen batch's token and sequence counts; "
+        "TFLOP/s count its own work)",
     ]
     return Setup(f, refs, "fusedlayers", "sdpa-flash-padded", notes)
 

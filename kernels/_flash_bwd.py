@@ -90,21 +90,36 @@ BWD_CONFIGS: dict[int, tuple[int, ...]] = {
     128: (32, 64, 4, 3, 128, 64, 8, 3),
     256: (32, 64, 8, 2, 64, 32, 8, 2),
 }
+# Sequences up to SHORT_SEQLEN (the longer of max_len_q and max_len_k) take these entries: with
+# few key blocks per sequence, smaller ones spread a causal mask's uneven work over more programs.
+# `tune_attention.py --bwd --seqlen 1024` (b=16, H100, 2026-11-23, bench/h100-2026-11-23d), ms
+# non-causal / causal against the entries above:
+# - d=64: dK/dV (32, 64, 4, 3) 1.29 / 0.99 against 1.27 / 1.15; dQ (64, 64, 4, 3) 1.27 / 1.10
+#   against 1.27 / 1.15. At s=4096 the same dK/dV entry was 4.58 / 2.63 against 4.47 / 2.59.
+# - d=128: dK/dV (32, 128, 8, 3) 1.24 / 0.93 against 1.25 / 0.98 (at s=4096: 3.91 / 2.30 against
+#   3.68 / 2.25); dQ unchanged.
+SHORT_SEQLEN = 1024
+BWD_SHORT_CONFIGS: dict[int, tuple[int, ...]] = {
+    64: (32, 64, 4, 3, 64, 64, 4, 3),
+    128: (32, 128, 8, 3, 128, 64, 8, 3),
+    256: BWD_CONFIGS[256],
+}
 # The interpreter runs one program at a time: small tiles keep it quick and make the tiny test
 # shapes span several blocks, so block edges and the skipped/unmasked block ranges are exercised.
 INTERPRETER_CONFIG = (16, 16, 4, 1, 16, 16, 4, 1)
 PREPROCESS_BLOCK_M = 64
 
 # The atomic-dQ path's dK/dV launch, (BLOCK_M1, BLOCK_N1, WARPS1, STAGES1) per padded head dim: the
-# kernel now also holds a [BLOCK_M, d_qk] dQ tile and issues its atomics, so it may want other
-# shapes than the two-pass dK/dV entries it starts from. Untested on the GPU until measured
-# (examples/bench_backward.py); every entry must pass tests/gpu/test_backward_gpu.py. Lead from an
-# offline sm_90a compile (Triton 3.9, ptxas -v, no run): at d=128, BLOCK_M 32 puts the dS^T K
-# product on mma.sync (wgmma needs 64 rows) and spills ~4.4 KB vs ~2.7 KB for the two-pass
-# entry; (64, 64, 8, 2) uses wgmma throughout and spills ~0.6 KB, so sweep it first.
+# kernel also holds a [BLOCK_M, d_qk] dQ tile and issues its atomics. Every entry must pass
+# tests/gpu/test_backward_gpu.py. `tune_attention.py --atomic` (s=4096, H100, 2026-11-23,
+# bench/h100-2026-11-23d), ms non-causal / causal, against the two-pass backward's 3.68 / 2.25
+# (d=128) and 4.47 / 2.59 (d=64): d=128 (64, 128, 8, 3) 4.00 / 3.26 (the two-pass dK/dV tile:
+# 6.23 / 3.92); d=64 (64, 128, 8, 3) 4.86 / 3.05. Still slower, so the path stays off.
 ATOMIC_CONFIG_FIELDS = CONFIG_FIELDS[:4]
 BWD_ATOMIC_CONFIGS: dict[int, tuple[int, ...]] = {
-    bound: config[:4] for bound, config in BWD_CONFIGS.items()
+    64: (64, 128, 8, 3),
+    128: (64, 128, 8, 3),
+    256: BWD_CONFIGS[256][:4],
 }
 # Where the non-deterministic backward takes the atomic-dQ path: "never" (the default until
 # examples/bench_backward.py shows it faster on the H100 and tests/gpu/test_backward_gpu.py passes
@@ -136,9 +151,15 @@ def _table_entry(table: dict, fields: tuple, head_dim: int, on_cuda: bool) -> di
     return dict(zip(fields, table[_bucket(table, head_dim)]))
 
 
-def bwd_config(head_dim: int, on_cuda: bool) -> dict[str, int]:
-    """Block sizes, warps and pipeline stages of both passes for a head dim (max of d_qk, d_v)."""
-    return _table_entry(BWD_CONFIGS, CONFIG_FIELDS, head_dim, on_cuda)
+def bwd_table(max_len: int) -> dict[int, tuple[int, ...]]:
+    """The two-pass launch table for sequences up to `max_len` (longer of queries and keys)."""
+    return BWD_SHORT_CONFIGS if max_len <= SHORT_SEQLEN else BWD_CONFIGS
+
+
+def bwd_config(head_dim: int, on_cuda: bool, max_len: int) -> dict[str, int]:
+    """Block sizes, warps and pipeline stages of both passes for a head dim (max of d_qk, d_v)
+    and the longest query or key sequence."""
+    return _table_entry(bwd_table(max_len), CONFIG_FIELDS, head_dim, on_cuda)
 
 
 def bwd_atomic_config(head_dim: int, on_cuda: bool) -> dict[str, int]:
@@ -248,7 +269,7 @@ def flash_attention_backward(
             dq = dq_acc if q.dtype == torch.float32 else torch.empty_like(dq_acc, dtype=q.dtype)
         torch.mul(dq_acc, softmax_scale, out=dq)
         return dq, dk, dv, None
-    cfg = bwd_config(head_dim, q.is_cuda)
+    cfg = bwd_config(head_dim, q.is_cuda, max(geo.q.max_len, geo.k.max_len))
     _launch_dkdv(*shared, None, cfg)
     dq = _new_grad(q, geo.q.owns_all_rows, dq)
     dbias_args = (dbias, dbias.stride()) if dbias is not None else (q, (0, 0, 0, 0))

@@ -300,6 +300,8 @@ def test_pipeline_runs_checks_and_reports_on_cpu(cpu_pipeline, tmp_path):
     assert all(r["providers"]["sdpa-cudnn"]["status"] == "error" for r in sweep)  # no CPU cuDNN
     varlen = [r for r in rows if r["case"] == "varlen"][0]
     assert "fusedlayers-dense" in varlen["providers"] and varlen["seqs"] > 1
+    # The equal-length dense batch is checked against its own reference before it is timed.
+    assert varlen["providers"]["fusedlayers-dense-equal"]["status"] == "ok"
     text = (tmp_path / "attention.md").read_text()
     assert "## Varlen" in text and "## Packed" in text and "## Sliding window" in text
 
@@ -358,3 +360,14 @@ def test_tuning_sweep_jobs_and_best_per_pass():
     assert ta.best_per_pass(rows) == {("bwd", 128, "dkdv"): (5, 6, 7, 8)}
     rows[2]["ms"] = float("inf")  # b failed its check once: never the best
     assert ta.best_per_pass(rows) == {("bwd", 128, "dkdv"): (1, 2, 3, 4)}
+
+
+def test_tuning_atomic_jobs():
+    """tune_attention --atomic: every candidate, causal and not, best over both (whole launch)."""
+    import tune_attention as ta
+
+    jobs = ta.sweep_jobs([64], 4096, fwd=False, bwd=False, atomic=True)
+    assert {j["kind"] for j in jobs} == {"atomic"}
+    assert sorted(tuple(j["cfg"]) for j in jobs) == sorted(2 * ta.ATOMIC_SWEEP[64])
+    rows = [dict(j, ms=float(i)) for i, j in enumerate(jobs)]
+    assert ta.best_per_pass(rows) == {("atomic", 64, "dkdv"): tuple(jobs[0]["cfg"])}

@@ -326,3 +326,19 @@ def test_group_splits_fill_the_gpu_only_when_needed(monkeypatch):
     assert splits(100, 5) == 5  # 6 wanted, 5 heads
     assert splits(200, 4) == 2  # 3 wanted: shares of 2 -> 2 shares
     assert splits(8, 4, torch.device("cpu")) == 1
+
+
+def test_launch_table_by_sequence_length():
+    """Sequences up to SHORT_SEQLEN read the short table, longer ones the main one; the
+    interpreter always gets its own small tiles."""
+    limit = _flash_bwd.SHORT_SEQLEN
+    for d in (64, 128, 256):
+        short = _flash_bwd.bwd_config(d, True, limit)
+        long = _flash_bwd.bwd_config(d, True, limit + 1)
+        assert tuple(short.values()) == _flash_bwd.BWD_SHORT_CONFIGS[d]
+        assert tuple(long.values()) == _flash_bwd.BWD_CONFIGS[d]
+        assert tuple(_flash_bwd.bwd_config(d, False, 1).values()) == _flash_bwd.INTERPRETER_CONFIG
+    assert _flash_bwd.bwd_table(limit) is _flash_bwd.BWD_SHORT_CONFIGS
+    assert _flash_bwd.bwd_table(limit + 1) is _flash_bwd.BWD_CONFIGS
+    # The short entries differ where the sweep found a faster tile, so the rule is not a no-op.
+    assert _flash_bwd.BWD_SHORT_CONFIGS[64] != _flash_bwd.BWD_CONFIGS[64]

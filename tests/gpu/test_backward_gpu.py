@@ -45,6 +45,9 @@ CASES = {
     "d64-dropout-window": (2, 300, 300, 4, 2, 64, None, (100, 0), True, dict(dropout_p=0.2)),
     "d111-varlen-gaps": (3, 300, 280, 4, 2, 111, None, (-1, 0), True, dict(varlen=True)),
     "d128-seqlens": (2, 300, 350, 2, 2, 128, None, (-1, 0), False, dict(seqlens=True)),
+    # Past SHORT_SEQLEN: the main launch table (the cases above read the short one).
+    "d64-gqa-causal-long": (1, 1300, 1500, 4, 2, 64, None, (-1, 0), True, {}),
+    "d128-full-long": (1, 1500, 1300, 2, 2, 128, None, (-1, -1), True, {}),
 }  # fmt: skip
 
 
@@ -151,15 +154,19 @@ def test_backward_matches_reference(case, dtype, deterministic, monkeypatch):
     )
 
 
+@pytest.mark.parametrize("lengths", [(900, 1000), (1000, 1100)], ids=["short", "long"])
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 @pytest.mark.parametrize("d", [64, 128, 256])
-def test_backward_is_bitwise_deterministic(d, causal, monkeypatch):
+def test_backward_is_bitwise_deterministic(d, causal, lengths, monkeypatch):
     """deterministic=True (no atomics): two runs agree bit for bit (GQA, long enough to tile).
     The atomic-dQ scheme: dk/dv bitwise equal run to run, dq close.
 
-    Also guards the launch tables against Triton miscompiles that race (see BWD_CONFIGS).
+    Also guards the launch tables, short (up to SHORT_SEQLEN) and main, against Triton
+    miscompiles that race (see BWD_CONFIGS).
     """
-    case = (2, 1000, 1100, 8, 2, d, None, (-1, 0 if causal else -1), True, {})
+    s_q, s_k = lengths
+    assert (max(lengths) <= _flash_bwd.SHORT_SEQLEN) == (s_k == 1000)
+    case = (2, s_q, s_k, 8, 2, d, None, (-1, 0 if causal else -1), True, {})
     tensors, ref, kern = _make(case, BF16, seed=3)
     out, lse, _ = _reference(tensors, BF16, ref)
     first = _backward(tensors, out, lse, dict(kern, deterministic=True))
