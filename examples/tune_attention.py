@@ -5,10 +5,10 @@
 
 bf16, b = 16384 / s, h = 2048 / d, causal and not. Every candidate is checked before it is timed
 (a fast wrong answer is no result):
-- `--fwd`: the forward kernel at each (BLOCK_M, BLOCK_N, warps, stages, warp-specialized) in
+- `--fwd`: the forward kernel at each (BLOCK_M, BLOCK_N, warps, stages) in
   FWD_SWEEP, launched directly (no autotuner), output within 1e-2 of SDPA's flash backend.
 - `--bwd`: the two-pass backward, one pass at a time (the dK/dV and dQ kernels' times add), each
-  candidate in BWD_SWEEP with the other pass at its entry in the table `--seqlen` reads;
+  candidate in BWD_SWEEP with the other pass at its entry in the table the launch reads;
   gradients bitwise reproducible and within 5e-3 of SDPA's flash backend. The best per pass over
   causal and not is printed.
 - `--atomic`: the atomic-dQ backward (one dK/dV launch that also adds dQ, `deterministic=False`)
@@ -41,14 +41,13 @@ NO_SEQUENCES = dict.fromkeys(("cu_seqlens_q", "cu_seqlens_k", "seq_offsets_q", "
                               "max_seqlen_q", "max_seqlen_k", "seqlens_q", "seqlens_k", "bias",
                               "alibi_slopes"))  # fmt: skip
 
-# (BLOCK_M, BLOCK_N, num_warps, num_stages, warp_specialize) per head dim.
+# (BLOCK_M, BLOCK_N, num_warps, num_stages) per head dim. (Warp specialization was swept here too
+# and dropped from the kernel: no faster, and some tiles failed to compile under Triton 3.6.)
 FWD_SWEEP = {
-    128: [(128, 64, 8, 3, False), (128, 128, 8, 3, False), (128, 64, 4, 2, False),
-          (128, 64, 4, 3, False), (128, 128, 8, 2, False), (128, 64, 8, 4, False),
-          (128, 64, 8, 3, True), (128, 128, 8, 3, True), (128, 64, 4, 2, True)],
-    64: [(128, 64, 4, 3, False), (128, 128, 8, 3, False), (64, 64, 4, 3, False),
-         (128, 128, 4, 3, False), (128, 64, 4, 4, False), (128, 128, 8, 2, False),
-         (128, 64, 4, 3, True), (128, 128, 8, 3, True)],
+    128: [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 2), (128, 64, 4, 3), (128, 128, 8, 2),
+          (128, 64, 8, 4), (64, 64, 4, 3)],
+    64: [(128, 64, 4, 3), (128, 128, 8, 3), (64, 64, 4, 3), (128, 128, 4, 3), (128, 64, 4, 4),
+         (128, 128, 8, 2), (64, 128, 4, 3)],
 }  # fmt: skip
 # Per pass: dK/dV (BLOCK_M1, BLOCK_N1, WARPS1, STAGES1) and dQ (BLOCK_M2, BLOCK_N2, WARPS2,
 # STAGES2). FlexAttention's sm90 choice for 64 < d <= 128 is (64, 128, 8, 3) / (128, 64, 8, 3).
@@ -118,14 +117,14 @@ def forward_runner(q, k, v, causal: bool, cfg: tuple):
     """A callable launching the forward kernel with one explicit config; returns out."""
     from fusedlayers.kernels._flash_fwd import _attn_fwd, forward_launch
 
-    bm, bn, warps, stages, ws = cfg
+    bm, bn, warps, stages = cfg
 
     def run():
         out, _, grid, args, consts = forward_launch(
             q, k, v, **NO_SEQUENCES, **mask_args(q.shape[-1], causal), softcap=0.0,
             dropout_p=0.0, seed=0, offset=0,
         )  # fmt: skip
-        consts.update(BLOCK_M=bm, BLOCK_N=bn, WARP_SPECIALIZE=ws)
+        consts.update(BLOCK_M=bm, BLOCK_N=bn)
         _attn_fwd.fn[grid](*args, **consts, num_warps=warps, num_stages=stages)
         return out
 
@@ -144,7 +143,7 @@ def backward_runner(q, k, v, dout, causal: bool, cfg: tuple):
         q, k, v, **NO_SEQUENCES, **mask, softcap=0.0, dropout_p=0.0, seed=0, offset=0
     )
 
-    table = _flash_bwd.bwd_table(q.shape[1])  # the table this length reads
+    table = _flash_bwd.bwd_table(q.shape[1], causal)  # the table this launch reads
 
     def run():
         saved, table[d] = table[d], cfg
@@ -248,7 +247,7 @@ def sweep_jobs(
                 ]
             if not bwd:
                 continue
-            base = _flash_bwd.bwd_table(seqlen)[d]
+            base = _flash_bwd.bwd_table(seqlen, causal)[d]
             for half in ("dkdv", "dq"):
                 for cand in BWD_SWEEP[d][half]:
                     cfg = cand + base[4:] if half == "dkdv" else base[:4] + cand

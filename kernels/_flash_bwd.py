@@ -90,14 +90,14 @@ BWD_CONFIGS: dict[int, tuple[int, ...]] = {
     128: (32, 64, 4, 3, 128, 64, 8, 3),
     256: (32, 64, 8, 2, 64, 32, 8, 2),
 }
-# Sequences up to SHORT_SEQLEN (the longer of max_len_q and max_len_k) take these entries: with
-# few key blocks per sequence, smaller ones spread a causal mask's uneven work over more programs.
-# `tune_attention.py --bwd --seqlen 1024` (b=16, H100, 2026-11-23, bench/h100-2026-11-23d), ms
-# non-causal / causal against the entries above:
-# - d=64: dK/dV (32, 64, 4, 3) 1.29 / 0.99 against 1.27 / 1.15; dQ (64, 64, 4, 3) 1.27 / 1.10
-#   against 1.27 / 1.15. At s=4096 the same dK/dV entry was 4.58 / 2.63 against 4.47 / 2.59.
-# - d=128: dK/dV (32, 128, 8, 3) 1.24 / 0.93 against 1.25 / 0.98 (at s=4096: 3.91 / 2.30 against
-#   3.68 / 2.25); dQ unchanged.
+# Causal-like launches (a right window bound) on sequences up to SHORT_SEQLEN (the longer of
+# max_len_q and max_len_k) take these entries: with few key blocks per sequence, smaller blocks
+# spread the mask's uneven work over more programs. `tune_attention.py --bwd --seqlen 1024`
+# (b=16, H100, 2026-11-23, bench/h100-2026-11-23d), causal ms against the entries above:
+# - d=64: dK/dV (32, 64, 4, 3) 0.99 against 1.15; dQ (64, 64, 4, 3) 1.10 against 1.15.
+# - d=128: dK/dV (32, 128, 8, 3) 0.93 against 0.98; dQ unchanged.
+# Non-causal launches gained 0-2% or lost up to 2% there, within the noise, so they keep the main
+# table. At s=4096 these entries measured 1.5-2.4% slower (causal), hence the length bound.
 SHORT_SEQLEN = 1024
 BWD_SHORT_CONFIGS: dict[int, tuple[int, ...]] = {
     64: (32, 64, 4, 3, 64, 64, 4, 3),
@@ -151,15 +151,16 @@ def _table_entry(table: dict, fields: tuple, head_dim: int, on_cuda: bool) -> di
     return dict(zip(fields, table[_bucket(table, head_dim)]))
 
 
-def bwd_table(max_len: int) -> dict[int, tuple[int, ...]]:
-    """The two-pass launch table for sequences up to `max_len` (longer of queries and keys)."""
-    return BWD_SHORT_CONFIGS if max_len <= SHORT_SEQLEN else BWD_CONFIGS
+def bwd_table(max_len: int, causal: bool) -> dict[int, tuple[int, ...]]:
+    """The two-pass launch table for sequences up to `max_len` (longer of queries and keys) and
+    a causal-like mask (a right window bound) or not."""
+    return BWD_SHORT_CONFIGS if causal and max_len <= SHORT_SEQLEN else BWD_CONFIGS
 
 
-def bwd_config(head_dim: int, on_cuda: bool, max_len: int) -> dict[str, int]:
-    """Block sizes, warps and pipeline stages of both passes for a head dim (max of d_qk, d_v)
-    and the longest query or key sequence."""
-    return _table_entry(bwd_table(max_len), CONFIG_FIELDS, head_dim, on_cuda)
+def bwd_config(head_dim: int, on_cuda: bool, max_len: int, causal: bool) -> dict[str, int]:
+    """Block sizes, warps and pipeline stages of both passes for a head dim (max of d_qk, d_v),
+    the longest query or key sequence and a causal-like mask or not."""
+    return _table_entry(bwd_table(max_len, causal), CONFIG_FIELDS, head_dim, on_cuda)
 
 
 def bwd_atomic_config(head_dim: int, on_cuda: bool) -> dict[str, int]:
@@ -269,7 +270,9 @@ def flash_attention_backward(
             dq = dq_acc if q.dtype == torch.float32 else torch.empty_like(dq_acc, dtype=q.dtype)
         torch.mul(dq_acc, softmax_scale, out=dq)
         return dq, dk, dv, None
-    cfg = bwd_config(head_dim, q.is_cuda, max(geo.q.max_len, geo.k.max_len))
+    cfg = bwd_config(
+        head_dim, q.is_cuda, max(geo.q.max_len, geo.k.max_len), causal=opts["HAS_RIGHT"]
+    )
     _launch_dkdv(*shared, None, cfg)
     dq = _new_grad(q, geo.q.owns_all_rows, dq)
     dbias_args = (dbias, dbias.stride()) if dbias is not None else (q, (0, 0, 0, 0))

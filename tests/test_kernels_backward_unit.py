@@ -328,17 +328,37 @@ def test_group_splits_fill_the_gpu_only_when_needed(monkeypatch):
     assert splits(8, 4, torch.device("cpu")) == 1
 
 
-def test_launch_table_by_sequence_length():
-    """Sequences up to SHORT_SEQLEN read the short table, longer ones the main one; the
-    interpreter always gets its own small tiles."""
+def test_launch_table_by_sequence_length_and_mask():
+    """Causal-like launches on sequences up to SHORT_SEQLEN read the short table; longer ones and
+    non-causal ones the main table; the interpreter always gets its own small tiles."""
     limit = _flash_bwd.SHORT_SEQLEN
     for d in (64, 128, 256):
-        short = _flash_bwd.bwd_config(d, True, limit)
-        long = _flash_bwd.bwd_config(d, True, limit + 1)
+        short = _flash_bwd.bwd_config(d, True, limit, causal=True)
+        long = _flash_bwd.bwd_config(d, True, limit + 1, causal=True)
+        full = _flash_bwd.bwd_config(d, True, limit, causal=False)
         assert tuple(short.values()) == _flash_bwd.BWD_SHORT_CONFIGS[d]
-        assert tuple(long.values()) == _flash_bwd.BWD_CONFIGS[d]
-        assert tuple(_flash_bwd.bwd_config(d, False, 1).values()) == _flash_bwd.INTERPRETER_CONFIG
-    assert _flash_bwd.bwd_table(limit) is _flash_bwd.BWD_SHORT_CONFIGS
-    assert _flash_bwd.bwd_table(limit + 1) is _flash_bwd.BWD_CONFIGS
+        assert tuple(long.values()) == tuple(full.values()) == _flash_bwd.BWD_CONFIGS[d]
+        on_interpreter = _flash_bwd.bwd_config(d, False, 1, causal=True)
+        assert tuple(on_interpreter.values()) == _flash_bwd.INTERPRETER_CONFIG
+    assert _flash_bwd.bwd_table(limit, True) is _flash_bwd.BWD_SHORT_CONFIGS
+    assert _flash_bwd.bwd_table(limit + 1, True) is _flash_bwd.BWD_CONFIGS
+    assert _flash_bwd.bwd_table(limit, False) is _flash_bwd.BWD_CONFIGS
     # The short entries differ where the sweep found a faster tile, so the rule is not a no-op.
     assert _flash_bwd.BWD_SHORT_CONFIGS[64] != _flash_bwd.BWD_CONFIGS[64]
+
+
+def test_backward_launch_reads_the_table_for_its_mask(monkeypatch, device):
+    """flash_attention_backward passes the mask's right bound to the table choice."""
+    seen = []
+    original = _flash_bwd.bwd_config
+    monkeypatch.setattr(
+        _flash_bwd, "bwd_config", lambda *a, **kw: seen.append((a, kw)) or original(*a, **kw)
+    )
+    g = torch.Generator().manual_seed(3)
+    q, k, v, out, dout = (torch.randn(1, 24, 2, 16, generator=g).to(device) for _ in range(5))
+    lse = torch.randn(1, 2, 24, generator=g).to(device)  # any values: only the launch is checked
+    for window_right in (0, -1):
+        kw = dict(softmax_scale=0.25, window_left=-1, window_right=window_right)
+        flash_attention_backward(dout, q, k, v, out, lse, **kw, deterministic=True)
+    assert [s[1]["causal"] for s in seen] == [True, False]
+    assert all(s[0][2] == 24 for s in seen)

@@ -67,6 +67,7 @@ def test_odd_shapes(activation):
     check_activation(activation, wide[..., : x.shape[-1]], dy)
 
 
+@pytest.mark.big_memory
 def test_int64_offsets():
     """x [131200, 2 * 8192] bf16: row * stride passes 2^31 elements (4.3 GB). Checked on the last
     rows, where 32-bit offsets would wrap, against the PyTorch path on those rows."""

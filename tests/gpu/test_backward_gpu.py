@@ -45,7 +45,7 @@ CASES = {
     "d64-dropout-window": (2, 300, 300, 4, 2, 64, None, (100, 0), True, dict(dropout_p=0.2)),
     "d111-varlen-gaps": (3, 300, 280, 4, 2, 111, None, (-1, 0), True, dict(varlen=True)),
     "d128-seqlens": (2, 300, 350, 2, 2, 128, None, (-1, 0), False, dict(seqlens=True)),
-    # Past SHORT_SEQLEN: the main launch table (the cases above read the short one).
+    # Past SHORT_SEQLEN: the main launch table (the causal cases above read the short one).
     "d64-gqa-causal-long": (1, 1300, 1500, 4, 2, 64, None, (-1, 0), True, {}),
     "d128-full-long": (1, 1500, 1300, 2, 2, 128, None, (-1, -1), True, {}),
 }  # fmt: skip
@@ -161,7 +161,7 @@ def test_backward_is_bitwise_deterministic(d, causal, lengths, monkeypatch):
     """deterministic=True (no atomics): two runs agree bit for bit (GQA, long enough to tile).
     The atomic-dQ scheme: dk/dv bitwise equal run to run, dq close.
 
-    Also guards the launch tables, short (up to SHORT_SEQLEN) and main, against Triton
+    Also guards the launch tables, short (causal up to SHORT_SEQLEN) and main, against Triton
     miscompiles that race (see BWD_CONFIGS).
     """
     s_q, s_k = lengths
@@ -185,6 +185,7 @@ def _relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
+@pytest.mark.big_memory
 def test_64k_token_sequence():
     """b=1, h=8, s=65536, d=128 bf16 causal: int64 indexing; compared with SDPA's flash backend.
 

@@ -132,6 +132,7 @@ def test_dropout(record_property):
     _record(record_property, errors)
 
 
+@pytest.mark.big_memory
 def test_offsets_past_int32(record_property):
     """q, k, v, out of 2^31 + 2^21 elements: the last batch entry is read and written correctly."""
     b, s, h, d = 1025, 128, 128, 128

@@ -235,6 +235,7 @@ def _blockwise_reference(q, k, v, dout, scale, idx, chunk=1024):
     return {n: t if n == "lse" else t.transpose(0, 1) for n, t in res.items()}
 
 
+@pytest.mark.big_memory
 def test_64k_tokens(request):
     """b=1, h=8, d=128, 65536 causal tokens forward+backward: no OOM, no index overflow; rows at
     the start, middle and end match a blockwise fp32 reference."""
@@ -261,6 +262,7 @@ def test_64k_tokens(request):
         entry["errors"] = check_results(kernel, high, low, s)
 
 
+@pytest.mark.big_memory
 def test_int64_offsets(request):
     """q, k, v, out and gradients of 2.15e9 elements: element offsets past 2^31 need int64.
     The last two batch entries (the highest addresses) are checked against the reference."""
