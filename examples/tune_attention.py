@@ -131,8 +131,9 @@ def forward_runner(q, k, v, causal: bool, cfg: tuple):
     return run
 
 
-def backward_runner(q, k, v, dout, causal: bool, cfg: tuple):
-    """A callable running the two-pass backward with the 8-field `cfg` as the table entry."""
+def backward_runner(q, k, v, dout, causal: bool, cfg: tuple, atomic: bool = False):
+    """A callable running the two-pass backward with the 8-field `cfg` as its table entry, or
+    (`atomic`) the atomic-dQ scheme with the 4-field `cfg` as its launch."""
     from fusedlayers.kernels import _flash_bwd
     from fusedlayers.kernels._flash_bwd import flash_attention_backward
     from fusedlayers.kernels._flash_fwd import flash_attention_forward
@@ -142,40 +143,19 @@ def backward_runner(q, k, v, dout, causal: bool, cfg: tuple):
     out, lse = flash_attention_forward(
         q, k, v, **NO_SEQUENCES, **mask, softcap=0.0, dropout_p=0.0, seed=0, offset=0
     )
-
-    table = _flash_bwd.bwd_table(q.shape[1], causal)  # the table this launch reads
-
-    def run():
-        saved, table[d] = table[d], cfg
-        try:
-            return flash_attention_backward(dout, q, k, v, out, lse, **mask,
-                                            deterministic=True)[:3]  # fmt: skip
-        finally:
-            table[d] = saved
-
-    return run
-
-
-def atomic_runner(q, k, v, dout, causal: bool, cfg: tuple):
-    """A callable running the atomic-dQ backward with the 4-field `cfg` as its launch."""
-    from fusedlayers.kernels import _flash_bwd
-    from fusedlayers.kernels._flash_bwd import flash_attention_backward
-    from fusedlayers.kernels._flash_fwd import flash_attention_forward
-
-    d = q.shape[-1]
-    mask = mask_args(d, causal)
-    out, lse = flash_attention_forward(
-        q, k, v, **NO_SEQUENCES, **mask, softcap=0.0, dropout_p=0.0, seed=0, offset=0
-    )
+    # The table this launch reads, and where the atomic scheme may run ("any": the interpreter
+    # too, so the CPU tests reach it).
+    table = _flash_bwd.BWD_ATOMIC_CONFIGS if atomic else _flash_bwd.bwd_table(q.shape[1], causal)
+    devices = "any" if atomic else _flash_bwd.ATOMIC_DQ_DEVICES
 
     def run():
-        saved = _flash_bwd.ATOMIC_DQ_DEVICES, _flash_bwd.BWD_ATOMIC_CONFIGS[d]
-        _flash_bwd.ATOMIC_DQ_DEVICES, _flash_bwd.BWD_ATOMIC_CONFIGS[d] = "cuda", cfg
+        saved = _flash_bwd.ATOMIC_DQ_DEVICES, table[d]
+        _flash_bwd.ATOMIC_DQ_DEVICES, table[d] = devices, cfg
         try:
             return flash_attention_backward(dout, q, k, v, out, lse, **mask,
-                                            deterministic=False)[:3]  # fmt: skip
+                                            deterministic=not atomic)[:3]  # fmt: skip
         finally:
-            _flash_bwd.ATOMIC_DQ_DEVICES, _flash_bwd.BWD_ATOMIC_CONFIGS[d] = saved
+            _flash_bwd.ATOMIC_DQ_DEVICES, table[d] = saved
 
     return run
 
@@ -184,9 +164,9 @@ def make_runner(job: dict):
     q, k, v, dout = problem(job["d"], job["s"])
     if job["kind"] == "fwd":
         return forward_runner(q, k, v, job["causal"], tuple(job["cfg"])), (q, k, v, dout)
-    if job["kind"] == "atomic":
-        return atomic_runner(q, k, v, dout, job["causal"], tuple(job["cfg"])), (q, k, v, dout)
-    return backward_runner(q, k, v, dout, job["causal"], tuple(job["cfg"])), (q, k, v, dout)
+    atomic = job["kind"] == "atomic"
+    run = backward_runner(q, k, v, dout, job["causal"], tuple(job["cfg"]), atomic)
+    return run, (q, k, v, dout)
 
 
 def compile_job(job: dict) -> str:

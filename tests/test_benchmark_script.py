@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from fusedlayers.kernels import _flash_fwd
+from attention_testing import KernelSpy
+from fusedlayers.kernels import _flash_bwd, _flash_fwd
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 
@@ -374,27 +375,6 @@ def test_tuning_atomic_jobs():
     assert ta.best_per_pass(rows) == {("atomic", 64, "dkdv"): tuple(jobs[0]["cfg"])}
 
 
-def _launch_keywords(monkeypatch, run) -> set[str]:
-    """The keyword names `run` passes when it launches the forward kernel directly."""
-    seen: set[str] = set()
-    jit = _flash_fwd._attn_fwd.fn
-
-    class Spy:
-        arg_names = jit.arg_names
-
-        def __getitem__(self, grid):
-            def launch(*args, **kwargs):
-                seen.update(kwargs)
-                return jit[grid](*args, **kwargs)
-
-            return launch
-
-    monkeypatch.setattr(_flash_fwd._attn_fwd, "fn", Spy())
-    run()
-    monkeypatch.undo()
-    return seen
-
-
 @pytest.mark.parametrize("causal", [False, True])
 def test_tuning_runners_launch_the_kernels(device, causal, monkeypatch):
     """tune_attention's forward, two-pass and atomic runners launch the kernels with a swept
@@ -413,10 +393,16 @@ def test_tuning_runners_launch_the_kernels(device, causal, monkeypatch):
     out = ta.forward_runner(q, k, v, causal, (32, 16, 4, 1))()
     assert torch.allclose(out, ref, atol=2e-5)
     # The interpreter takes unknown keywords that a CUDA launch refuses: check the names too.
-    launched = _launch_keywords(monkeypatch, ta.forward_runner(q, k, v, causal, (32, 16, 4, 1)))
-    assert launched <= set(_flash_fwd._attn_fwd.fn.arg_names) | {"num_warps", "num_stages"}
+    jit = _flash_fwd._attn_fwd.fn
+    with pytest.MonkeyPatch.context() as patch:  # only around the direct launch
+        patch.setattr(_flash_fwd._attn_fwd, "fn", spy := KernelSpy(jit))
+        ta.forward_runner(q, k, v, causal, (32, 16, 4, 1))()
+    assert set(spy.launches[0]) <= set(jit.arg_names) | {"num_warps", "num_stages"}
     grads = ta.backward_runner(q, k, v, dout, causal, (16, 16, 4, 1, 16, 16, 4, 1))()
-    atomic = ta.atomic_runner(q, k, v, dout, causal, (16, 16, 4, 1))()
+    spy = KernelSpy(_flash_bwd._flash_bwd_dkdv_kernel)
+    monkeypatch.setattr(_flash_bwd, "_flash_bwd_dkdv_kernel", spy)
+    atomic = ta.backward_runner(q, k, v, dout, causal, (16, 16, 4, 1), atomic=True)()
+    assert [launch["ATOMIC_DQ"] for launch in spy.launches] == [True]
     for got in (grads, atomic):
         for a, r in zip(got, ref_grads):
             assert torch.allclose(a, r, atol=1e-4)
