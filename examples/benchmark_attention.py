@@ -510,6 +510,36 @@ def _new_row(case: Case, setup: Setup, pass_: str) -> dict:
     return row
 
 
+def _forward_picks() -> dict:
+    """The forward autotuner's picks so far ({launch signature: config}); {} without the kernels."""
+    try:
+        from fusedlayers.kernels import _flash_fwd
+    except Exception:  # a broken install still lets the competitors be measured
+        return {}
+    return dict(_flash_fwd._PICKED)
+
+
+def autotune_note(name: str, before: dict) -> str:
+    """Names the forward configs provider `name` autotuned since `before` (a `_forward_picks()`),
+    with the candidates' times the autotuner measured: a pick made on a noisy measurement then
+    shows in the report next to the row it slows down."""
+    picked = [c for key, c in _forward_picks().items() if key not in before]
+    if not picked:
+        return ""
+    from fusedlayers.kernels import _flash_fwd
+
+    def label(config) -> str:
+        kw = config.kwargs
+        return f"({kw['BLOCK_M']}, {kw['BLOCK_N']}, {config.num_warps}, {config.num_stages})"
+
+    timings = getattr(_flash_fwd._attn_fwd, "configs_timings", None) or {}
+    measured = ", ".join(f"{label(c)} {t[0]:.3f} ms" for c, t in timings.items() if t)
+    picks = ", ".join(label(c) for c in picked)
+    return f"{name}: forward autotuned here to {picks}" + (
+        f" (last autotune measured {measured})" if measured else ""
+    )
+
+
 def run_case(case: Case, args: argparse.Namespace) -> list[dict]:
     """Build, check and time every provider of one case; one row per pass."""
     setup = SETUPS[case.kind](case, lambda name: name in args.providers)
@@ -521,8 +551,10 @@ def run_case(case: Case, args: argparse.Namespace) -> list[dict]:
             if runner.ref not in refs:
                 refs[runner.ref] = setup.refs[runner.ref]("fwdbwd" in args.passes)
             ref = refs[runner.ref]
+            before = _forward_picks()
             results = measure_runner(runner, ref, TOLERANCE[case.dtype], args)
-            notes = [n for n in (runner.note, f"checked against {ref.name}") if n]
+            tuned = autotune_note(name, before)
+            notes = [n for n in (runner.note, f"checked against {ref.name}", tuned) if n]
         except FatalCudaError:
             raise
         except Exception as error:  # a failing provider is a table entry, never a crash

@@ -406,3 +406,21 @@ def test_tuning_runners_launch_the_kernels(device, causal, monkeypatch):
     for got in (grads, atomic):
         for a, r in zip(got, ref_grads):
             assert torch.allclose(a, r, atol=1e-4)
+
+
+def test_autotune_note_names_new_picks_and_their_timings(monkeypatch):
+    """A provider whose first call autotuned the forward gets a note with the pick and the
+    candidates' measured times; one that reused earlier picks gets none."""
+    import triton
+
+    fast, slow = (triton.Config({"BLOCK_M": m, "BLOCK_N": 64}, num_warps=4, num_stages=3)
+                  for m in (64, 128))  # fmt: skip
+    before = ba._forward_picks()
+    assert ba.autotune_note("fusedlayers", before) == ""
+    monkeypatch.setitem(_flash_fwd._PICKED, ("new signature",), fast)
+    monkeypatch.setattr(_flash_fwd._attn_fwd, "configs_timings", {fast: [0.25], slow: [0.4]},
+                        raising=False)  # fmt: skip
+    note = ba.autotune_note("fusedlayers", before)
+    assert note.startswith("fusedlayers: forward autotuned here to (64, 64, 4, 3)")
+    assert "(64, 64, 4, 3) 0.250 ms" in note and "(128, 64, 4, 3) 0.400 ms" in note
+    assert ba.autotune_note("fusedlayers", ba._forward_picks()) == ""
