@@ -523,6 +523,13 @@ def autotune_note(name: str, before: dict) -> str:
     """Names the forward configs provider `name` autotuned since `before` (a `_forward_picks()`),
     with the candidates' times the autotuner measured: a pick made on a noisy measurement then
     shows in the report next to the row it slows down."""
+    try:
+        return _autotune_note(name, before)
+    except Exception as error:  # diagnostics must never cost the row its measurements
+        return f"{name}: no autotune note ({short_error(error)})"
+
+
+def _autotune_note(name: str, before: dict) -> str:
     picked = [c for key, c in _forward_picks().items() if key not in before]
     if not picked:
         return ""

@@ -424,3 +424,6 @@ def test_autotune_note_names_new_picks_and_their_timings(monkeypatch):
     assert note.startswith("fusedlayers: forward autotuned here to (64, 64, 4, 3)")
     assert "(64, 64, 4, 3) 0.250 ms" in note and "(128, 64, 4, 3) 0.400 ms" in note
     assert ba.autotune_note("fusedlayers", ba._forward_picks()) == ""
+    # A config the note cannot read is reported, never raised into the provider's results.
+    monkeypatch.setitem(_flash_fwd._PICKED, ("odd signature",), object())
+    assert ba.autotune_note("fusedlayers", before).startswith("fusedlayers: no autotune note (")
