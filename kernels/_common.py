@@ -3,6 +3,10 @@
 Legend (per program): a query tile holds rows `offs_m` [BLOCK_M] and a key tile columns `offs_n`
 [BLOCK_N], both as positions *within the sequence* (row 0 = the sequence's first token). Every mask
 and score helper works on those positions, so dense, padded and varlen launches share one code path.
+The tile helpers take them as broadcastable 2-D index tiles `qi` (query positions) and `kj` (key
+positions), which fix the tile's orientation: `offs_m[:, None]`, `offs_n[None, :]` build query-major
+[BLOCK_M, BLOCK_N] tiles (forward, dQ), `offs_m[None, :]`, `offs_n[:, None]` key-major [BLOCK_N,
+BLOCK_M] ones (dK/dV), element for element the same values, with no transpose.
 
 Mask semantics (docs/internals.md): query i sees key j iff `i + diag - left <= j` (left >= 0) and
 `j <= i + diag + right` (right >= 0), with `diag = len_k - len_q` when bottom-right aligned, else 0.
@@ -71,8 +75,8 @@ def diagonal_offset(len_q, len_k, BOTTOM_RIGHT: tl.constexpr):
 
 @triton.jit
 def visible_tile(
-    offs_m,
-    offs_n,
+    qi,
+    kj,
     diag,
     window_left,
     window_right,
@@ -83,22 +87,22 @@ def visible_tile(
     CHECK_K: tl.constexpr,
     CHECK_Q: tl.constexpr,
 ):
-    """Bool [BLOCK_M, BLOCK_N]: True where query offs_m[i] may attend to key offs_n[j].
+    """Bool tile: True where query qi may attend to key kj (index tiles: see the module legend).
 
     HAS_LEFT / HAS_RIGHT: the window bound is finite (-1 = unbounded, then the runtime value is
     ignored). CHECK_K / CHECK_Q add the key-length / query-length bound (the backward needs the
     query bound so padded rows contribute nothing to dK/dV).
     """
-    rel = offs_n[None, :] - (offs_m[:, None] + diag)  # j - (i + diag), [BLOCK_M, BLOCK_N]
+    rel = kj - (qi + diag)  # j - (i + diag), the full tile
     visible = rel == rel
     if HAS_LEFT:
         visible = visible & (rel >= -window_left)
     if HAS_RIGHT:
         visible = visible & (rel <= window_right)
     if CHECK_K:
-        visible = visible & (offs_n[None, :] < len_k)
+        visible = visible & (kj < len_k)
     if CHECK_Q:
-        visible = visible & (offs_m[:, None] < len_q)
+        visible = visible & (qi < len_q)
     return visible
 
 
@@ -237,25 +241,21 @@ def tanh_f32(x):
 
 
 @triton.jit
-def load_bias_tile(bias_base, offs_m, offs_n, stride_m, stride_n, len_q, len_k):
-    """fp32 [BLOCK_M, BLOCK_N] tile of an additive bias, 0 outside [len_q, len_k].
+def load_bias_tile(bias_base, qi, kj, stride_m, stride_n, len_q, len_k):
+    """fp32 tile of an additive bias at index tiles qi, kj (module legend); 0 past len_q, len_k.
 
     bias_base points at bias[z, h, 0, 0]; offsets are int64 because s_q * s_k can pass 2^31.
     Strides may be 0 (broadcast dims).
     """
-    ptrs = (
-        bias_base
-        + offs_m.to(tl.int64)[:, None] * stride_m
-        + offs_n.to(tl.int64)[None, :] * stride_n
-    )
-    mask = (offs_m[:, None] < len_q) & (offs_n[None, :] < len_k)
+    ptrs = bias_base + qi.to(tl.int64) * stride_m + kj.to(tl.int64) * stride_n
+    mask = (qi < len_q) & (kj < len_k)
     return tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
 
 
 @triton.jit
-def alibi_tile(slope, offs_m, offs_n, diag):
-    """ALiBi term `-slope * |i + diag - j|`, fp32 [BLOCK_M, BLOCK_N]."""
-    dist = tl.abs(offs_m[:, None] + diag - offs_n[None, :]).to(tl.float32)
+def alibi_tile(slope, qi, kj, diag):
+    """ALiBi term `-slope * |i + diag - j|`, an fp32 tile at index tiles qi, kj (module legend)."""
+    dist = tl.abs(qi + diag - kj).to(tl.float32)
     return -slope * dist
 
 
@@ -266,14 +266,14 @@ def scores_log2(
     softcap,
     bias_tile,
     alibi_slope,
-    offs_m,
-    offs_n,
+    qi,
+    kj,
     diag,
     HAS_SOFTCAP: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     HAS_ALIBI: tl.constexpr,
 ):
-    """Log2-domain scores from raw q.k (fp32 [BLOCK_M, BLOCK_N]), in the contract's order.
+    """Log2-domain scores from raw q.k (fp32, at index tiles qi, kj), in the contract's order.
 
     s = qk * scale; softcap * tanh(s / softcap); + bias; + alibi; then * log2(e). Masking is the
     caller's (it needs -inf after all of these). `bias_tile` is ignored unless HAS_BIAS.
@@ -287,7 +287,7 @@ def scores_log2(
     if HAS_BIAS:
         s += bias_tile * LOG2E
     if HAS_ALIBI:
-        s += alibi_tile(alibi_slope, offs_m, offs_n, diag) * LOG2E
+        s += alibi_tile(alibi_slope, qi, kj, diag) * LOG2E
     return s
 
 
@@ -297,17 +297,18 @@ def scores_log2(
 
 
 @triton.jit
-def dropout_keep(seed, offset, bh, offs_m, offs_n, dropout_p):
-    """Bool [BLOCK_M, BLOCK_N] keep decision (True with probability 1 - p) for (bh, i, j).
+def dropout_keep(seed, offset, bh, qi, kj, dropout_p):
+    """Bool keep tile (True with probability 1 - p) for (bh, i, j) at index tiles qi, kj (module
+    legend).
 
     Counter-based Philox: the 128-bit counter is (j, i, bh, offset) as four uint32 words and the key
     is the 64-bit seed, so the draw is a pure function of (seed, offset, batch*heads index, i, j),
     independent of block sizes and launch order, and nothing overflows below 2^32 rows, keys or
     batch*heads. `offset` contributes its low 32 bits. `bh` = z * num_heads_q + h.
     """
-    zero = (offs_m[:, None] * 0 + offs_n[None, :] * 0).to(tl.uint32)
-    c0 = offs_n[None, :].to(tl.uint32) + zero
-    c1 = offs_m[:, None].to(tl.uint32) + zero
+    zero = (qi * 0 + kj * 0).to(tl.uint32)
+    c0 = kj.to(tl.uint32) + zero
+    c1 = qi.to(tl.uint32) + zero
     c2 = zero + bh.to(tl.uint32)
     # Widen first: the offset may be an int32, an int64 or (value 1) a specialized constexpr;
     # int64 -> uint32 then keeps the low bits.

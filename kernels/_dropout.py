@@ -30,7 +30,7 @@ def _keep_mask_kernel(
     bh = tl.program_id(2)
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_n = start_n + tl.arange(0, BLOCK_N)
-    keep = dropout_keep(seed, offset, bh, offs_m, offs_n, dropout_p)
+    keep = dropout_keep(seed, offset, bh, offs_m[:, None], offs_n[None, :], dropout_p)
     # int64 addressing: b * h * s_q * s_k can pass 2^31.
     base = out_ptr + bh.to(tl.int64) * s_q * s_k
     ptrs = base + offs_m.to(tl.int64)[:, None] * s_k + offs_n[None, :]

@@ -79,12 +79,13 @@ CONFIG_FIELDS = ("BLOCK_M1", "BLOCK_N1", "WARPS1", "STAGES1", "BLOCK_M2", "BLOCK
 # query-major dK/dV tiles, (32, 128, 8, 3, ...) gave run-to-run different, wrong dK under Triton 3.6
 # on the H100 (a miscompile; no kernel writes memory another program reads). The entries won
 # `examples/tune_attention.py --bwd` (each pass swept with the other at its entry; b=16384/s,
-# h=2048/d, s=4096, causal and not, bf16, H100, 2026-11-23, bench/h100-2026-11-23c/tune.log):
-# - d=128: dK/dV (32, 64, 4, 3) 3.68 / 2.25 ms (non-causal / causal) against FlexAttention's
-#   (64, 128, 8, 3) 3.79 / 2.47; dQ (128, 64, 8, 3) against (64, 64, 4, 3) 4.47 / 2.56.
-# - d=64: dK/dV (32, 128, 4, 3) 4.47 / 2.59 against (64, 64, 4, 3) 4.53 / 2.84 and (32, 64, 4, 3)
-#   4.58 / 2.63 (the two entries it replaces, non-causal and causal); dQ (128, 64, 4, 3) 4.12 / 2.85
-#   against (64, 64, 4, 3) 4.42 / 2.81. (64, 128, 4, 3) spills badly: 15.4 ms.
+# h=2048/d, s=4096, causal and not, bf16, H100), re-swept on 2026-11-23 (fifth session,
+# bench/h100-2026-11-23e/tune-bwd-4k.log) after the passes' int32 row indices ended the dK/dV
+# spills; backward ms, non-causal / causal:
+# - d=128: dK/dV (32, 64, 4, 3) 3.39 / 2.03 against FlexAttention's (64, 128, 8, 3) 3.57 / 2.16
+#   and (64, 128, 8, 2) 3.80 / 2.08; dQ (128, 64, 8, 3) against (128, 64, 8, 2) 3.93 / 2.21.
+# - d=64: dK/dV (32, 128, 4, 3) 4.00 / 2.29 against (64, 64, 4, 3) 3.94 / 2.46; dQ (128, 64, 4, 3)
+#   3.76 / 2.24 against (64, 64, 4, 3) 4.04 / 2.22. (64, 128, 4, 3) spills badly: 14.8 ms.
 BWD_CONFIGS: dict[int, tuple[int, ...]] = {
     64: (32, 128, 4, 3, 128, 64, 4, 3),
     128: (32, 64, 4, 3, 128, 64, 8, 3),
@@ -93,15 +94,17 @@ BWD_CONFIGS: dict[int, tuple[int, ...]] = {
 # Causal-like launches (a right window bound) on sequences up to SHORT_SEQLEN (the longer of
 # max_len_q and max_len_k) take these entries: with few key blocks per sequence, smaller blocks
 # spread the mask's uneven work over more programs. `tune_attention.py --bwd --seqlen 1024`
-# (b=16, H100, 2026-11-23, bench/h100-2026-11-23d), causal ms against the entries above:
-# - d=64: dK/dV (32, 64, 4, 3) 0.99 against 1.15; dQ (64, 64, 4, 3) 1.10 against 1.15.
-# - d=128: dK/dV (32, 128, 8, 3) 0.93 against 0.98; dQ unchanged.
-# Non-causal launches gained 0-2% or lost up to 2% there, within the noise, so they keep the main
-# table. At s=4096 these entries measured 1.5-2.4% slower (causal), hence the length bound.
+# (b=16, H100, 2026-11-23, bench/h100-2026-11-23d, d=64 re-swept in bench/h100-2026-11-23e),
+# causal ms: d=64 dK/dV (32, 64, 4, 3) 0.81 against the main entry's (32, 128, 4, 3) 0.81 (a tie
+# since the int32 row indices; 0.99 against 1.15 before them), dQ (64, 64, 4, 3) 0.81 against
+# 0.88. At d=128 the short entry (32, 128, 8, 3) had won before the int32 row indices (0.93
+# against 0.98); since them the main entry is faster (0.75 against 0.81), so d=128 uses it. Non-causal launches gained 0-2% or
+# lost up to 2% here, within the noise, so they keep the main table; at s=4096 the d=64 entries
+# measured 1.5-2.4% slower (causal), hence the length bound.
 SHORT_SEQLEN = 1024
 BWD_SHORT_CONFIGS: dict[int, tuple[int, ...]] = {
     64: (32, 64, 4, 3, 64, 64, 4, 3),
-    128: (32, 128, 8, 3, 128, 64, 8, 3),
+    128: BWD_CONFIGS[128],
     256: BWD_CONFIGS[256],
 }
 # The interpreter runs one program at a time: small tiles keep it quick and make the tiny test

@@ -13,10 +13,9 @@ and the dQ code is not compiled at all.
 
 Score tiles here are key-major, [BLOCK_N, BLOCK_M] (keys are rows): q^T and dO^T are read
 transposed through their strides, so P^T and dS^T come straight out of the products and feed the
-dV and dK products with no transpose of a register tile. The masks, ALiBi term and dropout draws
-come from the same `_common.py` helpers as the forward's (query-major tiles, transposed here), so
-forward and backward mask, modify and drop exactly the same elements; those transposes only run
-on tiles that need them (block edges, ALiBi, dropout), never on the unmasked interior.
+dV and dK products with no transpose of a register tile. The masks, bias, ALiBi term and dropout
+draws come from the same `_common.py` helpers as the forward's, given key-major index tiles, so
+forward and backward mask, modify and drop exactly the same elements, also without a transpose.
 """
 
 import triton
@@ -24,7 +23,6 @@ import triton.language as tl
 
 from ._common import (
     LOG2E,
-    alibi_tile,
     diagonal_offset,
     dim_mask,
     dropout_keep,
@@ -60,41 +58,45 @@ def _dkdv_block(
     (rows [start_m, start_m + BLOCK_M), row stride `stride_dqs`); otherwise `dq_head` and
     `stride_dqs` are unused.
     """
-    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_mb = tl.arange(0, BLOCK_M)
+    offs_m = start_m + offs_mb
     row_ok = offs_m < len_q
+    # The block's first row in int64 (start_m * stride can pass 2^31), the rows within it in
+    # int32: int64 index tiles doubled the address registers and made this kernel spill.
+    row0 = tl.cast(start_m, tl.int64)  # tl.cast: the interpreter hands loop indices as ints
+    q_blk = q_head + row0 * stride_qs
     q_t = load_tile(
-        q_head + offs_m[None, :] * stride_qs + offs_dq[:, None], row_ok, dq_ok, MASKED, PAD_QK, 1
+        q_blk + offs_mb[None, :] * stride_qs + offs_dq[:, None], row_ok, dq_ok, MASKED, PAD_QK, 1
     )  # fmt: skip
+    do_blk = do_head + row0 * stride_dos
     do = load_tile(
-        do_head + offs_m[:, None] * stride_dos + offs_dv[None, :], row_ok, dv_ok, MASKED, PAD_V, 0
+        do_blk + offs_mb[:, None] * stride_dos + offs_dv[None, :], row_ok, dv_ok, MASKED, PAD_V, 0
     )  # fmt: skip
-    lse = tl.load(lse_head + offs_m * stride_ls, mask=row_ok, other=0.0)
+    lse_blk = lse_head + row0 * stride_ls
+    lse = tl.load(lse_blk + offs_mb * stride_ls, mask=row_ok, other=0.0)
     # Rows that saw no key carry LSE -inf and only -inf scores: any finite stand-in gives P = 0
     # instead of exp2(-inf + inf) = NaN.
     lse2 = tl.where(lse == float("-inf"), 0.0, lse) * LOG2E
-    delta = tl.load(delta_head + offs_m * stride_ls, mask=row_ok, other=0.0)
+    delta = tl.load(delta_head + row0 * stride_ls + offs_mb * stride_ls, mask=row_ok, other=0.0)
 
     qk = tl.dot(k, q_t, input_precision=DOT_PRECISION)  # [BLOCK_N, BLOCK_M]
+    qi, kj = offs_m[None, :], offs_n[:, None]  # key-major index tiles (`_common` legend)
     bias = 0.0
     if HAS_BIAS:
-        # Key and query roles swapped: the same helper reads the bias tile transposed.
-        bias = load_bias_tile(bias_head, offs_n, offs_m, stride_bn, stride_bm, len_k, len_q)
+        bias = load_bias_tile(bias_head, qi, kj, stride_bm, stride_bn, len_q, len_k)
     s2 = scores_log2(
-        qk, sm_scale, softcap, bias, slope, offs_m, offs_n, diag, HAS_SOFTCAP, HAS_BIAS, False
+        qk, sm_scale, softcap, bias, slope, qi, kj, diag, HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI
     )
-    if HAS_ALIBI:
-        # Added after the bias, as scores_log2 orders them.
-        s2 += tl.trans(alibi_tile(slope, offs_m, offs_n, diag)) * LOG2E
     if MASKED:
         vis = visible_tile(
-            offs_m, offs_n, diag, window_left, window_right, len_q, len_k,
+            qi, kj, diag, window_left, window_right, len_q, len_k,
             HAS_LEFT, HAS_RIGHT, True, True,
         )  # fmt: skip
-        s2 = tl.where(tl.trans(vis.to(tl.int8)) != 0, s2, float("-inf"))
+        s2 = tl.where(vis, s2, float("-inf"))
     p = tl.math.exp2(s2 - lse2[None, :])
 
     if HAS_DROPOUT:
-        keep = tl.trans(dropout_keep(seed, offset, bh, offs_m, offs_n, dropout_p).to(tl.int8)) != 0
+        keep = dropout_keep(seed, offset, bh, qi, kj, dropout_p)
         rescale = 1.0 / (1.0 - dropout_p)
         # dV sees the dropped, rescaled probabilities; dP flows back through the same mask.
         dv += tl.dot(tl.where(keep, p * rescale, 0.0).to(do.dtype), do,
@@ -118,7 +120,7 @@ def _dkdv_block(
         # accumulator, so relaxed ordering suffices.
         dq = tl.dot(tl.trans(ds_lo), k, input_precision=DOT_PRECISION)  # [BLOCK_M, HEAD_DIM_QK]
         tl.atomic_add(
-            dq_head + offs_m[:, None] * stride_dqs + offs_dq[None, :], dq,
+            dq_head + row0 * stride_dqs + offs_mb[:, None] * stride_dqs + offs_dq[None, :], dq,
             mask=row_ok[:, None] & dq_ok[None, :], sem="relaxed",
         )  # fmt: skip
     return dk, dv
@@ -213,11 +215,13 @@ def _flash_bwd_dkdv_kernel(
     start_n = (tl.program_id(0) % num_n) * BLOCK_N
     split = pid_rest % GROUP_SPLITS
     pid_zh = pid_rest // GROUP_SPLITS
-    # int64 from here on: batch * stride and row * stride overflow int32 on long sequences.
-    z = (pid_zh // H_KV).to(tl.int64)
+    # Lengths and positions within a sequence stay int32 (the loops and masks run on them);
+    # batch, head and row offsets into memory are int64: b * s * h * d can pass 2^31 elements.
+    z32 = pid_zh // H_KV
+    start_q, len_q = seq_bounds(z32, CU_Q, OFF_Q, LENS_Q, MAX_Q, SEQ_MODE_Q)
+    start_k, len_k = seq_bounds(z32, CU_K, OFF_K, LENS_K, MAX_K, SEQ_MODE_K)
+    z = z32.to(tl.int64)
     h_kv = (pid_zh % H_KV).to(tl.int64)
-    start_q, len_q = seq_bounds(z, CU_Q, OFF_Q, LENS_Q, MAX_Q, SEQ_MODE_Q)
-    start_k, len_k = seq_bounds(z, CU_K, OFF_K, LENS_K, MAX_K, SEQ_MODE_K)
     if start_n >= len_k:
         return
     start_q = start_q.to(tl.int64)

@@ -41,24 +41,30 @@ def _dq_block(
     stay resident. MASKED=False is only used for blocks proved fully visible and in bounds, whose
     K/V rows load unmasked; `dq_ok` / `dv_ok` mask the head dim only where PAD_QK / PAD_V.
     """
-    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_nb = tl.arange(0, BLOCK_N)
+    offs_n = start_n + offs_nb
     key_ok = offs_n < len_k
+    # The block's first row in int64 (start_n * stride can pass 2^31), the rows within it in
+    # int32 (int64 index tiles cost address registers).
+    k_blk = k_head + tl.cast(start_n, tl.int64) * stride_ks  # (interpreter: start_n is an int)
     k = load_tile(
-        k_head + offs_n[:, None] * stride_ks + offs_dq[None, :], key_ok, dq_ok, MASKED, PAD_QK, 0
+        k_blk + offs_nb[:, None] * stride_ks + offs_dq[None, :], key_ok, dq_ok, MASKED, PAD_QK, 0
     )  # fmt: skip
+    v_blk = v_head + tl.cast(start_n, tl.int64) * stride_vs
     v = load_tile(
-        v_head + offs_n[:, None] * stride_vs + offs_dv[None, :], key_ok, dv_ok, MASKED, PAD_V, 0
+        v_blk + offs_nb[:, None] * stride_vs + offs_dv[None, :], key_ok, dv_ok, MASKED, PAD_V, 0
     )  # fmt: skip
     qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
+    qi, kj = offs_m[:, None], offs_n[None, :]  # query-major index tiles (`_common` legend)
     bias = 0.0
     if HAS_BIAS:
-        bias = load_bias_tile(bias_head, offs_m, offs_n, stride_bm, stride_bn, len_q, len_k)
+        bias = load_bias_tile(bias_head, qi, kj, stride_bm, stride_bn, len_q, len_k)
     s2 = scores_log2(
-        qk, sm_scale, softcap, bias, slope, offs_m, offs_n, diag, HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI
+        qk, sm_scale, softcap, bias, slope, qi, kj, diag, HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI
     )
     if MASKED:
         vis = visible_tile(
-            offs_m, offs_n, diag, window_left, window_right, len_q, len_k,
+            qi, kj, diag, window_left, window_right, len_q, len_k,
             HAS_LEFT, HAS_RIGHT, True, True,
         )  # fmt: skip
         s2 = tl.where(vis, s2, float("-inf"))
@@ -66,7 +72,7 @@ def _dq_block(
 
     dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
     if HAS_DROPOUT:
-        keep = dropout_keep(seed, offset, bh, offs_m, offs_n, dropout_p)
+        keep = dropout_keep(seed, offset, bh, qi, kj, dropout_p)
         dp = tl.where(keep, dp * (1.0 / (1.0 - dropout_p)), 0.0)
     ds = p * (dp - delta[:, None])
     if WRITE_DBIAS:
@@ -168,12 +174,14 @@ def _flash_bwd_dq_kernel(
         # Causal-like windows: the last query blocks see the most keys; start them first.
         m_idx = num_m - 1 - m_idx
     start_m = m_idx * BLOCK_M
-    # int64 from here on: batch * stride and row * stride overflow int32 on long sequences.
-    z = (pid_zh // H_Q).to(tl.int64)
+    # Lengths and positions within a sequence stay int32 (the loops and masks run on them);
+    # batch, head and row offsets into memory are int64: b * s * h * d can pass 2^31 elements.
+    z32 = pid_zh // H_Q
+    start_q, len_q = seq_bounds(z32, CU_Q, OFF_Q, LENS_Q, MAX_Q, SEQ_MODE_Q)
+    start_k, len_k = seq_bounds(z32, CU_K, OFF_K, LENS_K, MAX_K, SEQ_MODE_K)
+    z = z32.to(tl.int64)
     h = (pid_zh % H_Q).to(tl.int64)
     h_kv = h // (H_Q // H_KV)
-    start_q, len_q = seq_bounds(z, CU_Q, OFF_Q, LENS_Q, MAX_Q, SEQ_MODE_Q)
-    start_k, len_k = seq_bounds(z, CU_K, OFF_K, LENS_K, MAX_K, SEQ_MODE_K)
     if start_m >= len_q:
         return
     rows = start_q.to(tl.int64) + start_m + tl.arange(0, BLOCK_M)

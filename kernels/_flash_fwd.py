@@ -134,8 +134,10 @@ def _fwd_inner(
     unmasked blocks are fully visible and inside len_k, so they skip both.
     """
     offs_nb = tl.arange(0, BLOCK_N)
+    qi = offs_m[:, None]  # query-major tiles: the helpers' index tiles (`_common` legend)
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + offs_nb
+        kj = offs_n[None, :]
         # Block origin in int64: start_n * stride can pass 2^31 on long sequences.
         k_ptrs = k_base + tl.cast(start_n, tl.int64) * stride_kn
         k_ptrs = k_ptrs + offs_nb[:, None] * stride_kn + offs_dk[None, :] * stride_kd
@@ -153,16 +155,14 @@ def _fwd_inner(
             s_scale = 1.0
             bias_tile = qk  # placeholder, ignored unless HAS_BIAS
             if HAS_BIAS:
-                bias_tile = load_bias_tile(
-                    bias_base, offs_m, offs_n, stride_bm, stride_bn, len_q, len_k
-                )
+                bias_tile = load_bias_tile(bias_base, qi, kj, stride_bm, stride_bn, len_q, len_k)
             s = scores_log2(
-                qk, sm_scale, softcap, bias_tile, alibi_slope, offs_m, offs_n, diag,
+                qk, sm_scale, softcap, bias_tile, alibi_slope, qi, kj, diag,
                 HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI,
             )  # fmt: skip
         if MASKED:
             visible = visible_tile(
-                offs_m, offs_n, diag, window_left, window_right, len_q, len_k,
+                qi, kj, diag, window_left, window_right, len_q, len_k,
                 HAS_LEFT, HAS_RIGHT, True, False,
             )  # fmt: skip
             s = tl.where(visible, s, float("-inf"))
@@ -176,7 +176,7 @@ def _fwd_inner(
         acc = acc * alpha[:, None]
         if HAS_DROPOUT:
             # The normalizer counts every weight; dropout only thins what reaches V.
-            keep = dropout_keep(seed, offset, bh, offs_m, offs_n, dropout_p)
+            keep = dropout_keep(seed, offset, bh, qi, kj, dropout_p)
             p = tl.where(keep, p, 0.0)
         v = load_tile(v_ptrs, key_ok, offs_dv < HEAD_DIM_V, MASKED, HEAD_DIM_V != BLOCK_DV, 0)
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)

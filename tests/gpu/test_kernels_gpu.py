@@ -6,8 +6,9 @@ without gaps, dense seqlens, dropout, bias shapes, ALiBi, softcap), so every fea
 several shapes. Reference: `attention_reference` in fp32 on the GPU; pass rule of
 tests/attention_testing.py (2x / 3x PyTorch's error in the input dtype plus one unit).
 Then: repeated forwards and deterministic backwards bitwise equal, inputs scaled by 30, s = 1,
-a 64k-token sequence checked against a blockwise reference, int64 offsets past 2^31 elements,
-and torch.compile(fullgraph=True) over the kernel entry, flash_attn_func and DotProductAttention.
+a 64k-token sequence checked against a blockwise reference, int64 batch and row offsets past
+2^31 elements, and torch.compile(fullgraph=True) over the kernel entry, flash_attn_func and
+DotProductAttention.
 
 Set FUSEDLAYERS_GPU_SUMMARY=path to append one JSON line per case (test, case, status, max
 errors and PyTorch's errors per tensor, seconds); `python tests/attention_testing.py path`
@@ -280,6 +281,36 @@ def test_int64_offsets(request):
         tail = make_inputs(case, "cuda")
         tail.update(q=q[-2:].detach(), k=k[-2:].detach(), v=v[-2:].detach(), dout=dout[-2:])
         del out, lse, grads, q, k, v, leaves, dout
+        high = run_reference(case, tail, torch.float32)
+        low = run_reference(case, tail, case.dtype)
+        entry["errors"] = check_results(kernel, high, low, s)
+
+
+@pytest.mark.big_memory
+def test_int64_row_offsets(request):
+    """sbhd q, k, v, dout seen as [b, s, h, d] views with row stride b * h * d: the last rows of
+    every sequence sit past 2^31 elements. The kernels take a block's first row in int64 and the
+    rows within it in int32, so this is where a 32-bit row origin would wrap. The last two batch
+    entries (every row) are checked against the reference."""
+    s, b, h, d = 256, 1040, 64, 128
+    assert (s - 1) * b * h * d > 2**31
+    case = Case(b=2, s_q=s, s_k=s, h=h, h_kv=h, d=d, dtype=BF16, window=CAUSAL)
+    with recorded(request, f"sbhd b={b},{case.label()}") as entry:
+        g = torch.Generator(device="cuda").manual_seed(11)
+        sbhd = [
+            torch.randn(s, b, h, d, device="cuda", generator=g, dtype=BF16).requires_grad_()
+            for _ in range(3)
+        ]
+        q, k, v = (t.transpose(0, 1) for t in sbhd)
+        dout = torch.randn(s, b, h, d, device="cuda", generator=g, dtype=BF16).transpose(0, 1)
+        out, lse = flash_attention(q, k, v, softmax_scale=d**-0.5, window_size=CAUSAL)
+        grads = [t.transpose(0, 1) for t in torch.autograd.grad(out, sbhd, dout)]
+        kernel = dict(out=out.detach(), lse=lse, **dict(zip(("dq", "dk", "dv"), grads)))
+        kernel = {n: t[-2:].clone() for n, t in kernel.items()}
+        tail = make_inputs(case, "cuda")
+        tail.update({n: t[-2:].detach().contiguous() for n, t in dict(q=q, k=k, v=v).items()})
+        tail["dout"] = dout[-2:].contiguous()
+        del out, lse, grads, q, k, v, sbhd, dout
         high = run_reference(case, tail, torch.float32)
         low = run_reference(case, tail, case.dtype)
         entry["errors"] = check_results(kernel, high, low, s)
