@@ -519,29 +519,44 @@ def _forward_picks() -> dict:
     return dict(_flash_fwd._PICKED)
 
 
-def autotune_note(name: str, before: dict) -> str:
+def _forward_timings():
+    """The forward autotuner's latest candidate timings (a new dict after each tuning run)."""
+    try:
+        from fusedlayers.kernels import _flash_fwd
+    except Exception:
+        return None
+    return getattr(_flash_fwd._attn_fwd, "configs_timings", None)
+
+
+_NOT_TAKEN = object()
+
+
+def autotune_note(name: str, before: dict, timings_before=_NOT_TAKEN) -> str:
     """Names the forward configs provider `name` autotuned since `before` (a `_forward_picks()`),
     with the candidates' times the autotuner measured: a pick made on a noisy measurement then
-    shows in the report next to the row it slows down."""
+    shows in the report next to the row it slows down. `timings_before` (a `_forward_timings()`
+    taken with `before`) tells a pick the autotuner measured from one it answered from its cache
+    (its key ignores strides, so a new layout of a tuned shape is a new pick but no new timing)."""
     try:
-        return _autotune_note(name, before)
+        return _autotune_note(name, before, timings_before)
     except Exception as error:  # diagnostics must never cost the row its measurements
         return f"{name}: no autotune note ({short_error(error)})"
 
 
-def _autotune_note(name: str, before: dict) -> str:
+def _autotune_note(name: str, before: dict, timings_before) -> str:
     picked = [c for key, c in _forward_picks().items() if key not in before]
     if not picked:
         return ""
-    from fusedlayers.kernels import _flash_fwd
 
     def label(config) -> str:
         kw = config.kwargs
         return f"({kw['BLOCK_M']}, {kw['BLOCK_N']}, {config.num_warps}, {config.num_stages})"
 
-    timings = getattr(_flash_fwd._attn_fwd, "configs_timings", None) or {}
-    measured = ", ".join(f"{label(c)} {t[0]:.3f} ms" for c, t in timings.items() if t)
     picks = ", ".join(label(c) for c in picked)
+    timings = _forward_timings()
+    if timings_before is not _NOT_TAKEN and timings is timings_before:
+        return f"{name}: forward picked {picks} from the autotuner's cache (no new timing)"
+    measured = ", ".join(f"{label(c)} {t[0]:.3f} ms" for c, t in (timings or {}).items() if t)
     return f"{name}: forward autotuned here to {picks}" + (
         f" (last autotune measured {measured})" if measured else ""
     )
@@ -558,9 +573,9 @@ def run_case(case: Case, args: argparse.Namespace) -> list[dict]:
             if runner.ref not in refs:
                 refs[runner.ref] = setup.refs[runner.ref]("fwdbwd" in args.passes)
             ref = refs[runner.ref]
-            before = _forward_picks()
+            before, timings_before = _forward_picks(), _forward_timings()
             results = measure_runner(runner, ref, TOLERANCE[case.dtype], args)
-            tuned = autotune_note(name, before)
+            tuned = autotune_note(name, before, timings_before)
             notes = [n for n in (runner.note, f"checked against {ref.name}", tuned) if n]
         except FatalCudaError:
             raise

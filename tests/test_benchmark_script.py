@@ -410,7 +410,8 @@ def test_tuning_runners_launch_the_kernels(device, causal, monkeypatch):
 
 def test_autotune_note_names_new_picks_and_their_timings(monkeypatch):
     """A provider whose first call autotuned the forward gets a note with the pick and the
-    candidates' measured times; one that reused earlier picks gets none."""
+    candidates' measured times; one that reused earlier picks gets none; a pick answered from the
+    autotuner's cache is named as such, without the previous tuning's times."""
     import triton
 
     fast, slow = (triton.Config({"BLOCK_M": m, "BLOCK_N": 64}, num_warps=4, num_stages=3)
@@ -424,6 +425,12 @@ def test_autotune_note_names_new_picks_and_their_timings(monkeypatch):
     assert note.startswith("fusedlayers: forward autotuned here to (64, 64, 4, 3)")
     assert "(64, 64, 4, 3) 0.250 ms" in note and "(128, 64, 4, 3) 0.400 ms" in note
     assert ba.autotune_note("fusedlayers", ba._forward_picks()) == ""
+    # A new pick with no new timings came from the autotuner's cache: no stale times are shown.
+    cached = ba.autotune_note("fusedlayers", before, ba._forward_timings())
+    assert (
+        cached
+        == "fusedlayers: forward picked (64, 64, 4, 3) from the autotuner's cache (no new timing)"
+    )
     # A config the note cannot read is reported, never raised into the provider's results.
     monkeypatch.setitem(_flash_fwd._PICKED, ("odd signature",), object())
     assert ba.autotune_note("fusedlayers", before).startswith("fusedlayers: no autotune note (")
