@@ -290,10 +290,11 @@ def test_int64_offsets(request):
 def test_int64_row_offsets(request):
     """sbhd q, k, v, dout seen as [b, s, h, d] views with row stride b * h * d: the last rows of
     every sequence sit past 2^31 elements. The kernels take a block's first row in int64 and the
-    rows within it in int32, so this is where a 32-bit row origin would wrap. The last two batch
-    entries (every row) are checked against the reference."""
-    s, b, h, d = 256, 1040, 64, 128
-    assert (s - 1) * b * h * d > 2**31
+    rows within it in int32; here the last 64-row block starts past 2^31 too, so a 32-bit block
+    origin would wrap as well as 32-bit row offsets. The last two batch entries (every row) are
+    checked against the reference."""
+    s, b, h, d = 512, 600, 64, 128
+    assert (s - 64) * b * h * d > 2**31
     case = Case(b=2, s_q=s, s_k=s, h=h, h_kv=h, d=d, dtype=BF16, window=CAUSAL)
     with recorded(request, f"sbhd b={b},{case.label()}") as entry:
         g = torch.Generator(device="cuda").manual_seed(11)
