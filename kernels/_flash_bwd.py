@@ -98,9 +98,9 @@ BWD_CONFIGS: dict[int, tuple[int, ...]] = {
 # causal ms: d=64 dK/dV (32, 64, 4, 3) 0.81 against the main entry's (32, 128, 4, 3) 0.81 (a tie
 # since the int32 row indices; 0.99 against 1.15 before them), dQ (64, 64, 4, 3) 0.81 against
 # 0.88. At d=128 the short entry (32, 128, 8, 3) had won before the int32 row indices (0.93
-# against 0.98); since them the main entry is faster (0.75 against 0.81), so d=128 uses it. Non-causal launches gained 0-2% or
-# lost up to 2% here, within the noise, so they keep the main table; at s=4096 the d=64 entries
-# measured 1.5-2.4% slower (causal), hence the length bound.
+# against 0.98); since them the main entry is faster (0.75 against 0.81), so d=128 uses it.
+# Non-causal launches gained 0-2% or lost up to 2% here, within the noise, so they keep the main
+# table; at s=4096 the d=64 entries measured 1.5-2.4% slower (causal), hence the length bound.
 SHORT_SEQLEN = 1024
 BWD_SHORT_CONFIGS: dict[int, tuple[int, ...]] = {
     64: (32, 64, 4, 3, 64, 64, 4, 3),

@@ -77,7 +77,8 @@ def _dkdv_block(
     # Rows that saw no key carry LSE -inf and only -inf scores: any finite stand-in gives P = 0
     # instead of exp2(-inf + inf) = NaN.
     lse2 = tl.where(lse == float("-inf"), 0.0, lse) * LOG2E
-    delta = tl.load(delta_head + row0 * stride_ls + offs_mb * stride_ls, mask=row_ok, other=0.0)
+    delta_blk = delta_head + row0 * stride_ls  # laid out like the LSE
+    delta = tl.load(delta_blk + offs_mb * stride_ls, mask=row_ok, other=0.0)
 
     qk = tl.dot(k, q_t, input_precision=DOT_PRECISION)  # [BLOCK_N, BLOCK_M]
     qi, kj = offs_m[None, :], offs_n[:, None]  # key-major index tiles (`_common` legend)
