@@ -46,7 +46,16 @@ from bench_utils import (
 DEVICE = "cuda"  # the CPU tests point this at "cpu" to run the pipeline on tiny shapes
 TOKENS = 16384  # b * s for every shape: the same work per row, as anchors.md measures
 HIDDEN = 2048  # h * d
-PROVIDERS = ("fusedlayers", "sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "flex")
+# fusedlayers-portable: the same call pinned to the portable Triton forward kernel, which on
+# sm_90 GPUs is otherwise replaced by the warp-specialized one where that covers the call.
+PROVIDERS = (
+    "fusedlayers",
+    "fusedlayers-portable",
+    "sdpa-flash",
+    "sdpa-cudnn",
+    "sdpa-efficient",
+    "flex",
+)
 SDPA_BACKENDS = {
     "sdpa-flash": "FLASH_ATTENTION",
     "sdpa-cudnn": "CUDNN_ATTENTION",
@@ -180,9 +189,25 @@ def _fused_dense_api(causal: bool, window: tuple[int, int] | None) -> tuple[Call
     return call, "fusedlayers.kernels.flash_attention (no flash_attn_func yet)"
 
 
+def _pinned(path: str, call: Callable) -> Callable:
+    """`call` with the forward kernel pinned to `path` ("portable" / "sm90") while it runs."""
+    from fusedlayers.kernels import set_forward_path
+
+    def pinned(*args):
+        previous = set_forward_path(path)
+        try:
+            return call(*args)
+        finally:
+            set_forward_path(previous)
+
+    return pinned
+
+
 def _fused_dense_runner(name, data, flops, causal, window, ref="main") -> Runner:
     """fusedlayers on flash-attn's [b, s, h, d] layout (data is [b, h, s, d])."""
     call, api = _fused_dense_api(causal, window)
+    if name == "fusedlayers-portable":
+        call, api = _pinned("portable", call), f"{api}, portable forward kernel"
     leaves = [_leaf(t.transpose(1, 2)) for t in data[:3]]
     dout = data[3].transpose(1, 2).contiguous()
     note = f"{name}: {api}"
@@ -357,10 +382,9 @@ def _dense_setup(case: Case, want: Callable[[str], bool]) -> Setup:
         case.b, case.hq, case.s, case.s, case.d, causal=case.causal, window=case.window
     )
     f: dict[str, Callable[[], Runner]] = {}
-    if want("fusedlayers"):
-        f["fusedlayers"] = P(
-            _fused_dense_runner, "fusedlayers", data, flops, case.causal, case.window
-        )
+    for name in ("fusedlayers", "fusedlayers-portable"):
+        if want(name):
+            f[name] = P(_fused_dense_runner, name, data, flops, case.causal, case.window)
     if case.window is None:
         f |= {
             n: P(_sdpa_runner, n, be, data, flops, case.causal)

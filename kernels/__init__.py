@@ -9,6 +9,11 @@ Offers:
         windows with top-left or bottom-right alignment, additive bias (with its gradient),
         ALiBi, softcap, dropout, fp32 LSE, deterministic backward. docs/internals.md holds the
         full contract.
+    set_forward_path("auto" | "portable" | "sm90") -> previous setting; forward_path()
+        Which forward kernel `flash_attention` runs: on sm_90 GPUs a warp-specialized Gluon
+        kernel takes the calls it covers (kernels/_forward_paths.py), the portable Triton kernel
+        everything else. "auto" (the default) follows the measured table; the others pin a path
+        for tests and benchmarks.
     dropout_keep_mask(rng_state, b, h, s_q, s_k, p, device) -> bool [b, h, s_q, s_k]
         The keep-mask the kernels draw for a given (seed, offset), for tests and the reference.
     layer_norm(x, weight, bias, eps, *, rms, zero_centered_gamma) -> y
@@ -36,6 +41,7 @@ The kernels assume validated input; `fusedlayers` checks and normalizes everythi
 from ._activation import ACTIVATIONS as _ACTIVATIONS
 from ._activation import SUPPORTED_DTYPES as ACTIVATION_DTYPES
 from ._dropout import dropout_keep_mask
+from ._forward_paths import forward_path, set_forward_path
 from ._norm import MAX_HIDDEN as MAX_NORM_HIDDEN
 from ._norm import SUPPORTED_DTYPES as NORM_DTYPES
 from ._rope import SUPPORTED_DTYPES as ROPE_DTYPES
@@ -53,8 +59,10 @@ __all__ = [
     "NORM_DTYPES",
     "ROPE_DTYPES",
     "dropout_keep_mask",
+    "forward_path",
     "flash_attention",
     "fused_activation",
     "layer_norm",
     "rope",
+    "set_forward_path",
 ]

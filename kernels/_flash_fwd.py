@@ -47,6 +47,7 @@ from ._common import (
     strides4,
     visible_tile,
 )
+from ._forward_paths import run_sm90, sm90_plan
 
 # --------------------------------------------------------------------------------------------------
 # Autotune configs and their prune predicate
@@ -403,7 +404,21 @@ def flash_attention_forward(
     sequence), any float dtype. alibi_slopes: [b, h_q] view (stride_b may be 0). softcap > 0 caps.
     dropout_p > 0 drops with the keep-mask of `dropout_keep_mask((seed, offset), ...)`.
     Returns out [.., h_q, d_v] (q's dtype) and lse fp32 (dense [b, h_q, s_q] / varlen [h_q, t_q]).
+
+    On an sm_90 GPU the calls the warp-specialized Gluon kernel covers run there instead
+    (`_forward_paths`); the outputs are the same either way.
     """
+    geom = launch_geometry(
+        q, k, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seq_offsets_q=seq_offsets_q,
+        seq_offsets_k=seq_offsets_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+        seqlens_q=seqlens_q, seqlens_k=seqlens_k,
+    )  # fmt: skip
+    plan = sm90_plan(
+        q, k, v, geom, window_left=window_left, window_right=window_right, bias=bias,
+        alibi_slopes=alibi_slopes, softcap=softcap, dropout_p=dropout_p,
+    )  # fmt: skip
+    if plan is not None:
+        return run_sm90(q, k, v, geom, plan, softmax_scale=softmax_scale, bottom_right=bottom_right)
     out, lse, grid, args, constexprs = forward_launch(
         q, k, v,
         cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seq_offsets_q=seq_offsets_q,

@@ -1,0 +1,438 @@
+"""Flash-attention forward for Hopper (sm_90), written in Gluon: TMA, wgmma, mbarriers and warp
+specialization driven explicitly.
+
+Shapes (docs/internals.md), as for the portable kernel in `_flash_fwd.py`:
+    dense  q [b, s_q, h_q, d], k [b, s_k, h_kv, d], v [b, s_k, h_kv, d]
+           -> out [b, s_q, h_q, d], lse [b, h_q, s_q]
+    varlen q [t_q, h_q, d], k [t_k, h_kv, d], v [t_k, h_kv, d] -> out [t_q, h_q, d], lse [h_q, t_q]
+
+One program owns BLOCK_M = 128 query rows of one (sequence, query head), split over two
+partitions (`gl.warp_specialize`):
+- a producer warp streams the Q tile once and the K and V tiles of every visible key block by TMA
+  into a NUM_STAGES-deep shared-memory ring, each stage guarded by a "ready" mbarrier (the TMA's
+  transaction count) and an "empty" one (the consumers' release);
+- two consumer warpgroups (8 warps, 64 rows each) run the products on asynchronous wgmma and the
+  online softmax. Within a warpgroup the products are software-pipelined: the next block's
+  S = Q K^T and the previous block's O += P V are both in flight while the softmax of the
+  current scores runs on the CUDA cores, so tensor-core and softmax work overlap. The producer
+  gives up most of its registers to the consumers (`setmaxnreg` through `worker_num_regs`).
+
+How a tile is addressed: every operand is read through one 2-D TMA descriptor over its storage,
+rows of `stride_s` elements (`tma_view`). Head h of sequence z starts at element
+`z * stride_b + h * stride_h`, i.e. at row `(that) // stride_s`, column `(that) % stride_s`, so
+bshd, sbhd, thd and the packed QKV views (sb3hd, bshd_bs2hd, ...) all take the same path without
+a copy, as long as one head's row never wraps past a storage row (`tma_view` checks). Key rows past
+a sequence's end read the next sequence's rows (or TMA's zero fill past the last row): they are
+finite and masked out of the scores. Query rows past the end are computed but never stored.
+
+Covered: fp16/bf16, d = d_v in {64, 128}, MHA/GQA/MQA, no mask / causal (top-left or
+bottom-right), dense, right-padded (seqlens) and varlen (cu_seqlens, seq_offsets). Everything
+else takes the portable kernel (`sm90_supports`).
+
+Precision: as the portable kernel. Scores, softmax statistics and the accumulator are fp32; P is
+rounded to the input dtype for the P V product; LSE is in natural log.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._common import LN2, LOG2E, cdiv, lse_strides, strides4
+
+try:  # Gluon ships with Triton 3.5+; its Hopper module is what this path needs.
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    # The CTA-wide barrier is `gl.thread_barrier` in Triton 3.6 and `gl.barrier` from 3.7 on;
+    # inside a warp-specialized partition both sync only that partition's warps.
+    _partition_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
+    # The TMA load is `tma.async_copy_global_to_shared` in 3.6, `tma.async_load` later.
+    _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+    GLUON_AVAILABLE = True
+except Exception:  # noqa: BLE001 - any import failure means: no Gluon path on this install
+    GLUON_AVAILABLE = False
+
+BLOCK_M = 128  # two consumer warpgroups of 64 rows (a wgmma's M is 64 per warpgroup)
+CONSUMER_WARPS = 8
+# Registers: 8 consumer warps + the producer's warpgroup = 12 warps; 168 x 384 threads fills the
+# 64K-register file. The producer keeps 24 (the minimum), which leaves the consumers 240 each.
+MAX_REGISTERS = 168
+# (BLOCK_N, NUM_STAGES) per head dim. Shared memory: Q 128 x d plus NUM_STAGES K and V tiles.
+TILES = {64: (128, 3), 128: (128, 2)}
+SUPPORTED_HEAD_DIMS = tuple(TILES)
+
+
+def tile_for(head_dim: int) -> tuple[int, int]:
+    """(BLOCK_N, NUM_STAGES) for a head dim in `SUPPORTED_HEAD_DIMS`."""
+    return TILES[head_dim]
+
+
+if GLUON_AVAILABLE:
+
+    @gluon.jit
+    def _seq_bounds(z, cu_ptr, offsets_ptr, seqlens_ptr, full_len, SEQ_MODE: gl.constexpr):
+        """(first row in memory, length) of sequence z: the modes of `_common.seq_bounds`."""
+        if SEQ_MODE == 0:
+            start = z * 0
+            length = full_len + z * 0
+        elif SEQ_MODE == 1:
+            start = z * 0
+            length = gl.load(seqlens_ptr + z)
+        else:
+            cu_lo = gl.load(cu_ptr + z)
+            length = gl.load(cu_ptr + z + 1) - cu_lo
+            if SEQ_MODE == 3:
+                start = gl.load(offsets_ptr + z)
+            else:
+                start = cu_lo
+        return start, length
+
+    @gluon.jit
+    def _tile_origin(z, h, start, stride_b, stride_h, stride_s):
+        """TMA (row, column) of row `start` of head h of sequence z, in the `tma_view` grid."""
+        base = z.to(gl.int64) * stride_b + h.to(gl.int64) * stride_h
+        row = (base // stride_s).to(gl.int32) + start
+        col = (base % stride_s).to(gl.int32)
+        return row, col
+
+    @gluon.jit
+    def _producer(
+        q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
+        q_row, q_col, k_row, k_col, v_row, v_col, num_blocks,
+        BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+    ):  # fmt: skip
+        """One warp: Q once, then K and V of key blocks 0..num_blocks-1 into the stage ring."""
+        mbarrier.expect(q_bar, q_desc.block_type.nbytes)
+        _tma_load(q_desc, [q_row, q_col], q_bar, q_smem)
+        for it in range(num_blocks):
+            stage = it % NUM_STAGES
+            # Empty barriers start "completed" for parity 1: the first lap never waits.
+            phase = ((it // NUM_STAGES) & 1) ^ 1
+            row = it * BLOCK_N
+            mbarrier.wait(k_empty.index(stage), phase)
+            mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
+            _tma_load(
+                k_desc, [k_row + row, k_col], k_ready.index(stage), k_smem.index(stage)
+            )
+            mbarrier.wait(v_empty.index(stage), phase)
+            mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
+            _tma_load(
+                v_desc, [v_row + row, v_col], v_ready.index(stage), v_smem.index(stage)
+            )
+
+    @gluon.jit
+    def _release(bar):
+        """Hand a stage back to the producer once every consumer warp is done with it."""
+        _partition_barrier()
+        mbarrier.arrive(bar, count=1)
+
+    @gluon.jit
+    def _masked_scores(s, start_n, offs_m, offs_n, len_k, diag, IS_CAUSAL: gl.constexpr):
+        """Scores with keys past len_k (and, causal, past each row's diagonal) set to -inf."""
+        cols = gl.expand_dims(start_n + offs_n, 0)
+        visible = cols < len_k
+        if IS_CAUSAL:
+            visible = visible & (cols <= gl.expand_dims(offs_m, 1) + diag)
+        return gl.where(visible, s, float("-inf"))
+
+    @gluon.jit
+    def _softmax_step(s, m_i, l_i, qk_scale):
+        """Online-softmax update for one score tile (log2 units): (p, alpha, m_new, l_new).
+
+        A row that has seen no visible key keeps max -inf; it is shifted by 0 instead, so
+        exp2 gives p = 0 and alpha = 0 rather than NaN.
+        """
+        m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
+        m_new = gl.where(m_new == float("-inf"), 0.0, m_new)
+        # exp2 with log2(e) folded into qk_scale: one FMA per score.
+        p = gl.exp2(s * qk_scale - gl.expand_dims(m_new, 1))
+        alpha = gl.exp2(m_i - m_new)
+        return p, alpha, m_new, l_i * alpha + gl.sum(p, 1)
+
+    @gluon.jit
+    def _consumer(
+        q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
+        out_ptr, lse_ptr, o_base, lse_base, stride_os, stride_ls,
+        start_m, len_q, len_k, diag, num_blocks, first_masked, qk_scale,
+        HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+        NUM_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, num_warps: gl.constexpr,
+    ):  # fmt: skip
+        """Eight warps: the products, the online softmax and the epilogue of BLOCK_M rows."""
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_N, 16]
+        )
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, HEAD_DIM, 16]
+        )
+        # P feeds the P V product from registers, in the layout wgmma's A operand wants.
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        dtype: gl.constexpr = q_smem.dtype
+
+        offs_m = start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
+        offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        zero_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+        m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
+        l_i = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, s_layout))
+        acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
+
+        # Block 0: S alone (nothing to overlap it with yet).
+        mbarrier.wait(q_bar, 0)
+        mbarrier.wait(k_ready.index(0), 0)
+        s_tok = warpgroup_mma(
+            q_smem, k_smem.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True
+        )
+        s = warpgroup_mma_wait(0, deps=[s_tok])
+        _release(k_empty.index(0))
+        if first_masked == 0:
+            s = _masked_scores(s, 0, offs_m, offs_n, len_k, diag, IS_CAUSAL)
+        p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale)
+        p_op = gl.convert_layout(p.to(dtype), p_layout)
+
+        # Steady state: issue S(it) and O += P(it-1) V(it-1), take S(it)'s softmax while the P V
+        # product runs, then rescale O by the new max once that product has landed.
+        for it in range(1, num_blocks):
+            stage = it % NUM_STAGES
+            phase = (it // NUM_STAGES) & 1
+            prev = (it - 1) % NUM_STAGES
+            prev_phase = ((it - 1) // NUM_STAGES) & 1
+            mbarrier.wait(k_ready.index(stage), phase)
+            s_tok = warpgroup_mma(
+                q_smem, k_smem.index(stage).permute((1, 0)), zero_s, use_acc=False, is_async=True
+            )
+            mbarrier.wait(v_ready.index(prev), prev_phase)
+            o_tok = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
+            # wgmma groups retire in issue order: one outstanding means S(it) has landed.
+            s = warpgroup_mma_wait(1, deps=[s_tok])
+            _release(k_empty.index(stage))
+            if it >= first_masked:
+                s = _masked_scores(s, it * BLOCK_N, offs_m, offs_n, len_k, diag, IS_CAUSAL)
+            p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale)
+            # p_op travels through the wait: its registers must live until the product is done.
+            acc, p_op = warpgroup_mma_wait(0, deps=[o_tok, p_op])
+            _release(v_empty.index(prev))
+            alpha_o = gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))
+            acc = acc * gl.expand_dims(alpha_o, 1)
+            p_op = gl.convert_layout(p.to(dtype), p_layout)
+
+        last = (num_blocks - 1) % NUM_STAGES
+        mbarrier.wait(v_ready.index(last), ((num_blocks - 1) // NUM_STAGES) & 1)
+        o_tok = warpgroup_mma(p_op, v_smem.index(last), acc, is_async=True)
+        acc, p_op = warpgroup_mma_wait(0, deps=[o_tok, p_op])
+
+        # Epilogue: rows with no visible key have l = 0 and acc = 0: output 0, LSE -inf.
+        l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
+        m_o = gl.convert_layout(m_i, gl.SliceLayout(1, o_layout))
+        has_keys = l_o > 0.0
+        l_safe = gl.where(has_keys, l_o, 1.0)
+        inv_l = gl.where(has_keys, 1.0 / l_safe, 0.0)
+        out = acc * gl.expand_dims(inv_l, 1)
+        lse = gl.where(has_keys, (m_o + gl.log2(l_safe)) * LN2, float("-inf"))
+
+        rows = start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, o_layout))
+        cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+        row_ok = rows < len_q
+        o_ptrs = out_ptr + o_base + gl.expand_dims(rows.to(gl.int64) * stride_os, 1)
+        o_ptrs = o_ptrs + gl.expand_dims(cols, 0)
+        o_mask = gl.expand_dims(row_ok, 1) & gl.expand_dims(cols < HEAD_DIM, 0)
+        gl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=o_mask)
+        gl.store(lse_ptr + lse_base + rows.to(gl.int64) * stride_ls, lse, mask=row_ok)
+
+    @gluon.jit
+    def _attn_fwd_sm90(
+        q_desc, k_desc, v_desc, out_ptr, lse_ptr,
+        cu_q_ptr, offsets_q_ptr, seqlens_q_ptr, cu_k_ptr, offsets_k_ptr, seqlens_k_ptr,
+        stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
+        stride_vb, stride_vs, stride_vh, stride_ob, stride_os, stride_oh,
+        stride_lb, stride_lh, stride_ls,
+        num_heads_q, group, full_len_q, full_len_k, qk_scale,
+        HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+        NUM_STAGES: gl.constexpr, SEQ_MODE_Q: gl.constexpr, SEQ_MODE_K: gl.constexpr,
+        IS_CAUSAL: gl.constexpr, BOTTOM_RIGHT: gl.constexpr, num_warps: gl.constexpr,
+    ):  # fmt: skip
+        """One program: BLOCK_M query rows of one (sequence, query head)."""
+        # Query blocks vary fastest (neighbours share one head's K/V in L2); causal launches start
+        # the last query blocks, which see the most keys, first.
+        num_m = gl.cdiv(full_len_q, BLOCK_M)
+        pid = gl.program_id(0)
+        m_idx = pid % num_m
+        if IS_CAUSAL:
+            m_idx = num_m - 1 - m_idx
+        bh = pid // num_m
+        z = bh // num_heads_q
+        h = bh % num_heads_q
+        h_kv = h // group
+        start_m = m_idx * BLOCK_M
+        start_q, len_q = _seq_bounds(
+            z, cu_q_ptr, offsets_q_ptr, seqlens_q_ptr, full_len_q, SEQ_MODE_Q
+        )
+        if start_m >= len_q:
+            return
+        start_k, len_k = _seq_bounds(
+            z, cu_k_ptr, offsets_k_ptr, seqlens_k_ptr, full_len_k, SEQ_MODE_K
+        )
+        diag = len_q * 0
+        if BOTTOM_RIGHT:
+            diag = len_k - len_q
+        # Keys [0, hi) are visible to some row; blocks from `first_masked` on need the mask.
+        hi = len_k
+        full = len_k
+        if IS_CAUSAL:
+            hi = gl.minimum(len_k, start_m + BLOCK_M + diag)
+            full = gl.minimum(len_k, start_m + 1 + diag)
+        num_blocks = gl.cdiv(gl.maximum(hi, 0), BLOCK_N)
+        first_masked = gl.maximum(full, 0) // BLOCK_N
+        if num_blocks == 0:
+            return  # no visible key: the launcher pre-filled out = 0, lse = -inf
+
+        q_row, q_col = _tile_origin(z, h, start_q + start_m, stride_qb, stride_qh, stride_qs)
+        k_row, k_col = _tile_origin(z, h_kv, start_k, stride_kb, stride_kh, stride_ks)
+        v_row, v_col = _tile_origin(z, h_kv, start_k, stride_vb, stride_vh, stride_vs)
+        o_base = z.to(gl.int64) * stride_ob + h.to(gl.int64) * stride_oh
+        o_base = o_base + start_q.to(gl.int64) * stride_os
+        lse_base = z.to(gl.int64) * stride_lb + h.to(gl.int64) * stride_lh
+        lse_base = lse_base + start_q.to(gl.int64) * stride_ls
+
+        dtype: gl.constexpr = q_desc.dtype
+        q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_DIM], q_desc.layout)
+        k_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
+        v_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
+        bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
+        q_bar = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
+        k_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], bar_layout)
+        k_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], bar_layout)
+        v_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], bar_layout)
+        v_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], bar_layout)
+        mbarrier.init(q_bar, count=1)
+        for i in gl.static_range(NUM_STAGES):
+            mbarrier.init(k_ready.index(i), count=1)
+            mbarrier.init(k_empty.index(i), count=1)
+            mbarrier.init(v_ready.index(i), count=1)
+            mbarrier.init(v_empty.index(i), count=1)
+        fence_async_shared()
+
+        gl.warp_specialize(
+            [
+                (
+                    _consumer,
+                    (
+                        q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
+                        out_ptr, lse_ptr, o_base, lse_base, stride_os, stride_ls,
+                        start_m, len_q, len_k, diag, num_blocks, first_masked, qk_scale,
+                        HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL, num_warps,
+                    ),
+                ),
+                (
+                    _producer,
+                    (
+                        q_desc, k_desc, v_desc, q_smem, k_smem, v_smem,
+                        q_bar, k_ready, k_empty, v_ready, v_empty,
+                        q_row, q_col, k_row, k_col, v_row, v_col, num_blocks,
+                        BLOCK_N, NUM_STAGES,
+                    ),
+                ),
+            ],
+            [1],  # the producer: one warp (its warpgroup's other three idle)
+            [24],  # its registers: the minimum, the rest go to the consumers (MAX_REGISTERS)
+        )  # fmt: skip
+
+
+# --------------------------------------------------------------------------------------------------
+# Host side
+# --------------------------------------------------------------------------------------------------
+
+
+def tma_view(t: torch.Tensor, varlen: bool, block_rows: int) -> tuple[list, list] | None:
+    """(shape, strides) of the 2-D TMA grid over t's storage, or None when TMA cannot read t.
+
+    The grid's rows are `stride_s` elements wide (t's sequence stride); head h of sequence z
+    starts at element z * stride_b + h * stride_h of t. TMA needs a 16-byte aligned base and row
+    pitch, and each head's d contiguous elements must sit inside one grid row (no wrap): true
+    for bshd-like storage (stride_b a multiple of stride_s, heads within a row) and sbhd-like
+    storage (every batch entry and head within one row), packed views of either included.
+    """
+    elem = t.element_size()
+    heads, d = t.shape[-2], t.shape[-1]
+    if varlen:
+        stride_b, stride_s, stride_h, n_batch, n_seq = 0, t.stride(0), t.stride(1), 1, t.shape[0]
+    else:
+        stride_b, stride_s, stride_h = t.stride(0), t.stride(1), t.stride(2)
+        n_batch, n_seq = t.shape[0], t.shape[1]
+    if t.stride(-1) != 1 or stride_s <= 0 or stride_h < 0 or stride_b < 0:
+        return None
+    if t.data_ptr() % 16 or (stride_s * elem) % 16:
+        return None
+    heads_span = (heads - 1) * stride_h + d
+    if n_batch == 1 or stride_b % stride_s == 0:
+        fits = heads_span <= stride_s
+    else:
+        fits = (n_batch - 1) * stride_b + heads_span <= stride_s
+    if not fits:
+        return None
+    last_origin = (n_batch - 1) * stride_b + (heads - 1) * stride_h
+    rows = last_origin // stride_s + n_seq
+    # TMA zero-fills boxes past the last row; at least one full box keeps tiny inputs legal.
+    return [max(rows, block_rows), stride_s], [stride_s, 1]
+
+
+_GL_DTYPES = {}
+if GLUON_AVAILABLE:
+    _GL_DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}
+
+
+def _descriptor(t: torch.Tensor, view: tuple[list, list], block: list[int]):
+    layout = gl.NVMMASharedLayout.get_default_for(block, _GL_DTYPES[t.dtype])
+    shape, strides = view
+    return TensorDescriptor(t, shape, strides, block, layout)
+
+
+def plan_views(q, k, v, varlen: bool):
+    """The TMA grids of q, k and v, or None when any of them cannot take this path."""
+    d = q.shape[-1]
+    if d not in TILES:
+        return None
+    block_n = TILES[d][0]
+    views = (
+        tma_view(q, varlen, BLOCK_M),
+        tma_view(k, varlen, block_n),
+        tma_view(v, varlen, block_n),
+    )
+    return None if any(view is None for view in views) else views
+
+
+def forward_sm90(q, k, v, out, lse, views, geom, *, softmax_scale, causal, bottom_right):
+    """Launch `_attn_fwd_sm90` on validated input; out / lse are allocated by the caller (zero /
+    -inf filled wherever a row may see no key). `views` come from `plan_views`."""
+    d = q.shape[-1]
+    block_n, stages = TILES[d]
+    q_desc = _descriptor(q, views[0], [BLOCK_M, d])
+    k_desc = _descriptor(k, views[1], [block_n, d])
+    v_desc = _descriptor(v, views[2], [block_n, d])
+    sq, sk, sv = (strides4(t, geom.varlen) for t in (q, k, v))
+    so = strides4(out, geom.varlen)
+    num_heads_q, num_heads_kv = q.shape[-2], k.shape[-2]
+    grid = (cdiv(geom.q.max_len, BLOCK_M) * geom.batch * num_heads_q,)
+    if grid[0] == 0:
+        return
+    _attn_fwd_sm90[grid](
+        q_desc, k_desc, v_desc, out, lse,
+        geom.q.cu_seqlens, geom.q.seq_offsets, geom.q.seqlens,
+        geom.k.cu_seqlens, geom.k.seq_offsets, geom.k.seqlens,
+        sq[0], sq[1], sq[2], sk[0], sk[1], sk[2], sv[0], sv[1], sv[2], so[0], so[1], so[2],
+        *lse_strides(lse, geom.varlen),
+        num_heads_q, num_heads_q // num_heads_kv, geom.q.max_len, geom.k.max_len,
+        float(softmax_scale) * LOG2E,
+        HEAD_DIM=d, BLOCK_M=BLOCK_M, BLOCK_N=block_n, NUM_STAGES=stages,
+        SEQ_MODE_Q=geom.q.mode, SEQ_MODE_K=geom.k.mode, IS_CAUSAL=bool(causal),
+        BOTTOM_RIGHT=bool(bottom_right), num_warps=CONSUMER_WARPS, maxnreg=MAX_REGISTERS,
+    )  # fmt: skip
+
+
+__all__ = ["GLUON_AVAILABLE", "SUPPORTED_HEAD_DIMS", "forward_sm90", "plan_views", "tma_view"]

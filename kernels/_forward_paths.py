@@ -1,0 +1,108 @@
+"""Which forward kernel runs a call: the Hopper (sm_90) Gluon kernel or the portable one.
+
+The portable Triton kernel (`_flash_fwd.py`) runs everything, on any CUDA GPU and under the CPU
+interpreter. On an sm_90 GPU the warp-specialized kernel (`_flash_fwd_sm90.py`) takes the calls it
+covers and where it measured faster (`SM90_MIN_KEYS`); every other call falls back, silently and
+correctly. Callers never choose: `flash_attention` behaves the same on either path.
+
+`set_forward_path("portable" | "sm90" | "auto")` pins the choice for tests and benchmarks.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+from . import _flash_fwd_sm90 as sm90
+from ._common import SEQ_DENSE
+
+_PATHS = ("auto", "portable", "sm90")
+_path = "auto"
+
+# The sm_90 kernel's tiles are 128 queries x 128 keys; below this many keys per sequence the
+# portable kernel's smaller tiles keep more SMs busy. From the H100 measurements in
+# docs/performance.md (the forward path table).
+SM90_MIN_KEYS = 0
+
+
+def set_forward_path(path: str) -> str:
+    """Pin the forward kernel ("auto", "portable" or "sm90"); returns the previous setting.
+
+    "sm90" still falls back to the portable kernel for calls the sm_90 kernel does not cover
+    (`sm90_plan` returns None for them); it only skips the length table.
+    """
+    global _path
+    if path not in _PATHS:
+        raise ValueError(f"forward path must be one of {_PATHS}, got {path!r}")
+    previous, _path = _path, path
+    return previous
+
+
+def forward_path() -> str:
+    """The current setting of `set_forward_path`."""
+    return _path
+
+
+@functools.cache
+def _is_sm90(index: int) -> bool:
+    return torch.cuda.get_device_capability(index) == (9, 0)
+
+
+def _on_sm90(t: torch.Tensor) -> bool:
+    if t.device.type != "cuda" or os.environ.get("TRITON_INTERPRET", "0") == "1":
+        return False
+    index = t.device.index if t.device.index is not None else torch.cuda.current_device()
+    return _is_sm90(index)
+
+
+def sm90_plan(
+    q, k, v, geom, *, window_left, window_right, bias, alibi_slopes, softcap, dropout_p
+):  # fmt: skip
+    """(TMA views, causal) when the sm_90 kernel should run this call, else None.
+
+    Covered: fp16/bf16 on an sm_90 GPU, d_qk = d_v in `sm90.SUPPORTED_HEAD_DIMS`, no mask or a
+    causal one (window (-1, -1) or (-1, 0)), no bias, ALiBi, softcap or dropout, and storage TMA
+    can read in place (`sm90.tma_view`). Sliding windows and the score modifiers fall back.
+    """
+    if _path == "portable" or not sm90.GLUON_AVAILABLE or not _on_sm90(q):
+        return None
+    if q.dtype not in (torch.float16, torch.bfloat16) or not (q.dtype == k.dtype == v.dtype):
+        return None
+    if q.shape[-1] != v.shape[-1] or q.shape[-1] not in sm90.SUPPORTED_HEAD_DIMS:
+        return None
+    if bias is not None or alibi_slopes is not None or softcap > 0 or dropout_p > 0:
+        return None
+    if window_left != -1 or window_right not in (-1, 0):
+        return None
+    if _path == "auto" and geom.k.max_len < SM90_MIN_KEYS:
+        return None
+    views = sm90.plan_views(q, k, v, geom.varlen)
+    if views is None:
+        return None
+    return views, window_right == 0
+
+
+def run_sm90(q, k, v, geom, plan, *, softmax_scale, bottom_right):
+    """The sm_90 forward: (out, lse), allocated here.
+
+    Rows that may see no key (padding, varlen, or a bottom-right causal diagonal with more
+    queries than keys) are never written by the kernel, so out / lse start as 0 / -inf there.
+    """
+    views, causal = plan
+    out_shape = (*q.shape[:-1], v.shape[-1])
+    lse_shape = (q.shape[1], q.shape[0]) if geom.varlen else (q.shape[0], q.shape[2], q.shape[1])
+    dense = geom.q.mode == SEQ_DENSE and geom.k.mode == SEQ_DENSE
+    empty_rows = causal and bottom_right and geom.q.max_len > geom.k.max_len
+    if dense and not empty_rows:
+        out = torch.empty(out_shape, dtype=q.dtype, device=q.device)
+        lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
+    else:
+        out = torch.zeros(out_shape, dtype=q.dtype, device=q.device)
+        lse = torch.full(lse_shape, float("-inf"), dtype=torch.float32, device=q.device)
+    sm90.forward_sm90(
+        q, k, v, out, lse, views, geom,
+        softmax_scale=softmax_scale, causal=causal, bottom_right=bottom_right,
+    )  # fmt: skip
+    return out, lse

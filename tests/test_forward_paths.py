@@ -1,0 +1,96 @@
+"""Host-side logic of the sm_90 forward path, on the CPU: which storage its TMA grid can read in
+place (`tma_view`), and that the dispatcher never picks it off an sm_90 GPU.
+
+Shapes: dense [b, s, h, d] views (bshd order, any strides), varlen [t, h, d].
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from fusedlayers.kernels import _flash_fwd_sm90 as sm90
+from fusedlayers.kernels import _forward_paths, set_forward_path
+from fusedlayers.kernels._common import launch_geometry
+
+
+def _origin(t, z, h, view, varlen=False):
+    """(row, col) of head h of sequence z in the TMA grid, as the kernel computes it."""
+    stride_b = 0 if varlen else t.stride(0)
+    stride_h = t.stride(-2)
+    width = view[0][1]
+    base = z * stride_b + h * stride_h
+    return base // width, base % width
+
+
+def _check_grid(t, varlen=False):
+    """Every element of t sits where the grid says: row-major index row * width + col."""
+    view = sm90.tma_view(t, varlen, 128)
+    assert view is not None
+    (rows, width), (pitch, one) = view
+    assert pitch == width and one == 1
+    flat = t.untyped_storage()
+    base_ptr = t.data_ptr()
+    batches = 1 if varlen else t.shape[0]
+    seq = t.shape[0] if varlen else t.shape[1]
+    for z in range(batches):
+        for h in range(t.shape[-2]):
+            row, col = _origin(t, z, h, view, varlen)
+            assert col + t.shape[-1] <= width
+            assert row + seq <= rows
+            expected = t[:, h] if varlen else t[z, :, h]
+            # element (row + i, col + j) of the grid is storage element base + (row+i)*width + col+j
+            got = torch.as_strided(
+                torch.empty(0, dtype=t.dtype).set_(flat),
+                (seq, t.shape[-1]),
+                (width, 1),
+                (base_ptr - flat.data_ptr()) // t.element_size() + row * width + col,
+            )
+            assert torch.equal(got, expected)
+
+
+def test_tma_view_covers_common_layouts():
+    x = torch.randn(2, 33, 3, 64)
+    _check_grid(x)  # bshd
+    _check_grid(torch.randn(33, 2, 3, 64).transpose(0, 1))  # sbhd
+    qkv = torch.randn(33, 2, 3, 3, 64)  # sb3hd
+    for i in range(3):
+        _check_grid(qkv[:, :, i].transpose(0, 1))
+    kv = torch.randn(2, 33, 2, 3, 64)  # bs2hd
+    _check_grid(kv[:, :, 1])
+    fused = torch.randn(2, 33, 3 + 2 * 1, 64)  # GQA heads split from one projection
+    _check_grid(fused[:, :, :3])
+    _check_grid(fused[:, :, 3:4])
+    _check_grid(torch.randn(50, 3, 64), varlen=True)  # thd
+
+
+def test_tma_view_rejects_what_tma_cannot_read():
+    rows_196 = torch.randn(2, 33, 196, dtype=torch.float16)[..., :192].unflatten(-1, (3, 64))
+    assert sm90.tma_view(rows_196, False, 128) is None  # row pitch 392 bytes: not 16-aligned
+    rows_200 = torch.randn(2, 33, 200, dtype=torch.float16)[..., :192].unflatten(-1, (3, 64))
+    assert sm90.tma_view(rows_200, False, 128) is not None  # 400 bytes: aligned
+    base = torch.randn(2 * 33 * 3 * 64 + 1)[1:].view(2, 33, 3, 64)
+    assert sm90.tma_view(base, False, 128) is None  # misaligned base
+    # Heads farther apart than one sequence row: head 1 would wrap into the next grid row.
+    odd = torch.randn(2, 3, 33, 64).transpose(1, 2)  # bhsd storage viewed as bshd
+    assert sm90.tma_view(odd, False, 128) is None
+    assert sm90.tma_view(torch.randn(2, 33, 3, 64).transpose(-1, -2), False, 128) is None
+
+
+def test_dispatcher_never_picks_sm90_off_the_gpu():
+    q = torch.randn(1, 256, 2, 128, dtype=torch.float16)
+    geom = launch_geometry(q, q)
+    previous = set_forward_path("sm90")
+    try:
+        plan = _forward_paths.sm90_plan(
+            q, q, q, geom, window_left=-1, window_right=-1, bias=None, alibi_slopes=None,
+            softcap=0.0, dropout_p=0.0,
+        )  # fmt: skip
+    finally:
+        set_forward_path(previous)
+    assert plan is None
+
+
+def test_set_forward_path_names_bad_values():
+    with pytest.raises(ValueError, match="forward path must be one of .* got 'fast'"):
+        set_forward_path("fast")
+    assert _forward_paths.forward_path() == "auto"
