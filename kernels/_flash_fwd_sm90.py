@@ -35,6 +35,8 @@ rounded to the input dtype for the P V product; LSE is in natural log.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ._common import LN2, LOG2E, cdiv, lse_strides, strides4
@@ -61,9 +63,10 @@ except Exception:  # noqa: BLE001 - any import failure means: no Gluon path on t
     GLUON_AVAILABLE = False
 
 BLOCK_M = 128  # two consumer warpgroups of 64 rows (a wgmma's M is 64 per warpgroup)
-CONSUMER_WARPS = 8
-# Registers: 8 consumer warps + the producer's warpgroup = 12 warps; 168 x 384 threads fills the
-# 64K-register file. The producer keeps 24 (the minimum), which leaves the consumers 240 each.
+WARPGROUP_ROWS = BLOCK_M // 2
+CONSUMER_WARPS = 4  # the default partition: warpgroup 0; warpgroup 1 is a worker partition
+# Registers: three warpgroups (two consumers, the producer) = 384 threads; 168 x 384 fills the 64K
+# register file. The producer keeps 24 (the minimum), which leaves the consumers 240 each.
 MAX_REGISTERS = 168
 # (BLOCK_N, NUM_STAGES) per head dim. Shared memory: Q 128 x d plus NUM_STAGES K and V tiles.
 TILES = {64: (128, 3), 128: (128, 2)}
@@ -76,6 +79,7 @@ def tile_for(head_dim: int) -> tuple[int, int]:
 
 
 if GLUON_AVAILABLE:
+    WG_ROWS = gl.constexpr(WARPGROUP_ROWS)
 
     @gluon.jit
     def _seq_bounds(z, cu_ptr, offsets_ptr, seqlens_ptr, full_len, SEQ_MODE: gl.constexpr):
@@ -105,13 +109,19 @@ if GLUON_AVAILABLE:
 
     @gluon.jit
     def _producer(
-        q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
-        q_row, q_col, k_row, k_col, v_row, v_col, num_blocks,
-        BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+        q_desc, k_desc, v_desc, smem, bars, q_row, q_col, k_row, k_col, v_row, v_col,
+        start_m, len_q, len_k, diag, num_blocks, first_masked, qk_scale,
+        out_ptr, lse_ptr, o_base, lse_base, stride_os, stride_ls,
     ):  # fmt: skip
-        """One warp: Q once, then K and V of key blocks 0..num_blocks-1 into the stage ring."""
-        mbarrier.expect(q_bar, q_desc.block_type.nbytes)
-        _tma_load(q_desc, [q_row, q_col], q_bar, q_smem)
+        """One warp: each warpgroup's Q rows once, then K and V of key blocks 0..num_blocks-1
+        into the stage ring, each stage reused once both consumers released it."""
+        q_smem, k_smem, v_smem = smem
+        BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
+        NUM_STAGES: gl.constexpr = k_smem.type.shape[0]
+        q_bars, k_ready, k_empty, v_ready, v_empty, turn = bars
+        for wg in gl.static_range(2):
+            mbarrier.expect(q_bars.index(wg), q_desc.block_type.nbytes)
+            _tma_load(q_desc, [q_row + wg * WG_ROWS, q_col], q_bars.index(wg), q_smem.index(wg))
         for it in range(num_blocks):
             stage = it % NUM_STAGES
             # Empty barriers start "completed" for parity 1: the first lap never waits.
@@ -119,28 +129,39 @@ if GLUON_AVAILABLE:
             row = it * BLOCK_N
             mbarrier.wait(k_empty.index(stage), phase)
             mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
-            _tma_load(
-                k_desc, [k_row + row, k_col], k_ready.index(stage), k_smem.index(stage)
-            )
+            _tma_load(k_desc, [k_row + row, k_col], k_ready.index(stage), k_smem.index(stage))
             mbarrier.wait(v_empty.index(stage), phase)
             mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
-            _tma_load(
-                v_desc, [v_row + row, v_col], v_ready.index(stage), v_smem.index(stage)
-            )
+            _tma_load(v_desc, [v_row + row, v_col], v_ready.index(stage), v_smem.index(stage))
 
     @gluon.jit
     def _release(bar):
-        """Hand a stage back to the producer once every consumer warp is done with it."""
+        """Hand a stage back to the producer once every warp of this warpgroup is done with it
+        (the arrive is one thread's; the barrier orders the other warps' reads before it)."""
         _partition_barrier()
         mbarrier.arrive(bar, count=1)
 
     @gluon.jit
-    def _masked_scores(s, start_n, offs_m, offs_n, len_k, diag, IS_CAUSAL: gl.constexpr):
-        """Scores with keys past len_k (and, causal, past each row's diagonal) set to -inf."""
+    def _take_turn(turn, wg: gl.constexpr, n):
+        """Wait until it is this warpgroup's turn to issue products (its n-th issue, from 0).
+
+        Ping-pong (FlashAttention-3's inter-warpgroup schedule): the warpgroups alternate, so one
+        warpgroup's softmax runs on the CUDA cores while the other's products run on the tensor
+        cores. `turn[wg]` completes each time the other warpgroup hands over; warpgroup 0 goes
+        first (its barrier starts completed for parity 1, as every fresh mbarrier does).
+        """
+        mbarrier.wait(turn.index(wg), (n & 1) ^ (1 - wg))
+
+    @gluon.jit
+    def _pass_turn(turn, wg: gl.constexpr):
+        mbarrier.arrive(turn.index(1 - wg), count=1)
+
+    @gluon.jit
+    def _masked_scores(s, start_n, offs_m, offs_n, len_k, diag):
+        """Scores with keys past len_k or past each row's diagonal (`diag` = len_k for no mask,
+        which no row reaches) set to -inf."""
         cols = gl.expand_dims(start_n + offs_n, 0)
-        visible = cols < len_k
-        if IS_CAUSAL:
-            visible = visible & (cols <= gl.expand_dims(offs_m, 1) + diag)
+        visible = (cols < len_k) & (cols <= gl.expand_dims(offs_m, 1) + diag)
         return gl.where(visible, s, float("-inf"))
 
     @gluon.jit
@@ -159,40 +180,50 @@ if GLUON_AVAILABLE:
 
     @gluon.jit
     def _consumer(
-        q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
-        out_ptr, lse_ptr, o_base, lse_base, stride_os, stride_ls,
-        start_m, len_q, len_k, diag, num_blocks, first_masked, qk_scale,
-        HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-        NUM_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, num_warps: gl.constexpr,
+        smem, bars, start_m, len_q, len_k, diag, num_blocks, first_masked, qk_scale,
+        out_ptr, lse_ptr, o_base, lse_base, stride_os, stride_ls, WG: gl.constexpr,
     ):  # fmt: skip
-        """Eight warps: the products, the online softmax and the epilogue of BLOCK_M rows."""
+        """One warpgroup: the products, online softmax and epilogue of its WG_ROWS query rows.
+
+        Worker partitions get their arguments as run-time values, so the tile sizes come from
+        the shared-memory buffers' types and the causal mask from `diag` (see _masked_scores).
+        """
+        q_smem, k_smem, v_smem = smem
+        BLOCK_N: gl.constexpr = k_smem.type.shape[1]
+        HEAD_DIM: gl.constexpr = k_smem.type.shape[2]
+        NUM_STAGES: gl.constexpr = k_smem.type.shape[0]
+        q_bars, k_ready, k_empty, v_ready, v_empty, turn = bars
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_N, 16]
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
         )
         o_layout: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, HEAD_DIM, 16]
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16]
         )
         # P feeds the P V product from registers, in the layout wgmma's A operand wants.
         p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
         dtype: gl.constexpr = q_smem.dtype
+        q_tile = q_smem.index(WG)
+        row0 = start_m + WG * WG_ROWS
 
-        offs_m = start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
+        offs_m = row0 + gl.arange(0, WG_ROWS, layout=gl.SliceLayout(1, s_layout))
         offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-        zero_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
-        m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
-        l_i = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, s_layout))
-        acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
+        zero_s = gl.zeros([WG_ROWS, BLOCK_N], gl.float32, s_layout)
+        m_i = gl.full([WG_ROWS], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
+        l_i = gl.zeros([WG_ROWS], gl.float32, gl.SliceLayout(1, s_layout))
+        acc = gl.zeros([WG_ROWS, HEAD_DIM], gl.float32, o_layout)
 
         # Block 0: S alone (nothing to overlap it with yet).
-        mbarrier.wait(q_bar, 0)
+        mbarrier.wait(q_bars.index(WG), 0)
         mbarrier.wait(k_ready.index(0), 0)
+        _take_turn(turn, WG, 0)
         s_tok = warpgroup_mma(
-            q_smem, k_smem.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True
+            q_tile, k_smem.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True
         )
+        _pass_turn(turn, WG)
         s = warpgroup_mma_wait(0, deps=[s_tok])
         _release(k_empty.index(0))
         if first_masked == 0:
-            s = _masked_scores(s, 0, offs_m, offs_n, len_k, diag, IS_CAUSAL)
+            s = _masked_scores(s, 0, offs_m, offs_n, len_k, diag)
         p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale)
         p_op = gl.convert_layout(p.to(dtype), p_layout)
 
@@ -200,20 +231,20 @@ if GLUON_AVAILABLE:
         # product runs, then rescale O by the new max once that product has landed.
         for it in range(1, num_blocks):
             stage = it % NUM_STAGES
-            phase = (it // NUM_STAGES) & 1
             prev = (it - 1) % NUM_STAGES
-            prev_phase = ((it - 1) // NUM_STAGES) & 1
-            mbarrier.wait(k_ready.index(stage), phase)
+            mbarrier.wait(k_ready.index(stage), (it // NUM_STAGES) & 1)
+            mbarrier.wait(v_ready.index(prev), ((it - 1) // NUM_STAGES) & 1)
+            _take_turn(turn, WG, it)
             s_tok = warpgroup_mma(
-                q_smem, k_smem.index(stage).permute((1, 0)), zero_s, use_acc=False, is_async=True
+                q_tile, k_smem.index(stage).permute((1, 0)), zero_s, use_acc=False, is_async=True
             )
-            mbarrier.wait(v_ready.index(prev), prev_phase)
             o_tok = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
+            _pass_turn(turn, WG)
             # wgmma groups retire in issue order: one outstanding means S(it) has landed.
             s = warpgroup_mma_wait(1, deps=[s_tok])
             _release(k_empty.index(stage))
             if it >= first_masked:
-                s = _masked_scores(s, it * BLOCK_N, offs_m, offs_n, len_k, diag, IS_CAUSAL)
+                s = _masked_scores(s, it * BLOCK_N, offs_m, offs_n, len_k, diag)
             p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale)
             # p_op travels through the wait: its registers must live until the product is done.
             acc, p_op = warpgroup_mma_wait(0, deps=[o_tok, p_op])
@@ -224,7 +255,9 @@ if GLUON_AVAILABLE:
 
         last = (num_blocks - 1) % NUM_STAGES
         mbarrier.wait(v_ready.index(last), ((num_blocks - 1) // NUM_STAGES) & 1)
+        _take_turn(turn, WG, num_blocks)
         o_tok = warpgroup_mma(p_op, v_smem.index(last), acc, is_async=True)
+        _pass_turn(turn, WG)
         acc, p_op = warpgroup_mma_wait(0, deps=[o_tok, p_op])
 
         # Epilogue: rows with no visible key have l = 0 and acc = 0: output 0, LSE -inf.
@@ -236,7 +269,7 @@ if GLUON_AVAILABLE:
         out = acc * gl.expand_dims(inv_l, 1)
         lse = gl.where(has_keys, (m_o + gl.log2(l_safe)) * LN2, float("-inf"))
 
-        rows = start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, o_layout))
+        rows = row0 + gl.arange(0, WG_ROWS, layout=gl.SliceLayout(1, o_layout))
         cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
         row_ok = rows < len_q
         o_ptrs = out_ptr + o_base + gl.expand_dims(rows.to(gl.int64) * stride_os, 1)
@@ -244,6 +277,29 @@ if GLUON_AVAILABLE:
         o_mask = gl.expand_dims(row_ok, 1) & gl.expand_dims(cols < HEAD_DIM, 0)
         gl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=o_mask)
         gl.store(lse_ptr + lse_base + rows.to(gl.int64) * stride_ls, lse, mask=row_ok)
+
+    # The three partitions take one argument list (worker partitions must share a signature).
+    @gluon.jit
+    def _consumer_0(
+        q_desc, k_desc, v_desc, smem, bars, q_row, q_col, k_row, k_col, v_row, v_col,
+        start_m, len_q, len_k, diag, num_blocks, first_masked, qk_scale,
+        out_ptr, lse_ptr, o_base, lse_base, stride_os, stride_ls,
+    ):  # fmt: skip
+        _consumer(
+            smem, bars, start_m, len_q, len_k, diag, num_blocks, first_masked, qk_scale,
+            out_ptr, lse_ptr, o_base, lse_base, stride_os, stride_ls, 0,
+        )  # fmt: skip
+
+    @gluon.jit
+    def _consumer_1(
+        q_desc, k_desc, v_desc, smem, bars, q_row, q_col, k_row, k_col, v_row, v_col,
+        start_m, len_q, len_k, diag, num_blocks, first_masked, qk_scale,
+        out_ptr, lse_ptr, o_base, lse_base, stride_os, stride_ls,
+    ):  # fmt: skip
+        _consumer(
+            smem, bars, start_m, len_q, len_k, diag, num_blocks, first_masked, qk_scale,
+            out_ptr, lse_ptr, o_base, lse_base, stride_os, stride_ls, 1,
+        )  # fmt: skip
 
     @gluon.jit
     def _attn_fwd_sm90(
@@ -255,7 +311,7 @@ if GLUON_AVAILABLE:
         num_heads_q, group, full_len_q, full_len_k, qk_scale,
         HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
         NUM_STAGES: gl.constexpr, SEQ_MODE_Q: gl.constexpr, SEQ_MODE_K: gl.constexpr,
-        IS_CAUSAL: gl.constexpr, BOTTOM_RIGHT: gl.constexpr, num_warps: gl.constexpr,
+        IS_CAUSAL: gl.constexpr, BOTTOM_RIGHT: gl.constexpr,
     ):  # fmt: skip
         """One program: BLOCK_M query rows of one (sequence, query head)."""
         # Query blocks vary fastest (neighbours share one head's K/V in L2); causal launches start
@@ -282,6 +338,8 @@ if GLUON_AVAILABLE:
         if BOTTOM_RIGHT:
             diag = len_k - len_q
         # Keys [0, hi) are visible to some row; blocks from `first_masked` on need the mask.
+        # Both warpgroups run the same blocks (the ping-pong needs equal turns): the rows of the
+        # upper one mask what they cannot see.
         hi = len_k
         full = len_k
         if IS_CAUSAL:
@@ -291,6 +349,8 @@ if GLUON_AVAILABLE:
         first_masked = gl.maximum(full, 0) // BLOCK_N
         if num_blocks == 0:
             return  # no visible key: the launcher pre-filled out = 0, lse = -inf
+        if not IS_CAUSAL:
+            diag = len_k  # the consumers' causal test then passes every key below len_k
 
         q_row, q_col = _tile_origin(z, h, start_q + start_m, stride_qb, stride_qh, stride_qs)
         k_row, k_col = _tile_origin(z, h_kv, start_k, stride_kb, stride_kh, stride_ks)
@@ -301,47 +361,44 @@ if GLUON_AVAILABLE:
         lse_base = lse_base + start_q.to(gl.int64) * stride_ls
 
         dtype: gl.constexpr = q_desc.dtype
-        q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_DIM], q_desc.layout)
+        q_smem = gl.allocate_shared_memory(dtype, [2, WG_ROWS, HEAD_DIM], q_desc.layout)
         k_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
         v_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
         bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
-        q_bar = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
+        q_bars = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
+        turn = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
         k_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], bar_layout)
         k_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], bar_layout)
         v_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], bar_layout)
         v_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], bar_layout)
-        mbarrier.init(q_bar, count=1)
+        for i in gl.static_range(2):
+            mbarrier.init(q_bars.index(i), count=1)
+            mbarrier.init(turn.index(i), count=1)
         for i in gl.static_range(NUM_STAGES):
             mbarrier.init(k_ready.index(i), count=1)
-            mbarrier.init(k_empty.index(i), count=1)
             mbarrier.init(v_ready.index(i), count=1)
-            mbarrier.init(v_empty.index(i), count=1)
+            # A stage is free again once both warpgroups have released it.
+            mbarrier.init(k_empty.index(i), count=2)
+            mbarrier.init(v_empty.index(i), count=2)
         fence_async_shared()
 
-        gl.warp_specialize(
-            [
-                (
-                    _consumer,
-                    (
-                        q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
-                        out_ptr, lse_ptr, o_base, lse_base, stride_os, stride_ls,
-                        start_m, len_q, len_k, diag, num_blocks, first_masked, qk_scale,
-                        HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL, num_warps,
-                    ),
-                ),
-                (
-                    _producer,
-                    (
-                        q_desc, k_desc, v_desc, q_smem, k_smem, v_smem,
-                        q_bar, k_ready, k_empty, v_ready, v_empty,
-                        q_row, q_col, k_row, k_col, v_row, v_col, num_blocks,
-                        BLOCK_N, NUM_STAGES,
-                    ),
-                ),
-            ],
-            [1],  # the producer: one warp (its warpgroup's other three idle)
-            [24],  # its registers: the minimum, the rest go to the consumers (MAX_REGISTERS)
+        args = (
+            q_desc, k_desc, v_desc, (q_smem, k_smem, v_smem),
+            (q_bars, k_ready, k_empty, v_ready, v_empty, turn),
+            q_row, q_col, k_row, k_col, v_row, v_col,
+            start_m, len_q, len_k, diag, num_blocks, first_masked, qk_scale,
+            out_ptr, lse_ptr, o_base, lse_base, stride_os, stride_ls,
         )  # fmt: skip
+        gl.warp_specialize(
+            [(_consumer_0, args), (_consumer_1, args), (_producer, args)],
+            # Warpgroup 1, and the producer as a whole warpgroup. Registers move per warpgroup:
+            # with a one-warp producer the compiler budgeted the default partition as if the
+            # producer's three idle warps held none, and left it at 256 (256 + 240 + 24 > the
+            # 3 x 168 a thread of each warpgroup has at launch: `setmaxnreg.inc` could wait
+            # forever). With four warps the budget is exact and the default drops to 240.
+            [4, 4],
+            [240, 24],  # the default partition gets the rest: 3 x 168 - 240 - 24 = 240
+        )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -387,10 +444,16 @@ if GLUON_AVAILABLE:
     _GL_DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}
 
 
+@functools.cache
+def _smem_layout(rows: int, cols: int, dtype: torch.dtype):
+    """The swizzled shared-memory layout of a [rows, cols] tile (cached: building it costs
+    ~20 us of host time, three times a call)."""
+    return gl.NVMMASharedLayout.get_default_for([rows, cols], _GL_DTYPES[dtype])
+
+
 def _descriptor(t: torch.Tensor, view: tuple[list, list], block: list[int]):
-    layout = gl.NVMMASharedLayout.get_default_for(block, _GL_DTYPES[t.dtype])
     shape, strides = view
-    return TensorDescriptor(t, shape, strides, block, layout)
+    return TensorDescriptor(t, shape, strides, block, _smem_layout(*block, t.dtype))
 
 
 def plan_views(q, k, v, varlen: bool):
@@ -412,7 +475,7 @@ def forward_sm90(q, k, v, out, lse, views, geom, *, softmax_scale, causal, botto
     -inf filled wherever a row may see no key). `views` come from `plan_views`."""
     d = q.shape[-1]
     block_n, stages = TILES[d]
-    q_desc = _descriptor(q, views[0], [BLOCK_M, d])
+    q_desc = _descriptor(q, views[0], [WARPGROUP_ROWS, d])
     k_desc = _descriptor(k, views[1], [block_n, d])
     v_desc = _descriptor(v, views[2], [block_n, d])
     sq, sk, sv = (strides4(t, geom.varlen) for t in (q, k, v))

@@ -21,10 +21,12 @@ from ._common import SEQ_DENSE
 _PATHS = ("auto", "portable", "sm90")
 _path = "auto"
 
-# The sm_90 kernel's tiles are 128 queries x 128 keys; below this many keys per sequence the
-# portable kernel's smaller tiles keep more SMs busy. From the H100 measurements in
-# docs/performance.md (the forward path table).
-SM90_MIN_KEYS = 0
+# Per head dim, the shortest key length (per sequence) at which "auto" takes the sm_90 kernel;
+# None: "auto" never does (set_forward_path("sm90") still can). Measured on the H100 through
+# flash_attn_func (bf16, b*s = 16k tokens; docs/performance.md, "The sm_90 forward"): d=128 runs
+# 1.16-1.24x the portable kernel's TFLOP/s from s = 2k on; at 1k the two swap places from run to
+# run (host-bound). d=64 does not beat the portable kernel (0.91-1.04x), so it stays there.
+SM90_MIN_KEYS = {128: 2048, 64: None}
 
 
 def set_forward_path(path: str) -> str:
@@ -76,7 +78,8 @@ def sm90_plan(
         return None
     if window_left != -1 or window_right not in (-1, 0):
         return None
-    if _path == "auto" and geom.k.max_len < SM90_MIN_KEYS:
+    min_keys = SM90_MIN_KEYS[q.shape[-1]]
+    if _path == "auto" and (min_keys is None or geom.k.max_len < min_keys):
         return None
     views = sm90.plan_views(q, k, v, geom.varlen)
     if views is None:

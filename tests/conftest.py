@@ -15,6 +15,26 @@ if not torch.cuda.is_available():
 HAS_CUDA = torch.cuda.is_available()
 
 
+def pytest_addoption(parser):
+    parser.addoption(
+        "--forward-path",
+        default="auto",
+        choices=("auto", "portable", "sm90"),
+        help="pin the attention forward kernel for the whole run (fusedlayers.kernels."
+        "set_forward_path): `sm90` runs every call the Hopper kernel covers on it, whatever its "
+        "length, so the GPU suite checks that kernel too",
+    )
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _forward_path(request):
+    from fusedlayers.kernels import set_forward_path
+
+    previous = set_forward_path(request.config.getoption("--forward-path"))
+    yield
+    set_forward_path(previous)
+
+
 def pytest_collection_modifyitems(config, items):
     if HAS_CUDA:
         return
