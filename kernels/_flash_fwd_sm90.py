@@ -6,16 +6,18 @@ Shapes (docs/internals.md), as for the portable kernel in `_flash_fwd.py`:
            -> out [b, s_q, h_q, d], lse [b, h_q, s_q]
     varlen q [t_q, h_q, d], k [t_k, h_kv, d], v [t_k, h_kv, d] -> out [t_q, h_q, d], lse [h_q, t_q]
 
-One program owns BLOCK_M = 128 query rows of one (sequence, query head), split over two
-partitions (`gl.warp_specialize`):
-- a producer warp streams the Q tile once and the K and V tiles of every visible key block by TMA
-  into a NUM_STAGES-deep shared-memory ring, each stage guarded by a "ready" mbarrier (the TMA's
-  transaction count) and an "empty" one (the consumers' release);
-- two consumer warpgroups (8 warps, 64 rows each) run the products on asynchronous wgmma and the
-  online softmax. Within a warpgroup the products are software-pipelined: the next block's
-  S = Q K^T and the previous block's O += P V are both in flight while the softmax of the
-  current scores runs on the CUDA cores, so tensor-core and softmax work overlap. The producer
-  gives up most of its registers to the consumers (`setmaxnreg` through `worker_num_regs`).
+One program owns BLOCK_M = 128 query rows of one (sequence, query head), split over three
+partitions (`gl.warp_specialize`), FlashAttention-3's design:
+- a producer warpgroup streams each consumer's Q rows once and the K and V tiles of every visible
+  key block by TMA into a NUM_STAGES-deep shared-memory ring, each stage guarded by a "ready"
+  mbarrier (the TMA's transaction count) and an "empty" one (both consumers' release); it keeps
+  24 registers a thread and leaves the rest to the consumers (`setmaxnreg`);
+- two consumer warpgroups of 64 rows each run the products on asynchronous wgmma and the online
+  softmax. Within a warpgroup the products are software-pipelined: the next block's S = Q K^T
+  and the previous block's O += P V are both in flight while the softmax of the current scores
+  runs. Between the warpgroups a pair of mbarriers makes them take turns issuing products
+  (ping-pong), so one warpgroup's softmax runs on the CUDA cores while the other's products run
+  on the tensor cores.
 
 How a tile is addressed: every operand is read through one 2-D TMA descriptor over its storage,
 rows of `stride_s` elements (`tma_view`). Head h of sequence z starts at element
