@@ -24,12 +24,13 @@ rows of `stride_s` elements (`tma_view`). Head h of sequence z starts at element
 `z * stride_b + h * stride_h`, i.e. at row `(that) // stride_s`, column `(that) % stride_s`, so
 bshd, sbhd, thd and the packed QKV views (sb3hd, bshd_bs2hd, ...) all take the same path without
 a copy, as long as one head's row never wraps past a storage row (`tma_view` checks). Key rows past
-a sequence's end read the next sequence's rows (or TMA's zero fill past the last row): they are
-finite and masked out of the scores. Query rows past the end are computed but never stored.
+a sequence's end read whatever follows it (the next sequence, padding, or TMA's zero fill past
+the last row): their scores are masked and the last block's V rows zeroed (`_zero_rows_past`).
+Query rows past the end are computed but never stored.
 
 Covered: fp16/bf16, d = d_v in {64, 128}, MHA/GQA/MQA, no mask / causal (top-left or
 bottom-right), dense, right-padded (seqlens) and varlen (cu_seqlens, seq_offsets). Everything
-else takes the portable kernel (`sm90_supports`).
+else takes the portable kernel (`_forward_paths.sm90_plan`).
 
 Precision: as the portable kernel. Scores, softmax statistics and the accumulator are fp32; P is
 rounded to the input dtype for the P V product; LSE is in natural log.
@@ -159,6 +160,31 @@ if GLUON_AVAILABLE:
         mbarrier.arrive(turn.index(1 - wg), count=1)
 
     @gluon.jit
+    def _zero_rows_past(tile, valid):
+        """Zero rows valid.. of a [BLOCK_N, d] V tile in shared memory (no-op when all are valid).
+
+        Key rows past a sequence's end come from whatever lies behind it (padding rows may hold
+        anything, NaN included). Their scores are masked, so P is exactly 0 there, but 0 x NaN
+        in the P V product is NaN: the last key block's V rows get zeroed first. Each warpgroup
+        zeroes before its own product; the two write the same zeros, so neither sees a partial
+        state. Only the last block can reach past the end.
+        """
+        rows: gl.constexpr = tile.type.shape[0]
+        cols: gl.constexpr = tile.type.shape[1]
+        if valid < rows:
+            layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+            values = tile.load(layout)
+            r = gl.arange(0, rows, layout=gl.SliceLayout(1, layout))
+            keep = gl.expand_dims(r < valid, 1) & gl.expand_dims(
+                gl.arange(0, cols, layout=gl.SliceLayout(0, layout)) < cols, 0
+            )
+            tile.store(gl.where(keep, values, gl.zeros_like(values)))
+            # Generic-proxy stores, then an async-proxy (wgmma) read: fence, and wait for all
+            # four warps before the product is issued.
+            fence_async_shared()
+            _partition_barrier()
+
+    @gluon.jit
     def _masked_scores(s, start_n, offs_m, offs_n, len_k, diag):
         """Scores with keys past len_k or past each row's diagonal (`diag` = len_k for no mask,
         which no row reaches) set to -inf."""
@@ -257,6 +283,7 @@ if GLUON_AVAILABLE:
 
         last = (num_blocks - 1) % NUM_STAGES
         mbarrier.wait(v_ready.index(last), ((num_blocks - 1) // NUM_STAGES) & 1)
+        _zero_rows_past(v_smem.index(last), len_k - (num_blocks - 1) * BLOCK_N)
         _take_turn(turn, WG, num_blocks)
         o_tok = warpgroup_mma(p_op, v_smem.index(last), acc, is_async=True)
         _pass_turn(turn, WG)

@@ -97,6 +97,35 @@ def test_sm90_empty_key_sequence(sm90_spy):
     torch.testing.assert_close(fast["lse"], portable["lse"], atol=1e-4, rtol=0)
 
 
+@needs_sm90
+@pytest.mark.parametrize("layout", ["varlen_padded", "seqlens"])
+def test_sm90_ignores_nan_padding(layout, sm90_spy):
+    """Rows no sequence owns (gaps between varlen sequences, right padding) may hold anything:
+    NaN there must not reach any output. Compared with the portable kernel, which never loads
+    them, on the same poisoned input."""
+    case = Case(b=3, s_q=300, s_k=333, h=4, h_kv=2, d=128, dtype=torch.bfloat16, layout=layout)
+    inputs = make_inputs(case, DEV)
+    for name, seq in (("q", "q"), ("k", "k"), ("v", "k")):
+        t = inputs[name]
+        if layout == "seqlens":
+            lens = inputs[f"seqlens_{seq}"]
+            rows = torch.arange(t.shape[1], device=DEV)
+            t[rows[None, :] >= lens[:, None]] = float("nan")
+        else:
+            owned = torch.zeros(t.shape[0], dtype=torch.bool, device=DEV)
+            starts, lens = inputs[f"seq_offsets_{seq}"][:-1], inputs[f"cu_seqlens_{seq}"].diff()
+            for start, n in zip(starts.tolist(), lens.tolist()):
+                owned[start : start + n] = True
+            t[~owned] = float("nan")
+    fast = run_kernel(case, inputs, backward=False)
+    assert sm90_spy
+    _forward_paths.set_forward_path("portable")
+    portable = run_kernel(case, inputs, backward=False)
+    assert not fast["out"].isnan().any() and not portable["out"].isnan().any()
+    torch.testing.assert_close(fast["out"], portable["out"], atol=2e-2, rtol=0)
+    torch.testing.assert_close(fast["lse"], portable["lse"], atol=1e-4, rtol=0)
+
+
 def _sbhd(s, b, h, d, dtype, g):
     return torch.randn(s, b, h, d, device=DEV, generator=g).to(dtype)
 
