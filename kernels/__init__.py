@@ -9,6 +9,9 @@ Offers:
         windows with top-left or bottom-right alignment, additive bias (with its gradient),
         ALiBi, softcap, dropout, fp32 LSE, deterministic backward. docs/internals.md holds the
         full contract.
+    decode_attention(q, k_cache, v_cache, seqlens_k, *, ...) -> (out, lse)
+        Split-KV ("flash-decoding") inference forward for few queries over a contiguous or paged
+        KV cache (kernels/_flash_decode.py); `check_page_size` states its page-size rule.
     dropout_keep_mask(rng_state, b, h, s_q, s_k, p, device) -> bool [b, h, s_q, s_k]
         The keep-mask the kernels draw for a given (seed, offset), for tests and the reference.
     layer_norm(x, weight, bias, eps, *, rms, zero_centered_gamma) -> y
@@ -36,6 +39,7 @@ The kernels assume validated input; `fusedlayers` checks and normalizes everythi
 from ._activation import ACTIVATIONS as _ACTIVATIONS
 from ._activation import SUPPORTED_DTYPES as ACTIVATION_DTYPES
 from ._dropout import dropout_keep_mask
+from ._flash_decode import check_page_size, decode_attention
 from ._norm import MAX_HIDDEN as MAX_NORM_HIDDEN
 from ._norm import SUPPORTED_DTYPES as NORM_DTYPES
 from ._rope import SUPPORTED_DTYPES as ROPE_DTYPES
@@ -52,6 +56,8 @@ __all__ = [
     "MAX_NORM_HIDDEN",
     "NORM_DTYPES",
     "ROPE_DTYPES",
+    "check_page_size",
+    "decode_attention",
     "dropout_keep_mask",
     "flash_attention",
     "fused_activation",
