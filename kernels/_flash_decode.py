@@ -47,6 +47,7 @@ from ._common import (
     next_pow2,
     next_pow2_dim,
     scores_log2,
+    smem_per_block,
     visible_tile,
 )
 
@@ -89,11 +90,27 @@ def check_page_size(page_size: int) -> None:
 
 def num_splits_heuristic(tiles: int, max_len_k: int, device: torch.device) -> int:
     """Splits per (sequence, KV head, row block) for `tiles` such programs over up to
-    `max_len_k` keys: enough programs for about two waves over the GPU's multiprocessors, but
-    no split shorter than `_MIN_BLOCKS_PER_SPLIT` key blocks."""
-    target = cdiv(2 * multiprocessors(device), max(tiles, 1))
+    `max_len_k` keys (the cache's capacity: the lengths stay on the device).
+
+    At least two waves over the GPU's multiprocessors (a memory-bound kernel needs many loads in
+    flight), then, up to twice that, the count whose last wave is fullest (b = 8 with 8 KV heads
+    is 64 programs: 5 splits leave the third wave 40% full, 6 fill it to 90%). No split gets
+    fewer than `_MIN_BLOCKS_PER_SPLIT` key blocks: a shorter one costs more in its partial
+    write and the combine than it saves.
+    """
+    sms = multiprocessors(device)
+    tiles = max(tiles, 1)
     key_blocks = cdiv(max(max_len_k, 1), _NOMINAL_BLOCK_N)
-    return max(1, min(target, key_blocks // _MIN_BLOCKS_PER_SPLIT, MAX_SPLITS))
+    cap = max(1, min(key_blocks // _MIN_BLOCKS_PER_SPLIT, MAX_SPLITS))
+    target = min(cdiv(2 * sms, tiles), cap)
+    if target <= 1:
+        return 1
+
+    def fill(splits: int) -> float:
+        programs = tiles * splits
+        return programs / (cdiv(programs, sms) * sms)
+
+    return max(range(target, min(2 * target, cap) + 1), key=lambda n: (min(fill(n), 0.95), -n))
 
 
 def _configs() -> list[triton.Config]:
@@ -108,11 +125,13 @@ def _prune_configs(configs, named_args, **kwargs):
     args = {**named_args, **kwargs}
     page_size, paged, block_d = args["page_size"], args["PAGED"], args["BLOCK_D"]
     elem = args["q_ptr"].element_size()
+    # K and V tiles multi-buffered by the pipeliner; 16 KiB left for Q and the layout shuffles.
+    smem = smem_per_block(args["q_ptr"].device) - 16 * 1024
     fits = [
         c
         for c in configs
         if (not paged or page_size % c.kwargs["BLOCK_N"] == 0)
-        and c.num_stages * c.kwargs["BLOCK_N"] * 2 * block_d * elem <= 160 * 1024
+        and c.num_stages * c.kwargs["BLOCK_N"] * 2 * block_d * elem <= smem
     ]
     wide = [c for c in fits if c.kwargs["BLOCK_N"] >= 64]
     if wide:

@@ -93,6 +93,7 @@ def test_split_heuristic():
     assert _flash_decode.num_splits_heuristic(64 * 8, 32768, cpu) == 1  # enough programs
     assert _flash_decode.num_splits_heuristic(8, 131072, cpu) == 33  # ~2 waves of 132
     assert _flash_decode.num_splits_heuristic(8, 256, cpu) == 2  # no split under 2 blocks
+    assert _flash_decode.num_splits_heuristic(64, 8192, cpu) == 6  # 5 would leave a 40% wave
     assert _flash_decode.num_splits_heuristic(1, 1 << 20, cpu) == _flash_decode.MAX_SPLITS
 
 
