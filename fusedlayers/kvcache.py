@@ -36,6 +36,7 @@ from __future__ import annotations
 import torch
 
 from . import masks
+from ._logging import debug_enabled, log_decision
 from .attention import _choose_backend
 from .validation import KERNEL_DTYPES, MAX_KERNEL_HEAD_DIM, check_head_counts
 
@@ -166,6 +167,8 @@ def _check_device_values(
     num_blocks, page_size, seqlen_ro,
 ) -> None:  # fmt: skip
     """The checks that need device values, reduced on the device and read back once."""
+    if seqlens.numel() == 0:  # an empty batch: nothing to check, nothing to write
+        return
     names, values = [], []
     if host_len is None:
         seq = seqlens.long()
@@ -296,6 +299,15 @@ def flash_attn_with_kvcache(
         seqlens, host_len, s_new, capacity, cache_leftpad, cache_batch_idx, k_cache.shape[0],
         block_table, k_cache.shape[0], page_size, None if tables is None else tables[0].shape[0],
     )  # fmt: skip
+
+    if debug_enabled():
+        layout = f"paged, page_size {page_size}" if paged else "contiguous"
+        log_decision(
+            "flash_attn_with_kvcache",
+            f"split-KV decode kernel: {layout} cache of capacity {capacity}, s_q {s_q}, "
+            f"{h // k_cache.shape[2]} query heads per KV head, append {s_new} rows, rotary "
+            f"{'on' if tables is not None else 'off'}, num_splits {num_splits} (0 = heuristic)",
+        )
 
     # Everything is valid: rotate, append, attend.
     if tables is not None:

@@ -88,6 +88,24 @@ def test_int_cache_seqlens_and_lse_off():
     torch.testing.assert_close(out, out_tensor, rtol=0, atol=0)
 
 
+def test_empty_batch():
+    q = torch.randn(0, 1, 4, 16, dtype=F16)
+    cache = torch.zeros(0, 8, 2, 16, dtype=F16)
+    out, lse = flash_attn_with_kvcache(
+        q, cache, cache.clone(), cache_seqlens=torch.zeros(0, dtype=torch.int32),
+        return_softmax_lse=True,
+    )  # fmt: skip
+    assert out.shape == (0, 1, 4, 16) and lse.shape == (0, 4, 1)
+
+
+def test_debug_log_names_the_path(monkeypatch, caplog):
+    monkeypatch.setenv("FUSEDLAYERS_DEBUG", "1")
+    case = KVCase(page_size=16, s_new=1)
+    with caplog.at_level("INFO", logger="fusedlayers"):
+        call_kernel(case, make_kv_inputs(case, "cpu"))
+    assert "split-KV decode kernel: paged, page_size 16" in caplog.text
+
+
 def test_split_heuristic():
     cpu = torch.device("cpu")  # stands in for the H100: 132 multiprocessors
     assert _flash_decode.num_splits_heuristic(64 * 8, 32768, cpu) == 1  # enough programs
