@@ -388,6 +388,12 @@ def decode_attention(
     b, s_q, h_q, d = q.shape
     h_kv = k_cache.shape[2]
     group = h_q // h_kv
+    # The kernel indexes these with unit strides; copies only when a caller passed strided views.
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    seqlens_k, cache_batch_idx, cache_leftpad, block_table = (
+        t if t is None else t.contiguous()
+        for t in (seqlens_k, cache_batch_idx, cache_leftpad, block_table)
+    )
     paged = block_table is not None
     page_size = k_cache.shape[1] if paged else 0
     if paged:

@@ -8,6 +8,7 @@ input raising before any write.
 
 from __future__ import annotations
 
+import inspect
 import re
 
 import pytest
@@ -86,6 +87,37 @@ def test_int_cache_seqlens_and_lse_off():
     out = call_kernel(case, inputs, cache_seqlens=case.s_cache - 1, return_softmax_lse=False)
     assert isinstance(out, torch.Tensor)
     torch.testing.assert_close(out, out_tensor, rtol=0, atol=0)
+
+
+def test_signature_is_flash_attn_28():
+    params = inspect.signature(flash_attn_with_kvcache).parameters
+    assert list(params) == [
+        "q", "k_cache", "v_cache", "k", "v", "rotary_cos", "rotary_sin", "cache_seqlens",
+        "cache_batch_idx", "cache_leftpad", "block_table", "softmax_scale", "causal",
+        "window_size", "softcap", "rotary_interleaved", "alibi_slopes", "num_splits",
+        "return_softmax_lse",
+    ]  # fmt: skip
+    defaults = {n: p.default for n, p in params.items() if n not in ("q", "k_cache", "v_cache")}
+    assert defaults == dict(
+        k=None, v=None, rotary_cos=None, rotary_sin=None, cache_seqlens=None,
+        cache_batch_idx=None, cache_leftpad=None, block_table=None, softmax_scale=None,
+        causal=False, window_size=(-1, -1), softcap=0.0, rotary_interleaved=True,
+        alibi_slopes=None, num_splits=0, return_softmax_lse=False,
+    )  # fmt: skip
+
+
+def test_strided_index_tensors():
+    case = KVCase(page_size=16, s_new=1, causal=True, b=3, leftpad=True)
+    inputs = make_kv_inputs(case, "cpu")
+    out_dense, lse_dense = call_kernel(case, make_kv_inputs(case, "cpu"))
+    # The same values through views with non-unit strides.
+    inputs["block_table"] = inputs["block_table"].t().contiguous().t()
+    inputs["cache_seqlens"] = torch.stack([inputs["cache_seqlens"]] * 2, dim=1)[:, 0]
+    inputs["cache_leftpad"] = torch.stack([inputs["cache_leftpad"]] * 2, dim=1)[:, 1]
+    assert inputs["block_table"].stride(1) != 1 and inputs["cache_seqlens"].stride(0) == 2
+    out, lse = call_kernel(case, inputs)
+    torch.testing.assert_close(out, out_dense, rtol=0, atol=0)
+    torch.testing.assert_close(lse, lse_dense, rtol=0, atol=0)
 
 
 def test_empty_batch():
