@@ -3,18 +3,21 @@
 b = 8, GQA 32:8, d = 128, caches of 1k-8k tokens contiguous and paged (page_size 256), plus one
 32k cache; the checks of tests/kvcache_testing.py (cache rows after the append, the untouched
 bytes, out/LSE against the fp64 oracle with the 2x-PyTorch rule). Then paged against
-contiguous, split counts, head dims 64/256, 16-row pages, several query-row blocks, and a CUDA
-graph capture of the kernel entry (it must not sync with the host).
+contiguous, split counts, every bad input of the CPU suite on CUDA tensors (raised before any
+write), and a CUDA graph capture of the kernel entry (it must not sync with the host).
 
 Run: pytest -n 4 tests/gpu/test_kvcache_gpu.py
 """
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from fusedlayers.kernels import decode_attention
 from kvcache_testing import KVCase, call_kernel, check_kv_case, make_kv_inputs
+from test_kvcache import BAD
 
 pytestmark = pytest.mark.gpu
 
@@ -67,6 +70,17 @@ def test_split_counts_agree_gpu():
     for out, lse in results[1:]:
         torch.testing.assert_close(out, results[0][0], rtol=0, atol=2e-2)
         torch.testing.assert_close(lse, results[0][1], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("case,edit,error,match", BAD, ids=[str(i) for i in range(len(BAD))])
+def test_bad_input_raises_before_any_write_gpu(case, edit, error, match):
+    inputs = make_kv_inputs(case, "cuda")
+    edit(inputs)
+    caches = [inputs["k_cache"].clone(), inputs["v_cache"].clone()]
+    with pytest.raises(error, match=re.escape(match)):
+        call_kernel(case, inputs)
+    torch.testing.assert_close(inputs["k_cache"], caches[0], rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(inputs["v_cache"], caches[1], rtol=0, atol=0, equal_nan=True)
 
 
 def test_decode_step_captures_in_a_cuda_graph():
