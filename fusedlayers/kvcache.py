@@ -26,6 +26,9 @@ page size, and (one read of device values per call, none when cache_seqlens is a
 other index tensor is given) cache_seqlens within the cache, appends that fit, cache_leftpad in
 [0, cache_seqlens], cache_batch_idx in [0, b_cache), every block_table entry a sequence uses in
 [0, num_blocks), and a rotary table long enough. A failed check raises before any write.
+Under CUDA graph capture nothing can be read back: the device-value checks are skipped (validate
+the step eagerly first), and the rest of the call (rotary, append, attention) holds no host
+sync, so a whole decode step captures and replays with new values in cache_seqlens.
 
 The kernels run on CUDA tensors, or on CPU tensors under TRITON_INTERPRET=1 (like the functional
 API). No backward.
@@ -295,10 +298,12 @@ def flash_attn_with_kvcache(
         raise ValueError(f"softcap={softcap} must be >= 0 (0 = off)")
     if int(num_splits) < 0:
         raise ValueError(f"num_splits={num_splits} must be >= 0 (0 = heuristic)")
-    _check_device_values(
-        seqlens, host_len, s_new, capacity, cache_leftpad, cache_batch_idx, k_cache.shape[0],
-        block_table, k_cache.shape[0], page_size, None if tables is None else tables[0].shape[0],
-    )  # fmt: skip
+    if not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
+        _check_device_values(
+            seqlens, host_len, s_new, capacity, cache_leftpad, cache_batch_idx, k_cache.shape[0],
+            block_table, k_cache.shape[0], page_size,
+            None if tables is None else tables[0].shape[0],
+        )  # fmt: skip
 
     if debug_enabled():
         layout = f"paged, page_size {page_size}" if paged else "contiguous"

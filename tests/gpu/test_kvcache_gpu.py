@@ -4,7 +4,8 @@ b = 8, GQA 32:8, d = 128, caches of 1k-8k tokens contiguous and paged (page_size
 32k cache; the checks of tests/kvcache_testing.py (cache rows after the append, the untouched
 bytes, out/LSE against the fp64 oracle with the 2x-PyTorch rule). Then paged against
 contiguous, split counts, every bad input of the CPU suite on CUDA tensors (raised before any
-write), and a CUDA graph capture of the kernel entry (it must not sync with the host).
+write), and CUDA graph captures of the kernel entry and of a whole flash_attn_with_kvcache step
+(neither may sync with the host).
 
 Run: pytest -n 4 tests/gpu/test_kvcache_gpu.py
 """
@@ -18,6 +19,8 @@ import torch
 from fusedlayers.kernels import decode_attention
 from kvcache_testing import KVCase, call_kernel, check_kv_case, make_kv_inputs
 from test_kvcache import BAD
+
+from fusedlayers import flash_attn_with_kvcache
 
 pytestmark = pytest.mark.gpu
 
@@ -105,3 +108,40 @@ def test_decode_step_captures_in_a_cuda_graph():
     want_out, want_lse = step()
     torch.testing.assert_close(out, want_out, rtol=0, atol=0)
     torch.testing.assert_close(lse, want_lse, rtol=0, atol=0)
+
+
+def test_front_end_step_captures_in_a_cuda_graph():
+    # rotary + append + attention captured once, replayed while cache_seqlens grows in place;
+    # an eager replica on cloned caches gives the same bits, cache and output.
+    g = torch.Generator(device="cuda").manual_seed(0)
+    b, s, hk, d = 4, 1024, 8, 128
+
+    def randn(*shape):
+        return torch.randn(shape, device="cuda", dtype=BF16, generator=g)
+
+    q, k_new, v_new = randn(b, 1, 32, d), randn(b, 1, hk, d), randn(b, 1, hk, d)
+    k_cache, v_cache = randn(b, s, hk, d), randn(b, s, hk, d)
+    angle = torch.rand(s, d // 2, device="cuda", generator=g) * 6.28
+    cos, sin = angle.cos().to(BF16), angle.sin().to(BF16)
+    lens = torch.tensor([10, 100, 500, 1000], dtype=torch.int32, device="cuda")
+
+    def step(kc, vc):
+        return flash_attn_with_kvcache(
+            q, kc, vc, k=k_new, v=v_new, rotary_cos=cos, rotary_sin=sin, cache_seqlens=lens,
+            causal=True,
+        )  # fmt: skip
+
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    step(k_cache.clone(), v_cache.clone())  # autotune and compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step(k_cache, v_cache)
+    for _ in range(3):
+        for t in (q, k_new, v_new):
+            t.copy_(torch.randn(t.shape, device="cuda", generator=g))
+        graph.replay()
+        want = step(k_ref, v_ref)
+        torch.testing.assert_close(out, want, rtol=0, atol=0)
+        assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
+        lens += 1
