@@ -80,13 +80,17 @@ def test_no_visible_key_gives_zero_and_minus_inf(num_splits):
     assert torch.isneginf(lse).all()
 
 
-def test_int_cache_seqlens_and_lse_off():
+def test_int_and_none_cache_seqlens_and_lse_off():
     case = KVCase(dtype=F32, seqlens="full", s_new=1)
     inputs = make_kv_inputs(case, "cpu")
     out_tensor, _ = call_kernel(case, make_kv_inputs(case, "cpu"))
     out = call_kernel(case, inputs, cache_seqlens=case.s_cache - 1, return_softmax_lse=False)
     assert isinstance(out, torch.Tensor)
     torch.testing.assert_close(out, out_tensor, rtol=0, atol=0)
+    # None: every sequence fills the whole cache (here after the append above).
+    out_none = call_kernel(case, inputs, k=None, v=None, cache_seqlens=None)[0]
+    out_full = call_kernel(case, inputs, k=None, v=None, cache_seqlens=case.s_cache)[0]
+    torch.testing.assert_close(out_none, out_full, rtol=0, atol=0)
 
 
 def test_signature_is_flash_attn_28():
