@@ -234,6 +234,19 @@ def _check_device_values(
             )
 
 
+def _rotate(q, k, tables, seqlens, local: bool, interleaved: bool) -> tuple[Tensor, Tensor]:
+    """flash-attn's rotary rule: new key i at position cache_seqlens + i; query i there too when
+    the mask is causal or local (`local`), else every query at cache_seqlens."""
+    cos, sin = tables
+    b, s_q = q.shape[:2]
+    start = seqlens.long()[:, None]
+    pos_k = start + torch.arange(k.shape[1], device=q.device)
+    pos_q = start + torch.arange(s_q, device=q.device) if local else start.expand(b, s_q)
+    k = rope(k, cos, sin, pos_k, seq_dim=1, interleaved=interleaved)
+    q = rope(q, cos, sin, pos_q, seq_dim=1, interleaved=interleaved)
+    return q, k
+
+
 def _append(k_cache, v_cache, k, v, seqlens, cache_batch_idx, block_table) -> None:
     """Write k/v [b, s_new, hk, d] at logical rows seqlens[z] + 0.. of each sequence, in place,
     with one indexed write per cache (no loop over the batch)."""
@@ -291,6 +304,8 @@ def flash_attn_with_kvcache(
     spec = masks.flash_attn_spec(causal, window_size)
     tables = _rotary_tables(rotary_cos, rotary_sin, q, k, rotary_interleaved)
     if alibi_slopes is not None:
+        if not isinstance(alibi_slopes, torch.Tensor):
+            raise TypeError(f"alibi_slopes must be a tensor, got {type(alibi_slopes).__name__}")
         if alibi_slopes.dtype != torch.float32 or alibi_slopes.shape not in ((h,), (b, h)):
             raise ValueError(f"alibi_slopes must be fp32 [h] or [b, h], got {alibi_slopes.shape}")
         alibi_slopes = alibi_slopes.to(q.device).expand(b, h)
@@ -316,15 +331,8 @@ def flash_attn_with_kvcache(
 
     # Everything is valid: rotate, append, attend.
     if tables is not None:
-        cos, sin = tables
-        start = seqlens.long()[:, None]
-        pos_k = start + torch.arange(s_new, device=q.device)
-        if causal or tuple(window_size) != (-1, -1):
-            pos_q = start + torch.arange(s_q, device=q.device)
-        else:
-            pos_q = start.expand(b, s_q)
-        k = rope(k, cos, sin, pos_k, seq_dim=1, interleaved=rotary_interleaved)
-        q = rope(q, cos, sin, pos_q, seq_dim=1, interleaved=rotary_interleaved)
+        local = causal or tuple(window_size) != (-1, -1)
+        q, k = _rotate(q, k, tables, seqlens, local, rotary_interleaved)
     if s_new:
         _append(k_cache, v_cache, k, v, seqlens, cache_batch_idx, block_table)
         seqlens = seqlens + s_new
