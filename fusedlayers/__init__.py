@@ -19,6 +19,7 @@ from .functional import (
     flash_attn_varlen_kvpacked_func,
     flash_attn_varlen_qkvpacked_func,
 )
+from .kvcache import flash_attn_with_kvcache
 from .packing import split_packed
 from .reference import attention_reference
 from .reference_switch import reference_mode
@@ -34,6 +35,7 @@ __all__ = [
     "flash_attn_varlen_func",
     "flash_attn_varlen_kvpacked_func",
     "flash_attn_varlen_qkvpacked_func",
+    "flash_attn_with_kvcache",
     "reference_mode",
     "split_packed",
 ]

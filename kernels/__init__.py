@@ -14,6 +14,9 @@ Offers:
         kernel takes the calls it covers (kernels/_forward_paths.py), the portable Triton kernel
         everything else. "auto" (the default) follows the measured table; the others pin a path
         for tests and benchmarks.
+    decode_attention(q, k_cache, v_cache, seqlens_k, *, ...) -> (out, lse)
+        Split-KV ("flash-decoding") inference forward for few queries over a contiguous or paged
+        KV cache (kernels/_flash_decode.py); `check_page_size` states its page-size rule.
     dropout_keep_mask(rng_state, b, h, s_q, s_k, p, device) -> bool [b, h, s_q, s_k]
         The keep-mask the kernels draw for a given (seed, offset), for tests and the reference.
     layer_norm(x, weight, bias, eps, *, rms, zero_centered_gamma) -> y
@@ -41,6 +44,7 @@ The kernels assume validated input; `fusedlayers` checks and normalizes everythi
 from ._activation import ACTIVATIONS as _ACTIVATIONS
 from ._activation import SUPPORTED_DTYPES as ACTIVATION_DTYPES
 from ._dropout import dropout_keep_mask
+from ._flash_decode import check_page_size, decode_attention
 from ._forward_paths import forward_path, set_forward_path
 from ._norm import MAX_HIDDEN as MAX_NORM_HIDDEN
 from ._norm import SUPPORTED_DTYPES as NORM_DTYPES
@@ -58,6 +62,8 @@ __all__ = [
     "MAX_NORM_HIDDEN",
     "NORM_DTYPES",
     "ROPE_DTYPES",
+    "check_page_size",
+    "decode_attention",
     "dropout_keep_mask",
     "forward_path",
     "flash_attention",

@@ -1,0 +1,476 @@
+"""Split-KV ("flash-decoding") attention forward for few queries over a long KV cache.
+
+Inference only (no backward). Shapes:
+    q        [b, s_q, h_q, d]                 (s_q small: 1 .. ~16 new tokens)
+    k/v      contiguous cache [b_cache, s_cache, h_kv, d], or
+             paged cache [num_blocks, page_size, h_kv, d] + block_table int32 [b, max_blocks]
+    seqlens_k int32 [b]: keys of sequence z are cache rows [leftpad[z], seqlens_k[z])
+    -> out [b, s_q, h_q, d] (q's dtype), lse [b, h_q, s_q] (fp32, natural log)
+Every tensor arrives with its own strides (last dim contiguous).
+
+Work split: one program per (sequence z, KV head, query-row block, split). The query rows of one
+program are the s_q queries times the `group = h_q // h_kv` query heads that read this KV head,
+packed into one [BLOCK_M, d] tile (row r = query i * group + head g), so each K/V tile is read
+once per KV head, not once per query head. The visible key range of the tile is cut into
+`num_splits` equal runs of key blocks, one per program; each program writes its rows' partial
+output (normalized by its own softmax sum) and partial LSE in fp32, and `_decode_combine` merges
+the splits by LSE. With one split the main kernel writes the final output directly.
+
+Positions: key j is cache row j of its sequence (paged: row j % page_size of page
+block_table[z, j // page_size]); query i sits at position seqlens_k - s_q + i (bottom-right
+alignment), so the window and ALiBi rules are those of `_common` with diag = seqlens_k - s_q.
+Keys before leftpad[z] are invisible; since windows and ALiBi depend only on j - i, a left pad
+needs no other change.
+
+Paged caches: a key block never straddles two pages, so page_size must be a multiple of the key
+block; the launcher picks BLOCK_N among the powers of two dividing page_size, hence page_size must
+be a positive multiple of 16 (tl.dot's minimum width), see `check_page_size`.
+
+Rows with no visible key get output 0 and LSE -inf. Statistics and accumulation are fp32.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import (
+    LN2,
+    cdiv,
+    diagonal_offset,
+    key_block_range,
+    load_tile,
+    multiprocessors,
+    next_pow2,
+    next_pow2_dim,
+    scores_log2,
+    smem_per_block,
+    visible_tile,
+)
+
+# --------------------------------------------------------------------------------------------------
+# Launch geometry
+# --------------------------------------------------------------------------------------------------
+
+PAGE_MULTIPLE = 16  # page sizes must be multiples of this (the smallest key block)
+MAX_BLOCK_M = 64  # query rows (s_q * group) per program at most; more rows take more programs
+MAX_SPLITS = 64
+# Key blocks per split at least, in units of `_NOMINAL_BLOCK_N` keys: a split shorter than this
+# spends more on its partial write and the combine than it saves.
+_MIN_BLOCKS_PER_SPLIT = 2
+_NOMINAL_BLOCK_N = 64
+
+# (BLOCK_N, num_warps, num_stages) candidates on the GPU. A first choice for a streaming kernel
+# (K/V tiles of 8..32 KiB, deep pipelines), to be measured with examples/benchmark_decode.py.
+_CANDIDATES = [
+    (64, 4, 3),
+    (64, 4, 4),
+    (128, 4, 3),
+    (128, 8, 3),
+    (64, 8, 4),
+    # Fallbacks for page sizes 16 and 32 (any multiple of 16 that 64 does not divide).
+    (32, 4, 4),
+    (16, 4, 4),
+]
+_INTERPRET_CONFIG = (16, 4, 1)
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def check_page_size(page_size: int) -> None:
+    """Raise ValueError unless the decode kernel can take pages of `page_size` rows."""
+    if page_size <= 0 or page_size % PAGE_MULTIPLE:
+        raise ValueError(
+            f"page size {page_size} (k_cache.shape[1] with a block_table) must be a positive "
+            f"multiple of {PAGE_MULTIPLE}: a key block of the decode kernel never spans two pages"
+        )
+
+
+def num_splits_heuristic(tiles: int, max_len_k: int, device: torch.device) -> int:
+    """Splits per (sequence, KV head, row block) for `tiles` such programs over up to
+    `max_len_k` keys (the cache's capacity: the lengths stay on the device).
+
+    At least two waves over the GPU's multiprocessors (a memory-bound kernel needs many loads in
+    flight), then, up to twice that, the count whose last wave is fullest (b = 8 with 8 KV heads
+    is 64 programs: 5 splits leave the third wave 40% full, 6 fill it to 90%). No split gets
+    fewer than `_MIN_BLOCKS_PER_SPLIT` key blocks: a shorter one costs more in its partial
+    write and the combine than it saves.
+    """
+    sms = multiprocessors(device)
+    tiles = max(tiles, 1)
+    key_blocks = cdiv(max(max_len_k, 1), _NOMINAL_BLOCK_N)
+    cap = max(1, min(key_blocks // _MIN_BLOCKS_PER_SPLIT, MAX_SPLITS))
+    target = min(cdiv(2 * sms, tiles), cap)
+    if target <= 1:
+        return 1
+
+    def fill(splits: int) -> float:
+        programs = tiles * splits
+        return programs / (cdiv(programs, sms) * sms)
+
+    return max(range(target, min(2 * target, cap) + 1), key=lambda n: (min(fill(n), 0.95), -n))
+
+
+def _configs() -> list[triton.Config]:
+    cands = [_INTERPRET_CONFIG] if _INTERPRET else _CANDIDATES
+    return [triton.Config({"BLOCK_N": bn}, num_warps=w, num_stages=s) for bn, w, s in sorted(cands)]
+
+
+def _prune_configs(configs, named_args, **kwargs):
+    """Key blocks that never straddle a page, and K/V pipelines that fit in shared memory."""
+    if _INTERPRET:
+        return configs
+    args = {**named_args, **kwargs}
+    page_size, paged, block_d = args["page_size"], args["PAGED"], args["BLOCK_D"]
+    elem = args["q_ptr"].element_size()
+    # K and V tiles multi-buffered by the pipeliner; 16 KiB left for Q and the layout shuffles.
+    smem = smem_per_block(args["q_ptr"].device) - 16 * 1024
+    fits = [
+        c
+        for c in configs
+        if (not paged or page_size % c.kwargs["BLOCK_N"] == 0)
+        and c.num_stages * c.kwargs["BLOCK_N"] * 2 * block_d * elem <= smem
+    ]
+    wide = [c for c in fits if c.kwargs["BLOCK_N"] >= 64]
+    if wide:
+        return wide
+    # Pages of 16 or 32 rows (or an fp32 d = 256 tile): the widest block that fits.
+    widest = max(c.kwargs["BLOCK_N"] for c in fits) if fits else 16
+    return [c for c in (fits or configs) if c.kwargs["BLOCK_N"] == widest][:2]
+
+
+# --------------------------------------------------------------------------------------------------
+# Kernels
+# --------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _kv_block_origin(start_n, z_cache, table_row_ptr, page_size, stride_b, stride_s,
+                     PAGED: tl.constexpr):  # fmt: skip
+    """int64 element offset of key row `start_n` (a block origin) in one cache operand.
+
+    Paged: row start_n % page_size of page table_row[start_n // page_size]; the caller's blocks
+    never straddle pages. Contiguous: row start_n of cache entry z_cache.
+    """
+    if PAGED:
+        page = tl.load(table_row_ptr + start_n // page_size).to(tl.int64)
+        origin = page * stride_b + (start_n % page_size).to(tl.int64) * stride_s
+    else:
+        origin = z_cache * stride_b + tl.cast(start_n, tl.int64) * stride_s
+    return origin
+
+
+@triton.jit
+def _split_range(lo, hi, split, num_splits, BLOCK_N: tl.constexpr):
+    """This split's share [s_lo, s_hi) of the key blocks in [lo, hi) (lo a block multiple)."""
+    n_blocks = tl.maximum(tl.cdiv(hi - lo, BLOCK_N), 0)
+    per_split = tl.cdiv(n_blocks, num_splits)
+    s_lo = lo + split * per_split * BLOCK_N
+    s_hi = tl.minimum(hi, s_lo + per_split * BLOCK_N)
+    return s_lo, s_hi
+
+
+@triton.jit
+def _decode_fwd(
+    q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, o_part_ptr, lse_part_ptr,
+    seqlens_ptr, batch_idx_ptr, leftpad_ptr, table_ptr, alibi_ptr,
+    stride_qb, stride_qs, stride_qh,
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh,
+    stride_ob, stride_os, stride_oh,
+    stride_lb, stride_lh, stride_ls,
+    stride_pb, stride_ps, stride_ph, stride_pp,
+    stride_qpb, stride_qps, stride_qph,
+    stride_tb, stride_ab, stride_ah,
+    len_q, group, num_heads_kv, num_m, num_splits, page_size, CACHE_BUCKET,
+    sm_scale, softcap, window_left, window_right,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+    PAGED: tl.constexpr, HAS_BATCH_IDX: tl.constexpr, HAS_LEFTPAD: tl.constexpr,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """One program: BLOCK_M packed query rows of (sequence z, KV head) over one split's keys.
+
+    Grid (b * h_kv * num_m, num_splits). SPLIT: write normalized partial rows and LSEs to
+    o_part [b, s_q, h_q, splits, BLOCK_D] / lse_part [b, s_q, h_q, splits] (strides p*, qp*);
+    else the final out and lse. CACHE_BUCKET only keys the autotuner.
+    """
+    tl.static_assert(BLOCK_D >= HEAD_DIM)
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    m_blk = pid % num_m
+    zh = pid // num_m
+    h_kv = zh % num_heads_kv
+    z = zh // num_heads_kv
+    len_k = tl.load(seqlens_ptr + z)
+    diag = diagonal_offset(len_q, len_k, True)
+
+    # Packed rows: r = i * group + g is query i of query head h_kv * group + g.
+    n_rows = len_q * group
+    offs_r = m_blk * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = offs_r < n_rows
+    qi = offs_r // group
+    h = h_kv * group + offs_r % group
+    offs_d = tl.arange(0, BLOCK_D)
+    dim_ok = offs_d < HEAD_DIM
+
+    # Keys any row of the tile may see: the first row's lower bound, the last row's upper one.
+    first_i = (m_blk * BLOCK_M) // group
+    last_i = (tl.minimum(m_blk * BLOCK_M + BLOCK_M, n_rows) - 1) // group
+    lo, _, _, _ = key_block_range(
+        first_i, diag, window_left, window_right, len_k, 1, BLOCK_N, HAS_LEFT, HAS_RIGHT
+    )
+    _, _, _, hi = key_block_range(
+        last_i, diag, window_left, window_right, len_k, 1, BLOCK_N, HAS_LEFT, HAS_RIGHT
+    )
+    key_lo = len_k * 0
+    if HAS_LEFTPAD:
+        key_lo = tl.load(leftpad_ptr + z)
+        lo = tl.maximum(lo, (key_lo // BLOCK_N) * BLOCK_N)
+    s_lo, s_hi = _split_range(lo, hi, split, num_splits, BLOCK_N)
+
+    z64 = z.to(tl.int64)
+    q_rows = z64 * stride_qb + qi.to(tl.int64) * stride_qs + h.to(tl.int64) * stride_qh
+    q = tl.load(q_ptr + q_rows[:, None] + offs_d[None, :], mask=row_ok[:, None] & dim_ok[None, :],
+                other=0.0)  # fmt: skip
+    alibi_slope = sm_scale  # a placeholder, unused unless HAS_ALIBI
+    if HAS_ALIBI:
+        slopes = tl.load(alibi_ptr + z * stride_ab + h * stride_ah, mask=row_ok, other=0.0)
+        alibi_slope = slopes.to(tl.float32)[:, None]
+
+    z_cache = z64
+    if HAS_BATCH_IDX:
+        z_cache = tl.load(batch_idx_ptr + z).to(tl.int64)
+    table_row = table_ptr + z64 * stride_tb
+    k_head = k_ptr + h_kv.to(tl.int64) * stride_kh
+    v_head = v_ptr + h_kv.to(tl.int64) * stride_vh
+
+    offs_nb = tl.arange(0, BLOCK_N)
+    qi_tile = qi[:, None]  # query-major index tiles (`_common` legend)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    for start_n in range(s_lo, s_hi, BLOCK_N):
+        offs_n = start_n + offs_nb
+        kj = offs_n[None, :]
+        # Rows past the sequence or before its left pad may hold anything (NaN in a poisoned
+        # cache): they load as 0, so p = 0 times them stays 0.
+        key_ok = (offs_n < len_k) & (offs_n >= key_lo)
+        k_org = _kv_block_origin(start_n, z_cache, table_row, page_size, stride_kb, stride_ks,
+                                 PAGED)  # fmt: skip
+        k_ptrs = k_head + k_org + offs_nb[:, None] * stride_ks + offs_d[None, :]
+        k = load_tile(k_ptrs, key_ok, dim_ok, True, HEAD_DIM != BLOCK_D, 0)
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        s = scores_log2(
+            qk, sm_scale, softcap, qk, alibi_slope, qi_tile, kj, diag,
+            HAS_SOFTCAP, False, HAS_ALIBI,
+        )  # fmt: skip
+        visible = visible_tile(
+            qi_tile, kj, diag, window_left, window_right, len_q, len_k,
+            HAS_LEFT, HAS_RIGHT, True, False,
+        )  # fmt: skip
+        visible = visible & key_ok[None, :]
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # Nothing visible yet: shift by 0 so exp2 gives 0, not NaN. m_i keeps the true max (-inf)
+        # so a later block is never measured against a made-up 0.
+        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(s - m_shift[:, None])
+        alpha = tl.math.exp2(m_i - m_shift)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v_org = _kv_block_origin(start_n, z_cache, table_row, page_size, stride_vb, stride_vs,
+                                 PAGED)  # fmt: skip
+        v_ptrs = v_head + v_org + offs_nb[:, None] * stride_vs + offs_d[None, :]
+        v = load_tile(v_ptrs, key_ok, dim_ok, True, HEAD_DIM != BLOCK_D, 0)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    # Normalize this split's rows; rows with no visible key: output 0, LSE -inf.
+    has_keys = l_i > 0.0
+    l_safe = tl.where(has_keys, l_i, 1.0)
+    out = acc * tl.where(has_keys, 1.0 / l_safe, 0.0)[:, None]
+    lse = tl.where(has_keys, (m_i + tl.math.log2(l_safe)) * LN2, float("-inf"))
+    qi64, h64 = qi.to(tl.int64), h.to(tl.int64)
+    if SPLIT:
+        part = z64 * stride_pb + qi64 * stride_ps + h64 * stride_ph + split * stride_pp
+        tl.store(o_part_ptr + part[:, None] + offs_d[None, :], out, mask=row_ok[:, None])
+        part_l = z64 * stride_qpb + qi64 * stride_qps + h64 * stride_qph + split
+        tl.store(lse_part_ptr + part_l, lse, mask=row_ok)
+    else:
+        o_rows = z64 * stride_ob + qi64 * stride_os + h64 * stride_oh
+        tl.store(out_ptr + o_rows[:, None] + offs_d[None, :], out.to(out_ptr.dtype.element_ty),
+                 mask=row_ok[:, None] & dim_ok[None, :])  # fmt: skip
+        tl.store(lse_ptr + z64 * stride_lb + h64 * stride_lh + qi64 * stride_ls, lse, mask=row_ok)
+
+
+@triton.jit
+def _decode_combine(
+    out_ptr, lse_ptr, o_part_ptr, lse_part_ptr,
+    stride_ob, stride_os, stride_oh,
+    stride_lb, stride_lh, stride_ls,
+    stride_pb, stride_ps, stride_ph, stride_pp,
+    stride_qpb, stride_qps, stride_qph,
+    len_q, num_heads_q, num_splits,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+):  # fmt: skip
+    """One program per output row (z, i, h): out = sum_s w_s o_s, w_s = exp(lse_s - lse),
+    lse = log sum_s exp(lse_s). Splits with LSE -inf weigh 0; all -inf gives 0 and -inf."""
+    pid = tl.program_id(0)
+    h = pid % num_heads_q
+    zi = pid // num_heads_q
+    i = zi % len_q
+    z = (zi // len_q).to(tl.int64)
+    offs_s = tl.arange(0, BLOCK_S)
+    s_ok = offs_s < num_splits
+    part_l = lse_part_ptr + z * stride_qpb + i * stride_qps + h * stride_qph
+    lse_s = tl.load(part_l + offs_s, mask=s_ok, other=float("-inf"))
+    m = tl.max(lse_s, 0)
+    m_shift = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp(lse_s - m_shift)  # 0 for empty splits and padding
+    total = tl.sum(w, 0)
+    offs_d = tl.arange(0, BLOCK_D)
+    part = o_part_ptr + z * stride_pb + i * stride_ps + h * stride_ph
+    o = tl.load(part + offs_s[:, None] * stride_pp + offs_d[None, :], mask=s_ok[:, None],
+                other=0.0)  # fmt: skip
+    acc = tl.sum(o * w[:, None], 0)
+    has_keys = total > 0.0
+    t_safe = tl.where(has_keys, total, 1.0)
+    out = tl.where(has_keys, acc / t_safe, 0.0)
+    lse = tl.where(has_keys, m_shift + tl.log(t_safe), float("-inf"))
+    o_row = out_ptr + z * stride_ob + i * stride_os + h * stride_oh
+    tl.store(o_row + offs_d, out.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
+    tl.store(lse_ptr + z * stride_lb + h * stride_lh + i * stride_ls, lse)
+
+
+_decode_fwd_tuned = triton.autotune(
+    configs=_configs(),
+    key=["HEAD_DIM", "BLOCK_M", "PAGED", "page_size", "SPLIT", "num_splits", "CACHE_BUCKET"],
+    prune_configs_by={"early_config_prune": _prune_configs},
+)(_decode_fwd)
+
+
+# --------------------------------------------------------------------------------------------------
+# Launcher
+# --------------------------------------------------------------------------------------------------
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    seqlens_k: torch.Tensor,
+    *,
+    block_table: torch.Tensor | None = None,
+    cache_batch_idx: torch.Tensor | None = None,
+    cache_leftpad: torch.Tensor | None = None,
+    softmax_scale: float,
+    window_left: int = -1,
+    window_right: int = -1,
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
+    num_splits: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Split-KV attention of q over a KV cache, on validated input; returns (out, lse).
+
+    q [b, s_q, h_q, d]; k_cache/v_cache [b_cache, s_cache, h_kv, d] or, with block_table
+    (int32 [b, max_blocks], every entry a sequence uses in [0, num_blocks)), paged
+    [num_blocks, page_size, h_kv, d] with page_size a multiple of 16; any strides with
+    stride(-1) == 1. seqlens_k int32 [b]: keys of sequence z are rows [leftpad_z, seqlens_k[z])
+    (within the cache's capacity). cache_batch_idx int32 [b]: the cache entry of sequence z
+    (contiguous caches). cache_leftpad int32 [b]: first visible key per sequence.
+    window: bottom-right aligned, -1 = unbounded (causal is right = 0). alibi_slopes fp32 [b, h_q]
+    view (stride_b may be 0). num_splits: 0 = heuristic, 1 = no combine pass.
+    Returns out [b, s_q, h_q, d] in q's dtype and lse fp32 [b, h_q, s_q]. No host sync.
+    """
+    b, s_q, h_q, d = q.shape
+    h_kv = k_cache.shape[2]
+    group = h_q // h_kv
+    # The kernel indexes these with unit strides; copies only when a caller passed strided views.
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    seqlens_k, cache_batch_idx, cache_leftpad, block_table = (
+        t if t is None else t.contiguous()
+        for t in (seqlens_k, cache_batch_idx, cache_leftpad, block_table)
+    )
+    paged = block_table is not None
+    page_size = k_cache.shape[1] if paged else 0
+    if paged:
+        check_page_size(page_size)
+    capacity = block_table.shape[1] * page_size if paged else k_cache.shape[1]
+    out = torch.empty((b, s_q, h_q, d), dtype=q.dtype, device=q.device)
+    lse = torch.empty((b, h_q, s_q), dtype=torch.float32, device=q.device)
+    if out.numel() == 0:
+        return out, lse.fill_(float("-inf"))
+    n_rows = s_q * group
+    block_m = max(16, min(next_pow2(n_rows), MAX_BLOCK_M))
+    num_m = cdiv(n_rows, block_m)
+    tiles = b * h_kv * num_m
+    if num_splits <= 0:
+        num_splits = num_splits_heuristic(tiles, capacity, q.device)
+    num_splits = max(1, min(int(num_splits), MAX_SPLITS, cdiv(max(capacity, 1), PAGE_MULTIPLE)))
+    block_d = next_pow2_dim(d)
+    split = num_splits > 1
+    if split:
+        o_part = torch.empty((b, s_q, h_q, num_splits, block_d), dtype=torch.float32,
+                             device=q.device)  # fmt: skip
+        lse_part = torch.empty((b, s_q, h_q, num_splits), dtype=torch.float32, device=q.device)
+        part_strides = (*o_part.stride()[:4], *lse_part.stride()[:3])
+    else:
+        o_part = lse_part = lse  # unused placeholders
+        part_strides = (0,) * 7
+    dummy = seqlens_k
+    alibi_strides = tuple(alibi_slopes.stride()) if alibi_slopes is not None else (0, 0)
+    args = (
+        q, k_cache, v_cache, out, lse, o_part, lse_part,
+        seqlens_k,
+        cache_batch_idx if cache_batch_idx is not None else dummy,
+        cache_leftpad if cache_leftpad is not None else dummy,
+        block_table if paged else dummy,
+        alibi_slopes if alibi_slopes is not None else dummy,
+        *q.stride()[:3], *k_cache.stride()[:3], *v_cache.stride()[:3],
+        *out.stride()[:3], *lse.stride(), *part_strides,
+        block_table.stride(0) if paged else 0, *alibi_strides,
+        s_q, group, h_kv, num_m, num_splits, page_size,
+        min(max(next_pow2(max(capacity, 1)), 1024), 131072),
+        float(softmax_scale), float(softcap), int(window_left), int(window_right),
+    )  # fmt: skip
+    constexprs = dict(
+        HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=block_m,
+        PAGED=paged, HAS_BATCH_IDX=cache_batch_idx is not None and not paged,
+        HAS_LEFTPAD=cache_leftpad is not None,
+        HAS_LEFT=window_left >= 0, HAS_RIGHT=window_right >= 0, HAS_SOFTCAP=softcap > 0,
+        HAS_ALIBI=alibi_slopes is not None, SPLIT=split,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+    )  # fmt: skip
+    _launch((tiles, num_splits), args, constexprs)
+    if split:
+        _decode_combine[(b * s_q * h_q,)](
+            out, lse, o_part, lse_part,
+            *out.stride()[:3], *lse.stride(), *part_strides,
+            s_q, h_q, num_splits,
+            HEAD_DIM=d, BLOCK_D=block_d, BLOCK_S=next_pow2(num_splits),
+            num_warps=4 if next_pow2(num_splits) * block_d <= 4096 else 8,
+        )  # fmt: skip
+    return out, lse
+
+
+# The autotuner's pick per launch signature, so later launches skip `Autotuner.run`'s host time
+# (the pattern of `_flash_fwd._launch`).
+_PICKED: dict[tuple, triton.Config] = {}
+_KEY_ARGS = [_decode_fwd.arg_names.index(n) for n in ("page_size", "num_splits", "CACHE_BUCKET")]
+
+
+def _launch(grid, args, constexprs) -> None:
+    signature = (
+        tuple(constexprs.values()),
+        tuple(a.dtype for a in args if isinstance(a, torch.Tensor)),
+        tuple(args[i] for i in _KEY_ARGS),
+    )
+    config = _PICKED.get(signature)
+    if config is None:
+        _decode_fwd_tuned[grid](*args, **constexprs)
+        _PICKED[signature] = _decode_fwd_tuned.best_config
+    else:
+        _decode_fwd[grid](*args, **constexprs, **config.all_kwargs())

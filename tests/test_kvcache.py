@@ -1,0 +1,238 @@
+"""`flash_attn_with_kvcache` on the CPU interpreter (fp16/fp32, small shapes).
+
+Each case checks the cache after the append (the rows that must change and every byte that must
+not) and out/LSE against an fp64 oracle (tests/kvcache_testing.py). Then: paged against
+contiguous, split counts against each other, rows with no key, the split heuristic, and every bad
+input raising before any write.
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+
+import pytest
+import torch
+from fusedlayers.kernels import _flash_decode
+from kvcache_testing import KVCase, call_kernel, check_kv_case, make_kv_inputs
+
+from fusedlayers import flash_attn_with_kvcache
+
+F16, F32 = torch.float16, torch.float32
+CAUSAL = (-1, 0)
+
+CASES = [
+    KVCase(),  # plain decode, GQA 4:2, heuristic splits
+    KVCase(dtype=F32, h=4, hk=4, num_splits=1),  # MHA, no combine pass
+    KVCase(h=6, hk=1, s_q=3, s_new=3, causal=True),  # MQA, append + causal, s_q > 1
+    KVCase(s_q=2, s_new=2, causal=False, num_splits=3),  # non-causal s_q > 1
+    KVCase(page_size=16, s_new=1, causal=True),  # paged append
+    KVCase(dtype=F32, page_size=32, s_q=2, s_new=2, causal=True, leftpad=True, b=3),
+    KVCase(batch_idx=True, s_new=2, s_q=2, causal=True),
+    KVCase(leftpad=True, s_new=1, b=3, num_splits=2),
+    KVCase(s_q=3, s_new=3, window=(5, 0), num_splits=2),  # sliding window (local)
+    KVCase(s_q=2, window=(7, 1), causal=False),
+    KVCase(softcap=2.0, s_new=1, causal=True),
+    KVCase(dtype=F32, alibi=True, s_q=2, s_new=2, causal=True, num_splits=3),
+    KVCase(rotary="interleaved", s_new=2, s_q=2, causal=True),
+    KVCase(rotary="half", s_new=1, s_q=2, causal=False),  # every query at position cache_seqlens
+    KVCase(dtype=F32, rotary="half", rotary_dim=8, s_new=2, s_q=2, window=(6, -1)),  # partial
+    KVCase(seqlens="zero", s_new=2, s_q=2, causal=True),  # empty prefix
+    KVCase(d=40, s_new=1, page_size=16, causal=True),  # padded head dim, paged
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.label())
+def test_matches_reference(case):
+    check_kv_case(case, "cpu")
+
+
+def test_paged_matches_contiguous():
+    common = dict(s_q=2, s_new=2, causal=True, alibi=True, dtype=F32)
+    flat, paged = KVCase(**common), KVCase(**common, page_size=16)
+    flat_inputs, paged_inputs = make_kv_inputs(flat, "cpu"), make_kv_inputs(paged, "cpu")
+    paged_inputs["alibi_slopes"] = flat_inputs["alibi_slopes"]  # drawn after the pages
+    out_flat, lse_flat = call_kernel(flat, flat_inputs)
+    out_paged, lse_paged = call_kernel(paged, paged_inputs)
+    torch.testing.assert_close(out_paged, out_flat, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(lse_paged, lse_flat, rtol=1e-6, atol=1e-6)
+
+
+def test_split_counts_agree():
+    case = KVCase(dtype=F32, s_q=2, causal=True, s_cache=96, window=(50, 0))
+    results = [call_kernel(case, make_kv_inputs(case, "cpu"), num_splits=n) for n in (1, 2, 5, 0)]
+    for out, lse in results[1:]:
+        torch.testing.assert_close(out, results[0][0], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(lse, results[0][1], rtol=1e-5, atol=1e-5)
+
+
+def test_several_row_blocks(monkeypatch):
+    # 6 query heads per KV head x 3 queries = 18 packed rows, over tiles of 16 rows.
+    monkeypatch.setattr(_flash_decode, "MAX_BLOCK_M", 16)
+    check_kv_case(KVCase(h=6, hk=1, s_q=3, s_new=3, causal=True, num_splits=2), "cpu")
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_no_visible_key_gives_zero_and_minus_inf(num_splits):
+    case = KVCase(seqlens="zero", num_splits=num_splits)
+    out, lse = call_kernel(case, make_kv_inputs(case, "cpu"))
+    assert torch.equal(out, torch.zeros_like(out))
+    assert torch.isneginf(lse).all()
+
+
+def test_int_and_none_cache_seqlens_and_lse_off():
+    case = KVCase(dtype=F32, seqlens="full", s_new=1)
+    inputs = make_kv_inputs(case, "cpu")
+    out_tensor, _ = call_kernel(case, make_kv_inputs(case, "cpu"))
+    out = call_kernel(case, inputs, cache_seqlens=case.s_cache - 1, return_softmax_lse=False)
+    assert isinstance(out, torch.Tensor)
+    torch.testing.assert_close(out, out_tensor, rtol=0, atol=0)
+    # None: every sequence fills the whole cache (here after the append above).
+    out_none = call_kernel(case, inputs, k=None, v=None, cache_seqlens=None)[0]
+    out_full = call_kernel(case, inputs, k=None, v=None, cache_seqlens=case.s_cache)[0]
+    torch.testing.assert_close(out_none, out_full, rtol=0, atol=0)
+
+
+def test_signature_is_flash_attn_28():
+    params = inspect.signature(flash_attn_with_kvcache).parameters
+    assert list(params) == [
+        "q", "k_cache", "v_cache", "k", "v", "rotary_cos", "rotary_sin", "cache_seqlens",
+        "cache_batch_idx", "cache_leftpad", "block_table", "softmax_scale", "causal",
+        "window_size", "softcap", "rotary_interleaved", "alibi_slopes", "num_splits",
+        "return_softmax_lse",
+    ]  # fmt: skip
+    defaults = {n: p.default for n, p in params.items() if n not in ("q", "k_cache", "v_cache")}
+    assert defaults == dict(
+        k=None, v=None, rotary_cos=None, rotary_sin=None, cache_seqlens=None,
+        cache_batch_idx=None, cache_leftpad=None, block_table=None, softmax_scale=None,
+        causal=False, window_size=(-1, -1), softcap=0.0, rotary_interleaved=True,
+        alibi_slopes=None, num_splits=0, return_softmax_lse=False,
+    )  # fmt: skip
+
+
+def test_strided_index_tensors():
+    case = KVCase(page_size=16, s_new=1, causal=True, b=3, leftpad=True)
+    inputs = make_kv_inputs(case, "cpu")
+    out_dense, lse_dense = call_kernel(case, make_kv_inputs(case, "cpu"))
+    # The same values through views with non-unit strides.
+    inputs["block_table"] = inputs["block_table"].t().contiguous().t()
+    inputs["cache_seqlens"] = torch.stack([inputs["cache_seqlens"]] * 2, dim=1)[:, 0]
+    inputs["cache_leftpad"] = torch.stack([inputs["cache_leftpad"]] * 2, dim=1)[:, 1]
+    assert inputs["block_table"].stride(1) != 1 and inputs["cache_seqlens"].stride(0) == 2
+    out, lse = call_kernel(case, inputs)
+    torch.testing.assert_close(out, out_dense, rtol=0, atol=0)
+    torch.testing.assert_close(lse, lse_dense, rtol=0, atol=0)
+
+
+def test_empty_batch():
+    q = torch.randn(0, 1, 4, 16, dtype=F16)
+    cache = torch.zeros(0, 8, 2, 16, dtype=F16)
+    out, lse = flash_attn_with_kvcache(
+        q, cache, cache.clone(), cache_seqlens=torch.zeros(0, dtype=torch.int32),
+        return_softmax_lse=True,
+    )  # fmt: skip
+    assert out.shape == (0, 1, 4, 16) and lse.shape == (0, 4, 1)
+
+
+def test_debug_log_names_the_path(monkeypatch, caplog):
+    monkeypatch.setenv("FUSEDLAYERS_DEBUG", "1")
+    case = KVCase(page_size=16, s_new=1)
+    with caplog.at_level("INFO", logger="fusedlayers"):
+        call_kernel(case, make_kv_inputs(case, "cpu"))
+    assert "split-KV decode kernel: paged, page_size 16" in caplog.text
+
+
+def test_split_heuristic():
+    cpu = torch.device("cpu")  # stands in for the H100: 132 multiprocessors
+    assert _flash_decode.num_splits_heuristic(64 * 8, 32768, cpu) == 1  # enough programs
+    assert _flash_decode.num_splits_heuristic(8, 131072, cpu) == 33  # ~2 waves of 132
+    assert _flash_decode.num_splits_heuristic(8, 256, cpu) == 2  # no split under 2 blocks
+    assert _flash_decode.num_splits_heuristic(64, 8192, cpu) == 6  # 5 would leave a 40% wave
+    assert _flash_decode.num_splits_heuristic(1, 1 << 20, cpu) == _flash_decode.MAX_SPLITS
+
+
+# --------------------------------------------------------------------------------------------------
+# Bad input: a clear exception before any write
+# --------------------------------------------------------------------------------------------------
+
+PAGED = KVCase(page_size=16, s_new=2, s_q=2, causal=True, rotary="interleaved")
+FLAT = KVCase(s_new=2, s_q=2, causal=True, batch_idx=True, leftpad=True)
+
+
+def _set(name, value):
+    return lambda inputs: inputs.__setitem__(name, value(inputs))
+
+
+def _table_entry(value):
+    def edit(inputs):
+        inputs["block_table"][0, 0] = value
+
+    return edit
+
+
+BAD = [
+    (PAGED, _table_entry(10_000), ValueError, "block_table points outside"),
+    (PAGED, _table_entry(-3), ValueError, "block_table points outside"),
+    (PAGED, _set("cache_seqlens", lambda i: i["cache_seqlens"] + 63), ValueError, "overflows"),
+    (PAGED, _set("cache_seqlens", lambda i: i["cache_seqlens"] - 100), ValueError, ">= 0"),
+    (PAGED, _set("rotary_cos", lambda i: i["rotary_cos"][:10]), ValueError, "rotary_sin"),
+    (PAGED, _set("rotary_cos", lambda i: i["rotary_cos"][:10].contiguous()), ValueError, "match"),
+    (PAGED, _set("k_cache", lambda i: i["k_cache"][:, :8]), ValueError, "v_cache"),
+    (PAGED, _set("cache_batch_idx", lambda i: i["cache_seqlens"] * 0), ValueError, "paged"),
+    (PAGED, _set("block_table", lambda i: i["block_table"].long()), TypeError, "int32"),
+    (FLAT, _set("cache_batch_idx", lambda i: i["cache_batch_idx"] + 10), ValueError, "[0, 4)"),
+    (FLAT, _set("cache_leftpad", lambda i: i["cache_seqlens"] + 1), ValueError, "cache_leftpad"),
+    (FLAT, _set("cache_seqlens", lambda i: i["cache_seqlens"].long()), TypeError, "int32"),
+    (FLAT, _set("v", lambda i: None), ValueError, "together"),
+    (FLAT, _set("k", lambda i: i["k"][:, :, :1]), ValueError, "s_new"),
+    (FLAT, _set("k", lambda i: i["k"].float()), TypeError, "dtype"),
+    (FLAT, _set("q", lambda i: i["q"][:, :, :3]), ValueError, "multiple"),
+    (FLAT, _set("alibi_slopes", lambda i: torch.ones(3)), ValueError, "alibi_slopes"),
+    (FLAT, _set("rotary_cos", lambda i: torch.ones(64, 8)), ValueError, "together"),
+]
+
+
+@pytest.mark.parametrize("case,edit,error,match", BAD, ids=[str(i) for i in range(len(BAD))])
+def test_bad_input_raises_before_any_write(case, edit, error, match):
+    inputs = make_kv_inputs(case, "cpu")
+    edit(inputs)
+    caches = [inputs["k_cache"].clone(), inputs["v_cache"].clone()]
+    with pytest.raises(error, match=re.escape(match)):
+        call_kernel(case, inputs)
+    torch.testing.assert_close(inputs["k_cache"], caches[0], rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(inputs["v_cache"], caches[1], rtol=0, atol=0, equal_nan=True)
+
+
+def test_unused_block_table_entries_are_not_checked():
+    # make_kv_inputs marks pages past each sequence's end -1: accepted, never read.
+    case = KVCase(page_size=16, s_new=1, seqlens="zero", s_cache=64)
+    inputs = make_kv_inputs(case, "cpu")
+    assert (inputs["block_table"][:, 1:] == -1).all()
+    call_kernel(case, inputs)
+
+
+def test_bad_page_size():
+    q = torch.randn(1, 1, 2, 16, dtype=F16)
+    cache = torch.zeros(4, 24, 2, 16, dtype=F16)
+    table = torch.zeros(1, 2, dtype=torch.int32)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        flash_attn_with_kvcache(q, cache, cache.clone(), cache_seqlens=1, block_table=table)
+
+
+def test_int_seqlens_beyond_cache():
+    q = torch.randn(1, 1, 2, 16, dtype=F16)
+    cache = torch.zeros(1, 8, 2, 16, dtype=F16)
+    with pytest.raises(ValueError, match=r"\[0, 8\]"):
+        flash_attn_with_kvcache(q, cache, cache.clone(), cache_seqlens=9)
+    k = torch.ones(1, 2, 2, 16, dtype=F16)
+    with pytest.raises(ValueError, match="overflows"):
+        flash_attn_with_kvcache(q, cache, cache, k=k, v=k, cache_seqlens=7)
+    assert not cache.any()
+
+
+def test_cpu_tensors_need_the_interpreter(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    q = torch.randn(1, 1, 2, 16, dtype=F16)
+    cache = torch.zeros(1, 8, 2, 16, dtype=F16)
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
+        flash_attn_with_kvcache(q, cache, cache.clone(), cache_seqlens=3)
