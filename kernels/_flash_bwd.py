@@ -79,7 +79,7 @@ CONFIG_FIELDS = ("BLOCK_M1", "BLOCK_N1", "WARPS1", "STAGES1", "BLOCK_M2", "BLOCK
 # query-major dK/dV tiles, (32, 128, 8, 3, ...) gave run-to-run different, wrong dK under Triton 3.6
 # on the H100 (a miscompile; no kernel writes memory another program reads). The entries won
 # `examples/tune_attention.py --bwd` (each pass swept with the other at its entry; b=16384/s,
-# h=2048/d, s=4096, causal and not, bf16, H100), re-swept on 2026-11-23 (fifth session,
+# h=2048/d, s=4096, causal and not, bf16, H100), re-swept on 2026-11-23 (code aaad225,
 # bench/h100-2026-11-23e/tune-bwd-4k.log) after the passes' int32 row indices ended the dK/dV
 # spills; backward ms, non-causal / causal:
 # - d=128: dK/dV (32, 64, 4, 3) 3.39 / 2.03 against FlexAttention's (64, 128, 8, 3) 3.57 / 2.16
