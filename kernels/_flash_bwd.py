@@ -79,7 +79,7 @@ CONFIG_FIELDS = ("BLOCK_M1", "BLOCK_N1", "WARPS1", "STAGES1", "BLOCK_M2", "BLOCK
 # query-major dK/dV tiles, (32, 128, 8, 3, ...) gave run-to-run different, wrong dK under Triton 3.6
 # on the H100 (a miscompile; no kernel writes memory another program reads). The entries won
 # `examples/tune_attention.py --bwd` (each pass swept with the other at its entry; b=16384/s,
-# h=2048/d, s=4096, causal and not, bf16, H100), re-swept on 2026-11-23 (fifth session,
+# h=2048/d, s=4096, causal and not, bf16, H100), re-swept on 2026-11-23 (code aaad225,
 # bench/h100-2026-11-23e/tune-bwd-4k.log) after the passes' int32 row indices ended the dK/dV
 # spills; backward ms, non-causal / causal:
 # - d=128: dK/dV (32, 64, 4, 3) 3.39 / 2.03 against FlexAttention's (64, 128, 8, 3) 3.57 / 2.16
@@ -94,7 +94,7 @@ BWD_CONFIGS: dict[int, tuple[int, ...]] = {
 # Causal-like launches (a right window bound) on sequences up to SHORT_SEQLEN (the longer of
 # max_len_q and max_len_k) take these entries: with few key blocks per sequence, smaller blocks
 # spread the mask's uneven work over more programs. `tune_attention.py --bwd --seqlen 1024`
-# (b=16, H100, 2026-11-23, bench/h100-2026-11-23d, d=64 re-swept in bench/h100-2026-11-23e),
+# (b=16, H100, 2026-11-23; d=64 re-swept in bench/h100-2026-11-23e/tune-bwd-1k.log),
 # causal ms: d=64 dK/dV (32, 64, 4, 3) 0.81 against the main entry's (32, 128, 4, 3) 0.81 (a tie
 # since the int32 row indices; 0.99 against 1.15 before them), dQ (64, 64, 4, 3) 0.81 against
 # 0.88. At d=128 the short entry (32, 128, 8, 3) had won before the int32 row indices (0.93
@@ -114,8 +114,8 @@ PREPROCESS_BLOCK_M = 64
 
 # The atomic-dQ path's dK/dV launch, (BLOCK_M1, BLOCK_N1, WARPS1, STAGES1) per padded head dim: the
 # kernel also holds a [BLOCK_M, d_qk] dQ tile and issues its atomics. Every entry must pass
-# tests/gpu/test_backward_gpu.py. `tune_attention.py --atomic` (s=4096, H100, 2026-11-23,
-# bench/h100-2026-11-23d), ms non-causal / causal, against the two-pass backward's 3.68 / 2.25
+# tests/gpu/test_backward_gpu.py. `tune_attention.py --atomic` (s=4096, H100, 2026-11-23; tune 2
+# in docs/performance.md's log), ms non-causal / causal, against the two-pass backward's 3.68 / 2.25
 # (d=128) and 4.47 / 2.59 (d=64): d=128 (64, 128, 8, 3) 4.00 / 3.26 (the two-pass dK/dV tile:
 # 6.23 / 3.92); d=64 (64, 128, 8, 3) 4.86 / 3.05. Still slower, so the path stays off.
 ATOMIC_CONFIG_FIELDS = CONFIG_FIELDS[:4]

@@ -1,6 +1,6 @@
 """The attention benchmark's CPU-checkable parts: FLOP counts, presets, writers, the pipeline.
 
-The benchmark itself runs on the lent GPU; here its counting and reporting are checked against
+The benchmark itself needs a CUDA GPU; here its counting and reporting are checked against
 brute force and synthetic results, and its whole case/check/report pipeline runs on tiny CPU
 shapes with stand-ins for the GPU-only pieces (timing, memory, the Triton kernels).
 """

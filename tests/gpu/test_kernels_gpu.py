@@ -1,4 +1,4 @@
-"""Issue 3's GPU matrix for `fusedlayers.kernels.flash_attention`, forward and backward.
+"""The GPU matrix for `fusedlayers.kernels.flash_attention`, forward and backward.
 
 fp16 and bf16; every head dim in HEAD_DIMS with every (s_q, s_k) in SEQ_PAIRS once (80 cases),
 rotating dtype, MHA/GQA/MQA and one feature per case (causal TL/BR, windows, varlen with and
