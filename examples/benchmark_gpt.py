@@ -29,8 +29,8 @@ from fusedlayers.kernels import _flash_bwd
 from fusedlayers.models import GPT, GPTConfig, lm_loss
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from fusedlayers import normalization
-from fusedlayers.qkv_storage import QKVSpec, split_fused
+from fusedlayers.layers import normalization
+from fusedlayers.layers.qkv_storage import QKVSpec, split_fused
 
 PEAK_BF16_TFLOPS = {"H100": 989.4, "H200": 989.4, "A100": 312.0}
 # Kernels that are off by default, or on only where measured faster (docs/performance.md): each

@@ -40,6 +40,7 @@ from fusedlayers.models import (  # noqa: E402
     save_checkpoint,
 )
 from torch.nn.parallel import DistributedDataParallel  # noqa: E402
+from tqdm import tqdm  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 CORPUS = ROOT / "data" / "shakespeare.txt.gz"
@@ -162,38 +163,6 @@ def evaluate(model, data, args, ctx, rank, world, autocast) -> float:
     return total.item() / (args.eval_batches * world)
 
 
-class Progress:
-    """One-line progress bar on stderr: step, loss, tokens/s, elapsed and ETA. Redrawn at most
-    twice a second, so logs captured from a pipe stay small."""
-
-    def __init__(self, total: int, start: int, enabled: bool) -> None:
-        self.total, self.start, self.enabled = total, start, enabled
-        self.t0 = self.drawn = time.perf_counter()
-
-    def update(self, step: int, loss: float, tokens_per_s: float) -> None:
-        now = time.perf_counter()
-        if not self.enabled or (now - self.drawn < 0.5 and step + 1 < self.total):
-            return
-        self.drawn = now
-        elapsed = now - self.t0
-        eta = elapsed / (step + 1 - self.start) * (self.total - step - 1)
-        filled = int(30 * (step + 1) / self.total)
-        sys.stderr.write(
-            f"\r[{'#' * filled}{'-' * (30 - filled)}] {step + 1}/{self.total} loss {loss:.3f} "
-            f"{tokens_per_s:,.0f} tok/s elapsed {_hms(elapsed)} eta {_hms(eta)}"
-        )
-        sys.stderr.flush()
-
-    def newline(self) -> None:
-        if self.enabled:
-            sys.stderr.write("\n")
-
-
-def _hms(seconds: float) -> str:
-    m, s = divmod(int(seconds), 60)
-    return f"{m // 60:d}:{m % 60:02d}:{s:02d}"
-
-
 def plot_losses(runs: dict[str, list[dict]], path: Path) -> None:
     """Train and validation loss against step for each named run, to one PNG."""
     import matplotlib
@@ -305,28 +274,33 @@ def run(model, core, optimizer, data, args, step, history, rank, world) -> int:
     def validate() -> None:
         val = evaluate(model, val_data, args, ctx, rank, world, autocast)
         history.append({"step": step, "val_loss": val})
-        if rank == 0:
-            print(f"step {step}: val loss {val:.4f}", flush=True)
+        if rank == 0:  # above the progress bar, which tqdm clears and redraws
+            tqdm.write(f"step {step}: val loss {val:.4f}", file=sys.stdout)
+            sys.stdout.flush()
 
     if step == 0:
         validate()
     last = min(args.steps, args.stop_at or args.steps)
-    progress = Progress(args.steps, step, enabled=rank == 0)
-    while step < last:
-        t0 = time.perf_counter()
-        loss = train_step(model, optimizer, train_data, args, ctx, step, rank, world, autocast)
-        # train_step ends in .item(), so this times finished GPU work (evals excluded).
-        tokens_per_s = args.batch_size * ctx / (time.perf_counter() - t0)
-        history.append({"step": step, "train_loss": loss})
-        progress.update(step, loss, tokens_per_s)
-        step += 1
-        if step % args.eval_interval == 0 or step == args.steps:
-            progress.newline()
-            validate()
-        if rank == 0 and (step % args.ckpt_interval == 0 or step == last):
-            save_checkpoint(
-                args.out_dir / "last.safetensors", core, optimizer, step, {"history": history}
-            )
+    # Step, loss, tokens/s, elapsed and ETA on stderr (rank 0), redrawn at most twice a second
+    # so that logs captured from a pipe stay small.
+    with tqdm(
+        total=args.steps, initial=step, unit="step", mininterval=0.5, disable=rank != 0
+    ) as progress:
+        while step < last:
+            t0 = time.perf_counter()
+            loss = train_step(model, optimizer, train_data, args, ctx, step, rank, world, autocast)
+            # train_step ends in .item(), so this times finished GPU work (evals excluded).
+            tokens_per_s = args.batch_size * ctx / (time.perf_counter() - t0)
+            history.append({"step": step, "train_loss": loss})
+            progress.set_postfix_str(f"loss {loss:.3f} {tokens_per_s:,.0f} tok/s", refresh=False)
+            progress.update()
+            step += 1
+            if step % args.eval_interval == 0 or step == args.steps:
+                validate()
+            if rank == 0 and (step % args.ckpt_interval == 0 or step == last):
+                save_checkpoint(
+                    args.out_dir / "last.safetensors", core, optimizer, step, {"history": history}
+                )
     return step
 
 

@@ -10,8 +10,8 @@ Public API:
     reference_mode                            run every module on the reference path in a block
 """
 
-from .dot_product_attention import DotProductAttention
-from .functional import (
+from .attention.dot_product_attention import DotProductAttention
+from .attention.functional import (
     flash_attn_func,
     flash_attn_kvpacked_func,
     flash_attn_qkvpacked_func,
@@ -19,9 +19,9 @@ from .functional import (
     flash_attn_varlen_kvpacked_func,
     flash_attn_varlen_qkvpacked_func,
 )
-from .kvcache import flash_attn_with_kvcache
-from .packing import split_packed
-from .reference import attention_reference
+from .attention.kvcache import flash_attn_with_kvcache
+from .attention.packing import split_packed
+from .attention.reference import attention_reference
 from .reference_switch import reference_mode
 
 __version__ = "0.1.0"

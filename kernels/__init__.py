@@ -50,8 +50,8 @@ from ._norm import MAX_HIDDEN as MAX_NORM_HIDDEN
 from ._norm import SUPPORTED_DTYPES as NORM_DTYPES
 from ._rope import SUPPORTED_DTYPES as ROPE_DTYPES
 from .activation_ops import fused_activation
+from .attention_ops import flash_attention
 from .norm_ops import layer_norm
-from .ops import flash_attention
 from .rope_ops import rope
 
 KERNEL_ACTIVATIONS = tuple(_ACTIVATIONS)

@@ -7,7 +7,7 @@ copy; the last dim must be contiguous, rows may have any stride).
 A gated activation splits x into a = x[:, :n] and b = x[:, n:] and computes y = act(a) * b, with
     dx[:, :n] = dy * b * act'(a),   dx[:, n:] = dy * act(a).
 
-The activations (fusedlayers/mlp.py holds the PyTorch definitions these match):
+The activations (fusedlayers/layers/mlp.py holds the PyTorch definitions these match):
     gelu(x)  = 0.5 x (1 + tanh(k0 (x + 0.044715 x^3)))  = x * sigmoid(2 k0 (x + 0.044715 x^3))
     qgelu(x) = x * sigmoid(1.702 x),  silu(x) = x * sigmoid(x)
     relu(x)  = max(x, 0),             srelu(x) = relu(x)^2

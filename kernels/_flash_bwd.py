@@ -78,7 +78,7 @@ CONFIG_FIELDS = ("BLOCK_M1", "BLOCK_N1", "WARPS1", "STAGES1", "BLOCK_M2", "BLOCK
 # Every entry must pass tests/gpu/test_backward_gpu.py, its determinism test included: with
 # query-major dK/dV tiles, (32, 128, 8, 3, ...) gave run-to-run different, wrong dK under Triton 3.6
 # on the H100 (a miscompile; no kernel writes memory another program reads). The entries won
-# `examples/tune_attention.py --bwd` (each pass swept with the other at its entry; b=16384/s,
+# `examples/perf/tune_attention.py --bwd` (each pass swept with the other at its entry; b=16384/s,
 # h=2048/d, s=4096, causal and not, bf16, H100), re-swept on 2026-11-23 (code aaad225,
 # bench/h100-2026-11-23e/tune-bwd-4k.log) after the passes' int32 row indices ended the dK/dV
 # spills; backward ms, non-causal / causal:
@@ -125,10 +125,10 @@ BWD_ATOMIC_CONFIGS: dict[int, tuple[int, ...]] = {
     256: BWD_CONFIGS[256][:4],
 }
 # Where the non-deterministic backward takes the atomic-dQ path: "never" (the default until
-# examples/bench_backward.py shows it faster on the H100 and tests/gpu/test_backward_gpu.py passes
-# it there; docs/performance.md), "cuda" (the interpreter runs one program at a time, so atomics
-# save nothing there) or "any" (tests force it on the interpreter). deterministic=True and dBias
-# always take the two-pass path.
+# examples/perf/bench_backward.py shows it faster on the H100 and tests/gpu/test_backward_gpu.py
+# passes it there; docs/performance.md), "cuda" (the interpreter runs one program at a time, so
+# atomics save nothing there) or "any" (tests force it on the interpreter). deterministic=True and
+# dBias always take the two-pass path.
 ATOMIC_DQ_DEVICES = "never"
 # The dK/dV pass splits a GQA group over several programs while it launches fewer than this
 # many waves of programs (`group_splits`), (causal-like, other) launches; GROUP_SPLITS_OVERRIDE

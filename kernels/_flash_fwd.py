@@ -54,7 +54,7 @@ from ._forward_paths import run_sm90, sm90_plan
 # --------------------------------------------------------------------------------------------------
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) candidates per padded head dim, for Hopper-class GPUs.
-# From `examples/tune_attention.py --fwd` on the H100 (bf16, s = 4096, 2026-11-23): d=128 (128,
+# From `examples/perf/tune_attention.py --fwd` on the H100 (bf16, s = 4096, 2026-11-23): d=128 (128,
 # 128, 8, 3) 510 / 414 TF/s (non-causal / causal) against 464 / 391 for (128, 64, 8, 3); d=64 (128,
 # 64, 4, 3) 436 / 366, (64, 64, 4, 3) 405 / 332, (128, 128, 4, 3) 407 / 322, (128, 128, 8, 3) 355 /
 # 307. Warp-specialized loops (`tl.range(..., warp_specialize=True)`) were no faster (495 / 406
@@ -374,7 +374,7 @@ def forward_launch(
     )  # fmt: skip
     # Tiles at least 64 wide for 16-bit inputs: Triton 3.6 on the H100 hit an illegal address once
     # on an fp16 launch with a 32-wide V tile (d 40 / d_v 24, tiny lengths), not yet isolated
-    # (examples/debug_forward_configs.py). Wider tiles take the masked path every head dim in
+    # (examples/perf/debug_forward_configs.py). Wider tiles take the masked path every head dim in
     # 33..64 takes on the GPU tests; the cost is extra tensor-core work for d <= 32 only.
     min_width = 64 if q.element_size() == 2 else 16
     constexprs = dict(

@@ -31,7 +31,7 @@ from ._common import cdiv, next_pow2
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # Elements (of t) per [BLOCK_T, BLOCK_H, d] tile and the warps that hold it: 16 per thread at
 # 8 warps, two 16-byte bf16 vectors per half-row chunk. A first choice for a streaming kernel, not
-# measured against others yet (examples/benchmark_rope.py is the place to do it).
+# measured against others yet (examples/perf/benchmark_rope.py is the place to do it).
 _TILE, _NUM_WARPS = 4096, 8
 # Heads per tile at most: the cos/sin of a token broadcast over them; more would shrink BLOCK_T
 # below a useful number of tokens for d = 128.

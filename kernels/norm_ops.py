@@ -1,4 +1,4 @@
-"""The kernel entry `layer_norm`, as torch.library custom ops (the pattern of `ops.py`).
+"""The kernel entry `layer_norm`, as torch.library custom ops (the pattern of `attention_ops.py`).
 
 Two ops, `fusedlayers::norm_fwd` and `fusedlayers::norm_bwd`, wrap the launchers of `_norm.py`.
 Each has a fake (meta) implementation, so torch.compile(fullgraph=True) traces through them, and

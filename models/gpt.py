@@ -16,11 +16,11 @@ import math
 import torch
 import torch.nn.functional as F
 
-from fusedlayers.inference import InferenceParams
-from fusedlayers.normalization import make_norm
+from fusedlayers.layers.inference import InferenceParams
+from fusedlayers.layers.normalization import make_norm
+from fusedlayers.layers.rope import RotaryPositionEmbedding
+from fusedlayers.layers.transformer_layer import TransformerLayer
 from fusedlayers.reference_switch import ReferenceSwitch
-from fusedlayers.rope import RotaryPositionEmbedding
-from fusedlayers.transformer_layer import TransformerLayer
 
 from .config import GPTConfig
 

@@ -21,7 +21,7 @@ import sys
 import torch
 from fusedlayers.kernels import dropout_keep_mask, flash_attention
 
-from fusedlayers.reference import attention_reference
+from fusedlayers.attention.reference import attention_reference
 
 GRAD_NAMES = ("dq", "dk", "dv", "dbias")
 

@@ -54,7 +54,7 @@ def device():
 def kernels_on_cpu(monkeypatch):
     """Send CPU tensors to the attention kernels (the modules pick the reference on CPU
     otherwise); `backend="reference"` still takes the reference."""
-    import fusedlayers.attention as front_end
+    import fusedlayers.attention.frontend as front_end
 
     original = front_end._choose_backend
 

@@ -21,7 +21,7 @@ import torch
 from attention_testing import check_close, lse_atol
 
 from fusedlayers import flash_attn_with_kvcache
-from fusedlayers.reference import attention_reference
+from fusedlayers.attention.reference import attention_reference
 
 
 @dataclasses.dataclass(frozen=True)

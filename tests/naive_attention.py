@@ -1,6 +1,6 @@
 """An independent, deliberately naive fp64 attention: one query row at a time, plain Python
 loops over keys, written from the semantics in docs/internals.md and not from the reference's
-code. It is the oracle that checks `fusedlayers.reference.attention_reference` itself."""
+code. It is the oracle that checks `fusedlayers.attention.reference.attention_reference` itself."""
 
 from __future__ import annotations
 

@@ -16,8 +16,8 @@ import pytest
 import torch
 from attention_testing import check_close
 
-import fusedlayers.mlp as mlp
-from fusedlayers.mlp import ACTIVATIONS, LayerNormMLP, activation_reference, apply_activation
+import fusedlayers.layers.mlp as mlp
+from fusedlayers.layers.mlp import ACTIVATIONS, LayerNormMLP, activation_reference, apply_activation
 
 GATED = ("geglu", "reglu", "qgeglu", "sreglu", "swiglu")
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
@@ -251,9 +251,9 @@ def test_debug_log_once_per_call_site(monkeypatch, caplog):
 
 
 def test_benchmark_dry_run(tmp_path):
-    """examples/benchmark_activation.py's whole pipeline (inputs, check, timing stand-in, table)
-    on tiny CPU shapes."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
+    """examples/perf/benchmark_activation.py's whole pipeline (inputs, check, timing stand-in,
+    table) on tiny CPU shapes."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples" / "perf"))
     import benchmark_activation
 
     # fp16: its tolerance (3e-3) catches a kernel 1% off; bf16's would not.

@@ -17,7 +17,8 @@ import torch
 from attention_testing import KernelSpy
 from fusedlayers.kernels import _flash_bwd, _flash_fwd
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+sys.path[:0] = [str(EXAMPLES), str(EXAMPLES / "perf")]  # benchmark_attention; tune_attention
 
 import bench_utils as bu  # noqa: E402
 import benchmark_attention as ba  # noqa: E402
@@ -250,7 +251,7 @@ def _fake_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal=False, window_size=(-
 
 
 def bu_reference():
-    from fusedlayers.reference import attention_reference
+    from fusedlayers.attention.reference import attention_reference
 
     return attention_reference
 
@@ -382,7 +383,7 @@ def test_tuning_runners_launch_the_kernels(device, causal, monkeypatch):
     tiles; the runners still swap the table entry of d=64, a table key)."""
     import tune_attention as ta
 
-    from fusedlayers.reference import attention_reference
+    from fusedlayers.attention.reference import attention_reference
 
     g = torch.Generator().manual_seed(7)
     q, k, v, dout = (torch.randn(1, 40, 2, 64, generator=g).to(device) for _ in range(4))

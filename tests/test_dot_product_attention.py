@@ -12,7 +12,7 @@ from naive_attention import naive_attention
 
 import fusedlayers
 from fusedlayers import DotProductAttention
-from fusedlayers.masks import alibi_slopes_for
+from fusedlayers.attention.masks import alibi_slopes_for
 
 B, H, D = 2, 4, 8
 

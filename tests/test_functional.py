@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import fusedlayers as fl
-from fusedlayers.reference import attention_reference
+from fusedlayers.attention.reference import attention_reference
 
 B, S_Q, S_K, H, HG, D = 2, 9, 13, 4, 2, 16
 
@@ -101,7 +101,7 @@ def test_alibi_and_scale(device):
 def test_dot_product_attention_kernel_path_through_the_interpreter(device):
     """The module on the kernel backend equals its reference path (arbitrary mask included,
     which reaches the kernels as a -inf bias with fully masked rows)."""
-    from fusedlayers.attention import attention
+    from fusedlayers.attention.frontend import attention
 
     dtype = torch.float32
     q, k, v = _tensors((S_Q, B, H, D), (S_Q, B, HG, D), (S_Q, B, HG, D), dtype=dtype, device=device)

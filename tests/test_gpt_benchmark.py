@@ -49,7 +49,7 @@ def test_flop_count(bench):
 def test_variants_switch_the_off_by_default_kernels_and_restore_them(bench):
     from fusedlayers.kernels import _flash_bwd
 
-    from fusedlayers import normalization
+    from fusedlayers.layers import normalization
 
     before = normalization.KERNEL_MIN_HIDDEN, _flash_bwd.ATOMIC_DQ_DEVICES
     with bench.switched(**bench.VARIANTS["both"]):

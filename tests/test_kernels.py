@@ -14,8 +14,8 @@ import dataclasses
 import pytest
 import torch
 from attention_testing import Case, check_case, make_inputs, run_kernel
-from fusedlayers.kernels import dropout_keep_mask, flash_attention, ops
-from fusedlayers.kernels.ops import flash_attn_bwd, flash_attn_fwd
+from fusedlayers.kernels import attention_ops, dropout_keep_mask, flash_attention
+from fusedlayers.kernels.attention_ops import flash_attn_bwd, flash_attn_fwd
 
 F16, F32 = torch.float16, torch.float32
 CAUSAL = (-1, 0)
@@ -292,8 +292,8 @@ def test_entry_routes_eager_calls_around_the_dispatcher(device, monkeypatch):
     case, inputs, leaves = _compiled_inputs(device)
     q, k, v = leaves[:3]
     op_calls = []
-    op = ops.flash_attn_fwd
-    monkeypatch.setattr(ops, "flash_attn_fwd", lambda *a: op_calls.append(1) or op(*a))
+    op = attention_ops.flash_attn_fwd
+    monkeypatch.setattr(attention_ops, "flash_attn_fwd", lambda *a: op_calls.append(1) or op(*a))
 
     def attend(q, k, v):
         return flash_attention(q, k, v, softmax_scale=0.3, window_size=CAUSAL)[0]

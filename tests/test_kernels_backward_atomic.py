@@ -22,7 +22,7 @@ from attention_testing import Case, KernelSpy, check_case, make_inputs, run_kern
 from fusedlayers.kernels import _flash_bwd
 from fusedlayers.kernels._flash_bwd import flash_attention_backward
 
-from fusedlayers.reference import attention_reference
+from fusedlayers.attention.reference import attention_reference
 
 F16, F32 = torch.float16, torch.float32
 CAUSAL = (-1, 0)

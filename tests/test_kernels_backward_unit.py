@@ -21,7 +21,7 @@ from attention_testing import KernelSpy
 from fusedlayers.kernels import _flash_bwd, dropout_keep_mask
 from fusedlayers.kernels._flash_bwd import flash_attention_backward
 
-from fusedlayers.reference import attention_reference
+from fusedlayers.attention.reference import attention_reference
 
 F16, F32 = torch.float16, torch.float32
 

@@ -20,7 +20,7 @@ from fusedlayers.kernels._common import key_block_range, query_block_range
 from fusedlayers.kernels._dropout import dropout_keep_mask
 from fusedlayers.kernels._flash_fwd import flash_attention_forward
 
-from fusedlayers.reference import attention_reference
+from fusedlayers.attention.reference import attention_reference
 
 NO_SEQ = dict.fromkeys(
     ("cu_seqlens_q", "cu_seqlens_k", "seq_offsets_q", "seq_offsets_k")

@@ -9,9 +9,9 @@ import pytest
 import test_layers_oracle as oracle
 import torch
 
-import fusedlayers.dot_product_attention as dpa_module
-from fusedlayers.multihead_attention import MultiheadAttention
-from fusedlayers.rope import RotaryPositionEmbedding
+import fusedlayers.attention.dot_product_attention as dpa_module
+from fusedlayers.layers.multihead_attention import MultiheadAttention
+from fusedlayers.layers.rope import RotaryPositionEmbedding
 
 HIDDEN, HEADS, HEAD_DIM = 32, 4, 8
 FORMS = {"separate": (False, True), "interleaved": (True, True), "concat": (True, False)}

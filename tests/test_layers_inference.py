@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fusedlayers.inference import InferenceParams
-from fusedlayers.multihead_attention import MultiheadAttention
-from fusedlayers.rope import RotaryPositionEmbedding
-from fusedlayers.transformer_layer import TransformerLayer
+from fusedlayers.layers.inference import InferenceParams
+from fusedlayers.layers.multihead_attention import MultiheadAttention
+from fusedlayers.layers.rope import RotaryPositionEmbedding
+from fusedlayers.layers.transformer_layer import TransformerLayer
 
 HIDDEN, FFN, HEADS, HEAD_DIM = 32, 48, 4, 8
 STEPS = [5, 1, 2, 1]  # prompt, then new tokens per step

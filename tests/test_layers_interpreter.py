@@ -11,8 +11,8 @@ import os
 import pytest
 import torch
 
-import fusedlayers.attention as front_end
-from fusedlayers.multihead_attention import MultiheadAttention
+import fusedlayers.attention.frontend as front_end
+from fusedlayers.layers.multihead_attention import MultiheadAttention
 
 pytestmark = pytest.mark.skipif(
     torch.cuda.is_available()

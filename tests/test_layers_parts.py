@@ -8,10 +8,10 @@ import pytest
 import test_layers_oracle as oracle
 import torch
 
-from fusedlayers.linear import LayerNormLinear, Linear
-from fusedlayers.mlp import LayerNormMLP
-from fusedlayers.normalization import LayerNorm, RMSNorm
-from fusedlayers.rope import RotaryPositionEmbedding, apply_rotary_pos_emb
+from fusedlayers.layers.linear import LayerNormLinear, Linear
+from fusedlayers.layers.mlp import LayerNormMLP
+from fusedlayers.layers.normalization import LayerNorm, RMSNorm
+from fusedlayers.layers.rope import RotaryPositionEmbedding, apply_rotary_pos_emb
 
 
 def test_rope_table_layout():
@@ -77,7 +77,7 @@ def test_rope_bound_check_computes_the_largest_position_on_the_host(seed):
     """thd (empty sequences, rows past the last sequence) and start offsets: the table bound is
     checked from host copies of cu_seqlens / start_positions, and must equal the largest of the
     positions the rotation gathers."""
-    from fusedlayers.rope import _largest_position, token_positions
+    from fusedlayers.layers.rope import _largest_position, token_positions
 
     g = torch.Generator().manual_seed(seed)
     lens = torch.randint(0, 6, (4,), generator=g)

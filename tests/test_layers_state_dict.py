@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from fusedlayers import reference_mode
-from fusedlayers.linear import check_extra_state
-from fusedlayers.multihead_attention import MultiheadAttention
+from fusedlayers.layers.linear import check_extra_state
+from fusedlayers.layers.multihead_attention import MultiheadAttention
+from fusedlayers.layers.transformer_layer import TransformerLayer
 from fusedlayers.reference_switch import ReferenceSwitch
-from fusedlayers.transformer_layer import TransformerLayer
 
 HIDDEN, FFN, HEADS, GROUPS = 32, 48, 4, 2
 FORMS = {"separate": (False, True), "interleaved": (True, True), "concat": (True, False)}

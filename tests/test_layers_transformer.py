@@ -9,9 +9,9 @@ import pytest
 import test_layers_oracle as oracle
 import torch
 
-from fusedlayers.mlp import ACTIVATIONS
-from fusedlayers.rope import RotaryPositionEmbedding
-from fusedlayers.transformer_layer import TransformerLayer
+from fusedlayers.layers.mlp import ACTIVATIONS
+from fusedlayers.layers.rope import RotaryPositionEmbedding
+from fusedlayers.layers.transformer_layer import TransformerLayer
 
 HIDDEN, FFN, HEADS = 32, 48, 4
 FORMS = {"separate": (False, True), "interleaved": (True, True), "concat": (True, False)}

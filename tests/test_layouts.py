@@ -3,7 +3,7 @@ property tests that a returned name is a true claim about every stride and offse
 
 The oracle is `claim_holds`: it rebuilds the views a layout name describes from nothing but the
 storage, the shapes and the start of each buffer, and compares them with the tensors given. It
-parses the name, so it shares no code with `fusedlayers.layouts`.
+parses the name, so it shares no code with `fusedlayers.attention.layouts`.
 """
 
 from __future__ import annotations
@@ -16,14 +16,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fusedlayers.layouts import (
+from fusedlayers.attention.layouts import (
     LAYOUT_DESCRIPTIONS,
     QKV_LAYOUTS,
     STRIDED,
     get_qkv_layout,
     kernel_ready,
 )
-from fusedlayers.reference import attention_reference
+from fusedlayers.attention.reference import attention_reference
 
 FORMATS = ("sbhd", "bshd", "thd")
 # TE's names per format (its get_qkv_layout docstring), written out rather than derived.

@@ -13,10 +13,10 @@ import torch
 from fusedlayers.kernels import MAX_NORM_HIDDEN
 from norm_testing import NormCase, check_norm_case, kernel_results, make_inputs
 
-import fusedlayers.normalization as normalization
-from fusedlayers.linear import LayerNormLinear
-from fusedlayers.mlp import LayerNormMLP
-from fusedlayers.normalization import LayerNorm, RMSNorm, apply_normalization
+import fusedlayers.layers.normalization as normalization
+from fusedlayers.layers.linear import LayerNormLinear
+from fusedlayers.layers.mlp import LayerNormMLP
+from fusedlayers.layers.normalization import LayerNorm, RMSNorm, apply_normalization
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
@@ -189,9 +189,9 @@ def test_auto_takes_the_kernel_on_cuda_from_the_measured_hidden_size(monkeypatch
 
 
 def test_benchmark_dry_run(tmp_path):
-    """examples/benchmark_norm.py's whole pipeline (inputs, checks, timing stand-in, table) on
+    """examples/perf/benchmark_norm.py's whole pipeline (inputs, checks, timing stand-in, table) on
     tiny CPU shapes; torch.compile's provider is left out to keep this fast."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples" / "perf"))
     import benchmark_norm
 
     providers = "fusedlayers,torch-fp32,torch-native"

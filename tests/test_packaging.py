@@ -1,6 +1,7 @@
 """Both `pip install .` and `pip install -e .` put kernels/ and models/ under the fusedlayers
 namespace and never install a top-level `kernels` or `models` module (PyPI has a popular
-`kernels` distribution that would clash)."""
+`kernels` distribution that would clash). The subpackages fusedlayers.attention and
+fusedlayers.layers install too (pyproject lists every package by name)."""
 
 import os
 import subprocess
@@ -12,6 +13,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PROBE = (
     "import importlib.util, fusedlayers.kernels as k, fusedlayers.models as m;"
+    "import fusedlayers.attention.frontend, fusedlayers.layers.transformer_layer;"
     "print(k.__file__); print(m.__file__);"
     "print(importlib.util.find_spec('kernels'), importlib.util.find_spec('models'))"
 )
@@ -54,6 +56,8 @@ def test_regular_install_maps_the_namespace(tmp_path):
     )
     assert (target / "fusedlayers" / "kernels" / "__init__.py").exists()
     assert (target / "fusedlayers" / "models" / "__init__.py").exists()
+    for subpackage in ("attention", "layers"):
+        assert (target / "fusedlayers" / subpackage / "__init__.py").exists(), subpackage
     assert not (target / "kernels").exists() and not (target / "models").exists()
     env = {**os.environ, "PYTHONPATH": str(target)}
     kernels_file, models_file, top_level = _probe(env=env, cwd=tmp_path)

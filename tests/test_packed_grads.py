@@ -21,13 +21,13 @@ from __future__ import annotations
 import copy
 import os
 
-import fusedlayers.kernels.ops as ops
 import pytest
 import torch
+from fusedlayers.kernels import attention_ops
 from fusedlayers.kernels._packed import plan_packed_grads, tiles_exactly
 
-import fusedlayers.attention as front_end
-import fusedlayers.multihead_attention as mha_module
+import fusedlayers.attention.frontend as front_end
+import fusedlayers.layers.multihead_attention as mha_module
 from fusedlayers import (
     DotProductAttention,
     flash_attn_func,
@@ -37,7 +37,7 @@ from fusedlayers import (
     flash_attn_varlen_qkvpacked_func,
     split_packed,
 )
-from fusedlayers.multihead_attention import MultiheadAttention
+from fusedlayers.layers.multihead_attention import MultiheadAttention
 
 pytestmark = pytest.mark.skipif(
     front_end.flash_attention is None
@@ -54,7 +54,7 @@ def written(monkeypatch):
     """Records (dq, dk, dv) as the kernels wrote them, and fills every planned gradient buffer
     with NaN first: uninitialized memory may hold anything, so nothing may be left unwritten."""
     launches = []
-    backward, buffers = ops.flash_attention_backward, ops.packed_grad_buffers
+    backward, buffers = attention_ops.flash_attention_backward, attention_ops.packed_grad_buffers
 
     def record(*args, **kwargs):
         result = backward(*args, **kwargs)
@@ -68,8 +68,8 @@ def written(monkeypatch):
                 g.fill_(float("nan"))
         return grads
 
-    monkeypatch.setattr(ops, "flash_attention_backward", record)
-    monkeypatch.setattr(ops, "packed_grad_buffers", poisoned)
+    monkeypatch.setattr(attention_ops, "flash_attention_backward", record)
+    monkeypatch.setattr(attention_ops, "packed_grad_buffers", poisoned)
     return launches
 
 

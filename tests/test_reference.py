@@ -4,7 +4,7 @@ import pytest
 import torch
 from naive_attention import naive_attention
 
-from fusedlayers.reference import attention_reference
+from fusedlayers.attention.reference import attention_reference
 
 B, H = 2, 4
 

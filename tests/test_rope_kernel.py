@@ -22,9 +22,9 @@ import torch
 from attention_testing import check_close
 from fusedlayers.kernels import _rope
 
-import fusedlayers.rope as rope_front
-from fusedlayers.multihead_attention import MultiheadAttention
-from fusedlayers.rope import RotaryPositionEmbedding, apply_rotary_pos_emb
+import fusedlayers.layers.rope as rope_front
+from fusedlayers.layers.multihead_attention import MultiheadAttention
+from fusedlayers.layers.rope import RotaryPositionEmbedding, apply_rotary_pos_emb
 
 THD_LENGTHS, THD_PADDING = (3, 6, 1), 2  # rows after the last sequence belong to none
 
@@ -367,9 +367,9 @@ def test_multihead_attention_rope_on_kernel_vs_reference(rope_kernel_on_cpu, fmt
 
 
 def test_benchmark_dry_run():
-    """examples/benchmark_rope.py's pipeline (strided inputs, the check against the reference,
+    """examples/perf/benchmark_rope.py's pipeline (strided inputs, the check against the reference,
     timing stand-in, table) on tiny CPU shapes."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples" / "perf"))
     import benchmark_rope
 
     table = benchmark_rope.main(["--dry-run"])

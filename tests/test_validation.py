@@ -5,7 +5,7 @@ import torch
 
 import fusedlayers
 from fusedlayers import DotProductAttention
-from fusedlayers.attention import attention
+from fusedlayers.attention.frontend import attention
 
 H, D = 4, 8
 

@@ -14,8 +14,8 @@ import pytest
 import torch
 from attention_testing import check_close
 
-import fusedlayers.mlp as mlp
-from fusedlayers.mlp import ACTIVATIONS, LayerNormMLP, activation_reference, apply_activation
+import fusedlayers.layers.mlp as mlp
+from fusedlayers.layers.mlp import ACTIVATIONS, LayerNormMLP, activation_reference, apply_activation
 
 pytestmark = pytest.mark.gpu
 

@@ -5,7 +5,7 @@ so a failure points at the backward alone. Pass rule: every gradient's max error
 autograd through `attention_reference` is at most 3x the error of PyTorch computing it from
 input-dtype tensors, plus one unit of the dtype at the gradient's magnitude.
 
-The launch-shape sweep that picks the table entries is `examples/tune_attention.py --bwd`.
+The launch-shape sweep that picks the table entries is `examples/perf/tune_attention.py --bwd`.
 
 Layouts: dense q [b, s_q, h, d], k/v [b, s_k, h_kv, d(_v)]; varlen q [t_q, h, d]; lse dense
 [b, h, s_q] / varlen [h, t_q].
@@ -18,7 +18,7 @@ import torch
 from fusedlayers.kernels import _flash_bwd, dropout_keep_mask
 from fusedlayers.kernels._flash_bwd import flash_attention_backward
 
-from fusedlayers.reference import attention_reference
+from fusedlayers.attention.reference import attention_reference
 
 pytestmark = pytest.mark.gpu
 

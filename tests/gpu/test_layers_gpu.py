@@ -23,12 +23,12 @@ from unittest import mock
 import pytest
 import torch
 
-import fusedlayers.attention as front_end
-import fusedlayers.reference as reference_attention
-from fusedlayers.inference import InferenceParams
-from fusedlayers.multihead_attention import MultiheadAttention
-from fusedlayers.rope import RotaryPositionEmbedding
-from fusedlayers.transformer_layer import TransformerLayer
+import fusedlayers.attention.frontend as front_end
+import fusedlayers.attention.reference as reference_attention
+from fusedlayers.layers.inference import InferenceParams
+from fusedlayers.layers.multihead_attention import MultiheadAttention
+from fusedlayers.layers.rope import RotaryPositionEmbedding
+from fusedlayers.layers.transformer_layer import TransformerLayer
 
 pytestmark = pytest.mark.gpu
 

@@ -15,7 +15,7 @@ import torch
 from test_layouts import TE_LAYOUTS, _cu_seqlens, _lengths, build, issue_1195_views
 
 from fusedlayers import DotProductAttention
-from fusedlayers.layouts import QKV_LAYOUTS, get_qkv_layout
+from fusedlayers.attention.layouts import QKV_LAYOUTS, get_qkv_layout
 
 DEVICE = "cuda"
 HEADS = {"mha": (16, 16), "gqa": (16, 4), "mqa": (16, 1)}

@@ -8,8 +8,8 @@ import pytest
 import torch
 from norm_testing import NormCase, check_norm_case, kernel_results, make_inputs
 
-from fusedlayers import normalization
-from fusedlayers.normalization import LayerNorm, RMSNorm
+from fusedlayers.layers import normalization
+from fusedlayers.layers.normalization import LayerNorm, RMSNorm
 
 pytestmark = pytest.mark.gpu
 

@@ -10,9 +10,9 @@ wrote, and no cat/stack/select-backward/copy of the packed size runs. Timing liv
 
 from __future__ import annotations
 
-import fusedlayers.kernels.ops as ops
 import pytest
 import torch
+from fusedlayers.kernels import attention_ops
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fusedlayers import (
@@ -50,14 +50,14 @@ class _PackedSizeOps(TorchDispatchMode):
 @pytest.fixture
 def written(monkeypatch):
     """(dq, dk, dv) as the kernels wrote them, per backward launch."""
-    launches, backward = [], ops.flash_attention_backward
+    launches, backward = [], attention_ops.flash_attention_backward
 
     def record(*args, **kwargs):
         result = backward(*args, **kwargs)
         launches.append(result[:3])
         return result
 
-    monkeypatch.setattr(ops, "flash_attention_backward", record)
+    monkeypatch.setattr(attention_ops, "flash_attention_backward", record)
     return launches
 
 

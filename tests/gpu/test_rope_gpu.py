@@ -11,9 +11,9 @@ import pytest
 import torch
 from test_rope_kernel import RopeCase, check_rope_case
 
-import fusedlayers.rope as rope_front
-from fusedlayers.multihead_attention import MultiheadAttention
-from fusedlayers.rope import RotaryPositionEmbedding, apply_rotary_pos_emb
+import fusedlayers.layers.rope as rope_front
+from fusedlayers.layers.multihead_attention import MultiheadAttention
+from fusedlayers.layers.rope import RotaryPositionEmbedding, apply_rotary_pos_emb
 
 pytestmark = pytest.mark.gpu
 

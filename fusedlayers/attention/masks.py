@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ._host_cache import per_version
+from .._host_cache import per_version
 
 ATTN_MASK_TYPES = (
     "no_mask",

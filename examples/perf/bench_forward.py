@@ -1,6 +1,6 @@
 """Forward timing: fusedlayers' Triton kernel vs PyTorch SDPA (FlashAttention-2 backend).
 
-Run on a CUDA machine: `python examples/bench_forward.py [--out FILE]`. Same inputs for both
+Run on a CUDA machine: `python examples/perf/bench_forward.py [--out FILE]`. Same inputs for both
 providers (ours reads q/k/v as [b, s, h, d], SDPA as [b, h, s, d]; both contiguous), bf16,
 median of `triton.testing.do_bench`. TFLOP/s counted as 4*b*h*s_q*s_k*d (halved when causal).
 Also prints max |ours - sdpa| and the autotuned config per shape.

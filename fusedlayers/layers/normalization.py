@@ -19,12 +19,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ._backend import choose_backend
-from ._logging import debug_enabled, log_decision
-from .reference_switch import ReferenceSwitch
+from .._backend import choose_backend
+from .._logging import debug_enabled, log_decision
+from ..reference_switch import ReferenceSwitch
 
 try:
-    from .kernels import MAX_NORM_HIDDEN, NORM_DTYPES, layer_norm
+    from ..kernels import MAX_NORM_HIDDEN, NORM_DTYPES, layer_norm
 except ImportError as error:  # Triton missing (no Linux wheel) or broken: the reference serves
     layer_norm, _KERNELS_MISSING = None, f"kernels unavailable ({error})"
     MAX_NORM_HIDDEN, NORM_DTYPES = 0, ()

@@ -4,8 +4,8 @@ An illegal memory access poisons the CUDA context, so every (case, config) runs 
 subprocess; the table says OK (with the max error against the fp32 reference over all repeats),
 IMA (illegal memory access) or WRONG. `--sanitize` reruns one variant under compute-sanitizer.
 
-    python examples/debug_forward_configs.py [--jobs 12] [--repeat 20]
-    python examples/debug_forward_configs.py --sanitize d40dv24 64,64,4,3,64,32
+    python examples/perf/debug_forward_configs.py [--jobs 12] [--repeat 20]
+    python examples/perf/debug_forward_configs.py --sanitize d40dv24 64,64,4,3,64,32
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def worker(name: str, spec: str, repeat: int) -> None:
     import torch
     from fusedlayers.kernels._flash_fwd import _attn_fwd, forward_launch
 
-    from fusedlayers.reference import attention_reference
+    from fusedlayers.attention.reference import attention_reference
 
     dtype, b, h, h_kv, s_q, s_k, d, d_v = CASES[name]
     bm, bn, warps, stages, block_d, block_dv = map(int, spec.split(","))

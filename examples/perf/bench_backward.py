@@ -1,8 +1,8 @@
 """Backward-only timing: two-pass (deterministic=True) vs atomic-dQ (deterministic=False) backward.
 
-Run on CUDA: `python examples/bench_backward.py [--out FILE]` (under 3 minutes on an H100). bf16,
-b * s = 16384 tokens, h * d = 2048, d in {64, 128}, s in {1024, 4096, 16384}, causal or not, plus
-GQA 32:8 at d = 128, s = 4096. Each provider runs its forward once; the median time of
+Run on CUDA: `python examples/perf/bench_backward.py [--out FILE]` (under 3 minutes on an H100).
+bf16, b * s = 16384 tokens, h * d = 2048, d in {64, 128}, s in {1024, 4096, 16384}, causal or
+not, plus GQA 32:8 at d = 128, s = 4096. Each provider runs its forward once; the median time of
 `torch.autograd.grad` on that output with a fixed dout (triton.testing.do_bench) is its backward.
 SDPA's FlashAttention-2 and cuDNN backends read the same tensors as [b, h, s, d]. The two paths'
 dq/dk/dv must agree (norm-wise relative error < 2e-2) before they are timed. TFLOP/s count the
@@ -16,11 +16,16 @@ import argparse
 import math
 import os
 import statistics
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
-import torch
-from bench_utils import bench_ms
+# bench_utils and benchmark_attention live one folder up, in examples/.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+from bench_utils import bench_ms  # noqa: E402
 
 TOKENS, HIDDEN, TOLERANCE = 16384, 2048, 2e-2
 PATHS = (("two-pass", True), ("atomic", False))  # (name, deterministic)

@@ -27,12 +27,12 @@ from __future__ import annotations
 
 import torch
 
-from ._backend import choose_backend
-from ._logging import debug_enabled, log_decision
-from .validation import host_values
+from .._backend import choose_backend
+from .._logging import debug_enabled, log_decision
+from ..attention.validation import host_values
 
 try:
-    from .kernels import ROPE_DTYPES, rope
+    from ..kernels import ROPE_DTYPES, rope
 except ImportError as error:  # Triton missing (no Linux wheel) or broken: the reference serves
     rope, ROPE_DTYPES, _KERNELS_MISSING = None, (), f"kernels unavailable ({error})"
 else:

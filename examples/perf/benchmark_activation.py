@@ -9,8 +9,8 @@ Each (activation, pass, n) case is checked first: every provider's y (and dx for
 an fp32 run of the PyTorch path, by relative error; a provider that fails or raises is reported,
 never timed. x is [rows, 2n] for gated activations and [rows, n] for plain ones; y is [rows, n].
 
-    python examples/benchmark_activation.py --out bench/activation    # < 1 min on an H100
-    python examples/benchmark_activation.py --dry-run                 # tiny CPU run (interpreter)
+    python examples/perf/benchmark_activation.py --out bench/activation  # < 1 min on an H100
+    python examples/perf/benchmark_activation.py --dry-run               # tiny CPU run
 
 Prints a markdown table (median ms of triton.testing.do_bench, GB/s, speedup of fusedlayers) and
 writes it to --out/activation.md when given.
@@ -28,6 +28,8 @@ from pathlib import Path
 DRY_RUN = "--dry-run" in sys.argv
 if DRY_RUN:  # must precede any triton.jit decoration (fusedlayers.kernels import)
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# bench_utils and benchmark_attention live one folder up, in examples/.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 from bench_utils import (  # noqa: E402
@@ -41,7 +43,7 @@ from bench_utils import (  # noqa: E402
     write_table,
 )
 
-from fusedlayers.mlp import (  # noqa: E402
+from fusedlayers.layers.mlp import (  # noqa: E402
     ACTIVATIONS,
     activation_reference,
     apply_activation,

@@ -1,6 +1,6 @@
 """Tile sweep for the sm_90 forward kernel, timed beside cuDNN and the portable kernel.
 
-    python examples/tune_sm90.py [--dims 128,64] [--seqlens 1024,4096,16384] [--json PATH]
+    python examples/perf/tune_sm90.py [--dims 128,64] [--seqlens 1024,4096,16384] [--json PATH]
 
 bf16, b = 16384 / s, h = 2048 / d, causal and not: for each (BLOCK_N, NUM_STAGES) candidate of
 the sm_90 kernel (`kernels/_flash_fwd_sm90.TILES`), the forward is checked against SDPA's flash

@@ -26,14 +26,14 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from ._backend import choose_backend
-from ._logging import debug_enabled, log_decision
+from .._backend import choose_backend
+from .._logging import debug_enabled, log_decision
+from ..reference_switch import ReferenceSwitch
 from .linear import TEExtraState, default_init_method, linear
 from .normalization import apply_normalization, check_normalization
-from .reference_switch import ReferenceSwitch
 
 try:
-    from .kernels import ACTIVATION_DTYPES, fused_activation
+    from ..kernels import ACTIVATION_DTYPES, fused_activation
 except ImportError as error:  # Triton missing (no Linux wheel) or broken: the reference serves
     fused_activation, _KERNELS_MISSING = None, f"kernels unavailable ({error})"
     ACTIVATION_DTYPES = ()

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from ._host_cache import per_version
+from .._host_cache import per_version
 
 QKV_FORMATS = ("sbhd", "bshd", "thd")
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)

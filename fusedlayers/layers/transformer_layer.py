@@ -26,11 +26,11 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from ..reference_switch import ReferenceSwitch
 from .inference import InferenceParams
 from .mlp import LayerNormMLP
 from .multihead_attention import MultiheadAttention
 from .normalization import make_norm
-from .reference_switch import ReferenceSwitch
 
 
 class TransformerLayer(ReferenceSwitch):

@@ -11,8 +11,8 @@ Each (norm, pass, hidden) case is checked first: every provider's output (and dx
 for fwdbwd) against an fp32 reference, by relative error; a provider that fails or raises is
 reported, never timed.
 
-    python examples/benchmark_norm.py --out bench/norm         # < 2 min on an H100
-    python examples/benchmark_norm.py --dry-run                # tiny CPU run (Triton interpreter)
+    python examples/perf/benchmark_norm.py --out bench/norm   # < 2 min on an H100
+    python examples/perf/benchmark_norm.py --dry-run          # tiny CPU run (Triton interpreter)
 
 Prints a markdown table (ms, GB/s, speedup of fusedlayers over each provider) and writes it to
 --out/norm.md when given.
@@ -30,6 +30,8 @@ from pathlib import Path
 DRY_RUN = "--dry-run" in sys.argv
 if DRY_RUN:  # must precede any triton.jit decoration (fusedlayers.kernels import)
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# bench_utils and benchmark_attention live one folder up, in examples/.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -46,7 +48,7 @@ from bench_utils import (  # noqa: E402
 )
 from fusedlayers.kernels import layer_norm  # noqa: E402
 
-from fusedlayers.normalization import normalization_reference  # noqa: E402
+from fusedlayers.layers.normalization import normalization_reference  # noqa: E402
 
 NORMS = ("LayerNorm", "RMSNorm")
 PASSES = ("fwd", "fwdbwd")

@@ -9,8 +9,8 @@ shapes where GPU time is negligible, the host time per call of `flash_attn_func`
 mode), so what remains is fusedlayers' own host time; the commit history and
 docs/performance.md quote its numbers.
 
-    python examples/launch_overhead.py        # CUDA: table, then the top frames by cumulative time
-    python examples/launch_overhead.py --stubbed
+    python examples/perf/launch_overhead.py    # CUDA: table, then the top frames by cumulative time
+    python examples/perf/launch_overhead.py --stubbed
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ def backward_breakdown(q, k, v, dout, calls: int) -> list[tuple[str, float]]:
     """Where the backward's host time goes: the whole autograd backward, the launcher inside it
     (it runs on autograd's device thread, which cProfile does not see), each Triton launch, and
     the launcher called directly from this thread."""
-    from fusedlayers.kernels import _flash_bwd, ops
+    from fusedlayers.kernels import _flash_bwd, attention_ops
 
     import fusedlayers
 
@@ -84,7 +84,7 @@ def backward_breakdown(q, k, v, dout, calls: int) -> list[tuple[str, float]]:
 
     names = ("_flash_bwd_dkdv_kernel", "_flash_bwd_dq_kernel", "_flash_bwd_preprocess_kernel")
     saved = {n: getattr(_flash_bwd, n) for n in names}
-    saved_launcher = ops.flash_attention_backward
+    saved_launcher = attention_ops.flash_attention_backward
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     out = fusedlayers.flash_attn_func(*leaves, causal=True)
 
@@ -94,20 +94,20 @@ def backward_breakdown(q, k, v, dout, calls: int) -> list[tuple[str, float]]:
     try:
         for n in names:
             setattr(_flash_bwd, n, TimedKernel(n, saved[n]))
-        ops.flash_attention_backward = timed("launcher", saved_launcher)
+        attention_ops.flash_attention_backward = timed("launcher", saved_launcher)
         total = host_us_per_call(backward, calls, repeats=1)
         spent.clear()  # keep only the timed calls (host_us_per_call warms up first)
         total = host_us_per_call(backward, calls, repeats=1)
     finally:
         for n in names:
             setattr(_flash_bwd, n, saved[n])
-        ops.flash_attention_backward = saved_launcher
+        attention_ops.flash_attention_backward = saved_launcher
     # host_us_per_call ran 20 warm-up calls before the timed ones.
     per_call = {name: seconds / (calls + 20) * 1e6 for name, seconds in spent.items()}
     args = [t.detach() for t in (dout, q, k, v, out)]
-    lse = fusedlayers.kernels.ops._forward_impl(*(t.detach() for t in (q, k, v)), *[None] * 8,
-                                                q.shape[-1] ** -0.5, -1, 0, True, None, None,
-                                                0.0, 0.0, None, False)[1]  # fmt: skip
+    lse = attention_ops._forward_impl(*(t.detach() for t in (q, k, v)), *[None] * 8,
+                                      q.shape[-1] ** -0.5, -1, 0, True, None, None,
+                                      0.0, 0.0, None, False)[1]  # fmt: skip
     direct = host_us_per_call(
         lambda: saved_launcher(*args, lse, softmax_scale=q.shape[-1] ** -0.5, window_right=0),
         calls,

@@ -6,9 +6,10 @@ warm-up, so autotuning and compiling are excluded) against the wall time of the 
 between the two are host time or launch latency; a kernel that is slower than its counterpart in
 another provider is where to look next.
 
-    python examples/profile_attention.py --dims 128 --seqlens 4096 --causal 0,1
+    python examples/perf/profile_attention.py --dims 128 --seqlens 4096 --causal 0,1
     ncu --profile-from-start off --kernel-name regex:bwd ... \\
-        python examples/profile_attention.py --ncu --providers fusedlayers --dims 128 --seqlens 4096
+        python examples/perf/profile_attention.py --ncu --providers fusedlayers --dims 128 \\
+        --seqlens 4096
 
 `--ncu`: after warm-up, one forward+backward per provider and case between
 cudaProfilerStart/Stop, for Nsight Compute's `--profile-from-start off`. Shapes follow the
@@ -23,10 +24,14 @@ from __future__ import annotations
 import argparse
 import sys
 from collections import defaultdict
+from pathlib import Path
 
-import benchmark_attention as ba
-import torch
-from bench_utils import configure_dynamo, csv_arg, ints_arg
+# bench_utils and benchmark_attention live one folder up, in examples/.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import benchmark_attention as ba  # noqa: E402
+import torch  # noqa: E402
+from bench_utils import configure_dynamo, csv_arg, ints_arg  # noqa: E402
 
 
 def fwd_bwd(runner) -> None:

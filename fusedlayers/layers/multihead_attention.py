@@ -27,12 +27,12 @@ from collections.abc import Callable
 
 import torch
 
-from .dot_product_attention import DotProductAttention
+from ..attention.dot_product_attention import DotProductAttention
+from ..attention.packing import split_packed
+from ..reference_switch import ReferenceSwitch
 from .inference import InferenceParams
 from .linear import LayerNormLinear, Linear, check_extra_state
-from .packing import split_packed
 from .qkv_storage import QKVSpec, install_qkv_storage_hooks, storage_form
-from .reference_switch import ReferenceSwitch
 from .rope import apply_rotary_pos_emb
 
 FORMATS = ("sbhd", "bshd", "thd")

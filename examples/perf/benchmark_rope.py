@@ -10,9 +10,9 @@ Each (format, pass) case first checks the kernel's output (and dq for fwdbwd) ag
 reference run on an fp32 copy of the input, by relative error; a failing case is reported, not
 timed.
 
-    python examples/benchmark_rope.py                  # GPT-125M: b=8, s=2048, h=12, d=64, bf16
-    python examples/benchmark_rope.py --heads 32 --head-dim 128 --batch 2 --seqlen 8192
-    python examples/benchmark_rope.py --dry-run        # tiny CPU run (Triton interpreter)
+    python examples/perf/benchmark_rope.py             # GPT-125M: b=8, s=2048, h=12, d=64, bf16
+    python examples/perf/benchmark_rope.py --heads 32 --head-dim 128 --batch 2 --seqlen 8192
+    python examples/perf/benchmark_rope.py --dry-run   # tiny CPU run (Triton interpreter)
 
 Prints a markdown table: median ms (triton.testing.do_bench), effective GB/s over the minimal
 traffic, and the kernel's speedup over the reference.
@@ -25,10 +25,13 @@ import os
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 DRY_RUN = "--dry-run" in sys.argv
 if DRY_RUN:  # must precede any triton.jit decoration (fusedlayers.kernels import)
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# bench_utils and benchmark_attention live one folder up, in examples/.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 from bench_utils import (  # noqa: E402
@@ -41,7 +44,7 @@ from bench_utils import (  # noqa: E402
     write_table,
 )
 
-from fusedlayers.rope import RotaryPositionEmbedding, apply_rotary_pos_emb  # noqa: E402
+from fusedlayers.layers.rope import RotaryPositionEmbedding, apply_rotary_pos_emb  # noqa: E402
 
 FORMATS = ("bshd", "sbhd")
 PASSES = ("fwd", "fwdbwd")

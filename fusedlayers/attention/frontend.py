@@ -18,12 +18,12 @@ from dataclasses import dataclass
 
 import torch
 
+from .._logging import debug_enabled, log_decision
 from . import masks, validation
-from ._logging import debug_enabled, log_decision
 from .reference import attention_reference
 
 try:
-    from .kernels import flash_attention
+    from ..kernels import flash_attention
 except ImportError as error:  # Triton missing (no Linux wheel) or broken: the reference serves
     flash_attention, _KERNELS_MISSING = None, f"kernels unavailable ({error})"
 else:

@@ -22,8 +22,8 @@ from collections.abc import Callable, Mapping, Sequence
 import torch
 import torch.nn.functional as F
 
+from ..reference_switch import ReferenceSwitch
 from .normalization import apply_normalization, check_normalization
-from .reference_switch import ReferenceSwitch
 
 # TE's `get_default_init_method()`: normal(0, 0.023).
 DEFAULT_INIT_STD = 0.023

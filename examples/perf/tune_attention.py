@@ -1,6 +1,6 @@
 """Launch-shape sweeps for the attention kernels on a CUDA GPU: the numbers behind the tables.
 
-    python examples/tune_attention.py --fwd --bwd --atomic --gqa [--dims 128,64]
+    python examples/perf/tune_attention.py --fwd --bwd --atomic --gqa [--dims 128,64]
                                       [--seqlen 4096] [--jobs 12] [--out DIR]
 
 bf16, b = 16384 / s, h = 2048 / d, causal and not. Every candidate is checked before it is timed

@@ -38,13 +38,13 @@ from __future__ import annotations
 
 import torch
 
+from .._logging import debug_enabled, log_decision
 from . import masks
-from ._logging import debug_enabled, log_decision
-from .attention import _choose_backend
+from .frontend import _choose_backend
 from .validation import KERNEL_DTYPES, MAX_KERNEL_HEAD_DIM, check_head_counts
 
 try:
-    from .kernels import check_page_size, decode_attention, rope
+    from ..kernels import check_page_size, decode_attention, rope
 except ImportError:  # Triton missing: `_choose_backend` raises first with the reason
     decode_attention = rope = check_page_size = None
 

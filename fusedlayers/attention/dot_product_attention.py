@@ -12,7 +12,7 @@ Masks (`attn_mask_type`, TE's names): `no_mask`, `causal` (top-left: query i see
 `padding_causal_bottom_right` (padding from `attention_mask` -- bool `[b, 1, 1, s]`, or a
 `(q_mask, kv_mask)` pair for cross attention, True = padded -- or from `cu_seqlens_q/kv`), and
 `arbitrary` (bool `attention_mask` broadcastable to `[b, h, s_q, s_kv]`, True = masked out).
-`window_size=(left, right)` follows TE's per-mask-type rule (`fusedlayers.masks`).
+`window_size=(left, right)` follows TE's per-mask-type rule (`fusedlayers.attention.masks`).
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ from __future__ import annotations
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from .attention import attention
+from ..reference_switch import ReferenceSwitch
+from .frontend import attention
 from .masks import check_mask_type, normalize_window_size
-from .reference_switch import ReferenceSwitch
 from .validation import check_dropout, check_head_counts, check_qkv_format
 
 

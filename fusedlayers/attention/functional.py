@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import torch
 
-from .attention import attention
+from .frontend import attention
 from .masks import flash_attn_spec
 from .packing import split_packed
 

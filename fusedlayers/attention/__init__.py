@@ -1,0 +1,16 @@
+"""Attention: the front end that turns what the caller gives into what the kernels need, and
+the two public ways in.
+
+    frontend               one internal entry for the modules and the API: validate, normalize
+                           layout and mask, choose kernel or reference, log the decisions
+    layouts                TransformerEngine's layout names (`sb3hd`, `bshd_bs2hd`, ...) from
+                           shapes, strides and storage
+    masks                  mask types and windows, TE's and flash-attn's, into one spec
+    validation             argument checks at the front door, with the values in the message
+    packing                `split_packed`: q/k/v views of one packed tensor, one gradient buffer
+    reference              `attention_reference`, the pure-PyTorch oracle and debug path
+    functional             flash-attn's `flash_attn_*` functions
+    dot_product_attention  TE's `DotProductAttention` module
+
+Public names are imported from `fusedlayers`; this package adds none of its own.
+"""

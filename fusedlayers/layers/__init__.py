@@ -1,0 +1,13 @@
+"""TransformerEngine-style layers, built on `fusedlayers.attention` and the kernels.
+
+    linear               `Linear`, `LayerNormLinear` (projections on `F.linear`)
+    normalization        `LayerNorm`, `RMSNorm` and the norm front door
+    mlp                  `LayerNormMLP` and TE's MLP activations
+    rope                 `RotaryPositionEmbedding`, `apply_rotary_pos_emb`
+    multihead_attention  `MultiheadAttention`: QKV projection, RoPE, attention, output projection
+    transformer_layer    `TransformerLayer`
+    qkv_storage          fused, interleaved and separate QKV weights and their state-dict forms
+    inference            `InferenceParams`, the KV cache for generation
+
+Public names are imported from `fusedlayers`; this package adds none of its own.
+"""
