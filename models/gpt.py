@@ -16,6 +16,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from fusedlayers.attention.validation import is_whole
 from fusedlayers.layers.inference import InferenceParams
 from fusedlayers.layers.normalization import make_norm
 from fusedlayers.layers.rope import RotaryPositionEmbedding
@@ -180,6 +181,7 @@ class GPT(ReferenceSwitch):
         reading earlier keys/values from an `InferenceParams` cache; without it every step
         reruns the whole sequence (the slow baseline the tests compare against).
         """
+        _check_generate_args(idx, max_new_tokens, temperature, top_k, self.config.vocab_size)
         total, limit = idx.shape[1] + max_new_tokens, self.config.context_length
         if total > limit:
             raise ValueError(f"prompt + new tokens ({total}) exceed context_length ({limit})")
@@ -199,6 +201,39 @@ class GPT(ReferenceSwitch):
         finally:
             self.train(was_training)
         return idx
+
+
+def _check_generate_args(idx, max_new_tokens, temperature, top_k, vocab_size) -> None:
+    """`generate`'s arguments, checked before the first forward (one host read of idx's range)."""
+    if (
+        not isinstance(idx, torch.Tensor)
+        or idx.dim() != 2
+        or idx.dtype
+        not in (
+            torch.int64,
+            torch.int32,
+        )
+    ):
+        what = (
+            f"shape {tuple(idx.shape)}, dtype {idx.dtype}"
+            if isinstance(idx, torch.Tensor)
+            else type(idx).__name__
+        )
+        raise ValueError(f"idx must be integer token ids [b, s], got {what}")
+    if idx.shape[0] == 0 or idx.shape[1] == 0:
+        raise ValueError(
+            f"idx of shape {tuple(idx.shape)} is empty: generation needs a prompt of at least one "
+            "token per sequence (e.g. a begin-of-text token)"
+        )
+    low, high = int(idx.min()), int(idx.max())
+    if low < 0 or high >= vocab_size:
+        raise ValueError(f"idx holds token ids in [{low}, {high}], outside [0, {vocab_size})")
+    if not is_whole(max_new_tokens, 0):
+        raise ValueError(f"max_new_tokens ({max_new_tokens!r}) must be an integer >= 0")
+    if not math.isfinite(temperature) or temperature < 0:
+        raise ValueError(f"temperature ({temperature!r}) must be a finite number >= 0 (0 = greedy)")
+    if top_k is not None and not is_whole(top_k, 1):
+        raise ValueError(f"top_k ({top_k!r}) must be None or an integer >= 1")
 
 
 def _sample(

@@ -19,7 +19,9 @@ as in flash-attn >= 2.1: with s_q=2, s_k=5 the mask is
 (query i sees keys j <= i + s_k - s_q). `window_size=(left, right)` keeps keys in
 `[i + s_k - s_q - left, i + s_k - s_q + right]`, -1 = unbounded on that side.
 `alibi_slopes` ([h] or [b, h], fp32) adds `-slope * |i + s_k - s_q - j|`. `softcap > 0` applies
-`softcap * tanh(s / softcap)` to the scaled scores. With `return_attn_probs=True` the functions
+`softcap * tanh(s / softcap)` to the scaled scores (0 = off; negative, NaN or inf raise).
+`softmax_scale` is None (1/sqrt(d)) or a finite number > 0; zero, negative, NaN and inf raise,
+where flash-attn would compute with them. With `return_attn_probs=True` the functions
 return `(out, softmax_lse, None)`: the LSE is fp32 `[b, h, s_q]` (varlen `[h, t_q]`); the third
 entry, flash-attn's debug-only dropout pattern, is not produced.
 These functions always run the Triton kernels: CUDA tensors, or CPU tensors under

@@ -41,7 +41,13 @@ import torch
 from .._logging import debug_enabled, log_decision
 from . import masks
 from .frontend import _choose_backend
-from .validation import KERNEL_DTYPES, MAX_KERNEL_HEAD_DIM, check_head_counts
+from .validation import (
+    KERNEL_DTYPES,
+    MAX_KERNEL_HEAD_DIM,
+    check_head_counts,
+    check_softcap,
+    check_softmax_scale,
+)
 
 try:
     from ..kernels import check_page_size, decode_attention, rope
@@ -309,8 +315,8 @@ def flash_attn_with_kvcache(
         if alibi_slopes.dtype != torch.float32 or alibi_slopes.shape not in ((h,), (b, h)):
             raise ValueError(f"alibi_slopes must be fp32 [h] or [b, h], got {alibi_slopes.shape}")
         alibi_slopes = alibi_slopes.to(q.device).expand(b, h)
-    if float(softcap) < 0:
-        raise ValueError(f"softcap={softcap} must be >= 0 (0 = off)")
+    check_softcap(softcap)
+    check_softmax_scale(softmax_scale)
     if int(num_splits) < 0:
         raise ValueError(f"num_splits={num_splits} must be >= 0 (0 = heuristic)")
     if not (q.is_cuda and torch.cuda.is_current_stream_capturing()):

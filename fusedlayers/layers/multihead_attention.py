@@ -29,6 +29,7 @@ import torch
 
 from ..attention.dot_product_attention import DotProductAttention
 from ..attention.packing import split_packed
+from ..attention.validation import is_whole
 from ..reference_switch import ReferenceSwitch
 from .inference import InferenceParams
 from .linear import LayerNormLinear, Linear, check_extra_state
@@ -127,8 +128,10 @@ class MultiheadAttention(ReferenceSwitch):
         super().__init__(use_reference)
         heads = num_attention_heads
         groups = heads if num_gqa_groups is None else num_gqa_groups
+        _check_arguments(
+            hidden_size, heads, groups, kv_channels, attention_type, qkv_format, layer_number
+        )
         head_dim = kv_channels or hidden_size // heads
-        _check_arguments(heads, groups, attention_type, qkv_format, layer_number)
         self.hidden_size = hidden_size
         self.num_attention_heads = heads
         self.num_gqa_groups = groups
@@ -332,7 +335,24 @@ class MultiheadAttention(ReferenceSwitch):
         return outputs if len(outputs) > 1 else outputs[0]
 
 
-def _check_arguments(heads, groups, attention_type, qkv_format, layer_number) -> None:
+def _check_arguments(
+    hidden_size, heads, groups, kv_channels, attention_type, qkv_format, layer_number
+) -> None:
+    for name, value in (
+        ("hidden_size", hidden_size),
+        ("num_attention_heads", heads),
+        ("num_gqa_groups", groups),
+    ):
+        if not is_whole(value, 1):
+            raise ValueError(f"{name} ({value!r}) must be a positive integer")
+    if kv_channels is not None and not is_whole(kv_channels, 1):
+        raise ValueError(f"kv_channels ({kv_channels!r}) must be a positive integer or None")
+    if kv_channels is None and hidden_size % heads:
+        # TE would silently use hidden_size // heads and an attention width != hidden_size.
+        raise ValueError(
+            f"hidden_size ({hidden_size}) is not divisible by num_attention_heads ({heads}); "
+            "pass kv_channels to choose the head size"
+        )
     if heads % groups:
         raise ValueError(
             f"num_attention_heads ({heads}) must be divisible by num_gqa_groups ({groups})"
