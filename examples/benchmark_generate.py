@@ -201,9 +201,15 @@ def bench_batch(args, c, ours, plain, b: int) -> dict:
             results[name] = {"skipped": "needs CUDA"}
             continue
         t0 = time.perf_counter()
-        run_provider(name, ours, plain, prompt, min(args.new_tokens, 8), compiled)  # warm-up
-        warm_s = time.perf_counter() - t0
-        r = run_provider(name, ours, plain, prompt, args.new_tokens, compiled)
+        try:
+            run_provider(name, ours, plain, prompt, min(args.new_tokens, 8), compiled)  # warm-up
+            warm_s = time.perf_counter() - t0
+            r = run_provider(name, ours, plain, prompt, args.new_tokens, compiled)
+        except Exception as error:  # a provider that fails is reported, the others still run
+            if args.dry_run:
+                raise
+            results[name] = {"skipped": f"{type(error).__name__}: {str(error)[:200]}"}
+            continue
         r["warmup_s"] = warm_s
         results[name] = r
     base = results.get("ours-eager", {}).get("tokens")
@@ -257,6 +263,7 @@ def main(argv=None) -> dict:
         "results": {},
     }
     print(f"{gpu}, {args.config}, {dtype}, prompt {args.prompt}, {args.new_tokens} new tokens")
+    print("setup s: warm-up run (compilation) + graph capture", flush=True)
     print("| batch | provider | prefill ms | decode ms/token | tokens/s | setup s | agree |")
     print("|---|---|---|---|---|---|---|")
     for b in args.batches:
@@ -269,11 +276,12 @@ def main(argv=None) -> dict:
             print(
                 f"| {b} | {name} | {r['prefill_ms']:.1f} | {r['ms_per_token']:.3f} | "
                 f"{r['tokens_per_s']:,.0f} | {r['warmup_s'] + r['setup_ms'] / 1e3:.1f} | "
-                f"{r.get('agree_with_ours_eager', float('nan')):.3f} |"
+                f"{r.get('agree_with_ours_eager', float('nan')):.3f} |",
+                flush=True,
             )
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(record, indent=2))
+        if args.json:  # after every batch, so a run cut short keeps what it measured
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps(record, indent=2))
     return record
 
 
