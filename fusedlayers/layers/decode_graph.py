@@ -53,6 +53,11 @@ class DecodeGraph:
     ) -> None:
         if not example.is_cuda:
             raise ValueError(f"CUDA graphs need CUDA tensors, got the input on {example.device}")
+        if params.batch_size_offset:
+            raise ValueError(
+                f"DecodeGraph steps the whole batch: batch_size_offset is "
+                f"{params.batch_size_offset}, set it to 0"
+            )
         if not params.key_value_memory_dict:
             raise ValueError("params holds no cache yet: run the prompt before capturing a step")
         lens = params.host_lengths(params.max_batch_size)
@@ -76,8 +81,6 @@ class DecodeGraph:
             params.advance(new_tokens)
         # Capture ran nothing: the lengths are unchanged, so the host mirror is still right.
         params.set_sequence_lengths(lens)
-        if params.batch_size_offset:
-            raise ValueError("DecodeGraph steps the whole batch: set batch_size_offset to 0")
 
     def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
         """Run one step on `tokens`; returns the static output tensor (overwritten by the next
