@@ -12,6 +12,7 @@ Public API:
     RotaryPositionEmbedding, apply_rotary_pos_emb
                                               TE's rotary tables and their application
     InferenceParams                           the KV cache that generation passes to the modules
+    DecodeGraph                               one decode step captured in a CUDA graph
     get_qkv_layout                            TE's name for the memory layout of q, k, v
     flash_attn_func, flash_attn_varlen_func,  flash-attn's functional API
     flash_attn_{qkv,kv}packed_func, flash_attn_varlen_{qkv,kv}packed_func,
@@ -35,6 +36,7 @@ from .attention.kvcache import flash_attn_with_kvcache
 from .attention.layouts import get_qkv_layout
 from .attention.packing import split_packed
 from .attention.reference import attention_reference
+from .layers.decode_graph import DecodeGraph
 from .layers.inference import InferenceParams
 from .layers.linear import LayerNormLinear, Linear
 from .layers.mlp import LayerNormMLP
@@ -47,6 +49,7 @@ from .reference_switch import reference_mode
 __version__ = "0.1.0"
 
 __all__ = [
+    "DecodeGraph",
     "DotProductAttention",
     "InferenceParams",
     "LayerNorm",

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from fusedlayers.attention.validation import is_whole
+from fusedlayers.layers.decode_graph import DecodeGraph
 from fusedlayers.layers.inference import InferenceParams
 from fusedlayers.layers.normalization import make_norm
 from fusedlayers.layers.rope import RotaryPositionEmbedding
@@ -146,22 +147,45 @@ class GPT(ReferenceSwitch):
         cached; the caller advances the offset afterwards (see `generate`).
         """
         b, s = idx.shape
-        start = 0 if inference_params is None else inference_params.sequence_len_offset
         limit = self.config.context_length
-        if start + s > limit:
+        # Positions: 0.. without a cache; with one, from each sequence's cached length, on the
+        # device (no host read, so a decode step can be captured in a CUDA graph). The limit is
+        # checked on the host while the cache's host mirror of the lengths is known.
+        lens = [0] if inference_params is None else inference_params.host_lengths(b)
+        if lens and max(lens) + s > limit:
+            start = max(lens)
             raise ValueError(f"positions {start}..{start + s - 1} exceed context_length {limit}")
         x = self.tok_emb(idx)  # [b, s, d]
         if self.pos_emb is not None:
-            x = x + self.pos_emb(torch.arange(start, start + s, device=idx.device))
+            positions = (
+                torch.arange(s, device=idx.device)
+                if inference_params is None
+                else inference_params.positions(b, s)
+            )
+            x = x + self.pos_emb(positions)
         h, extra = self._to_format(self.emb_dropout(x))
         if self.rope is not None:
             # The full table: layers index it by absolute position (offset while decoding).
-            extra["rotary_pos_emb"] = self.rope(limit)
+            extra["rotary_pos_emb"] = (
+                self.rope(limit) if inference_params is None else self._decode_rope_table()
+            )
         for layer in self.layers:
             h = layer(h, inference_params=inference_params, **extra)
         h = self._from_format(self.final_norm(h), b, s)
         weight = self.tok_emb.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(h, weight).float()
+
+    def _decode_rope_table(self) -> torch.Tensor:
+        """The RoPE table, built once per device and buffer version for generation: the layers
+        then compute its cos/sin once (they memoize them per table), and a captured decode step
+        reads a tensor whose address does not change."""
+        inv_freq = self.rope.inv_freq
+        key = (inv_freq.device, inv_freq._version)
+        cached = self.__dict__.get("_rope_table")
+        if cached is None or cached[0] != key:
+            cached = (key, self.rope(self.config.context_length))
+            self.__dict__["_rope_table"] = cached
+        return cached[1]
 
     @torch.no_grad()
     def generate(
@@ -173,6 +197,7 @@ class GPT(ReferenceSwitch):
         top_k: int | None = None,
         use_cache: bool = True,
         generator: torch.Generator | None = None,
+        cuda_graph: bool = False,
     ) -> torch.Tensor:
         """Continue `idx [b, s]` by `max_new_tokens` sampled tokens -> [b, s + max_new_tokens].
 
@@ -180,6 +205,9 @@ class GPT(ReferenceSwitch):
         `use_cache` the prompt is run once and every later step feeds only the newest token,
         reading earlier keys/values from an `InferenceParams` cache; without it every step
         reruns the whole sequence (the slow baseline the tests compare against).
+        `cuda_graph=True` (CUDA, with the cache) runs the prompt eagerly, captures one decode
+        step in a CUDA graph (`fusedlayers.layers.decode_graph.DecodeGraph`) and replays it for
+        every later token: the same kernels, so the same tokens, with one launch per token.
         """
         _check_generate_args(idx, max_new_tokens, temperature, top_k, self.config.vocab_size)
         total, limit = idx.shape[1] + max_new_tokens, self.config.context_length
@@ -187,15 +215,27 @@ class GPT(ReferenceSwitch):
             raise ValueError(f"prompt + new tokens ({total}) exceed context_length ({limit})")
         if use_cache and self.config.attn_input_format == "thd":
             raise ValueError("generation with a KV cache needs attn_input_format sbhd or bshd")
+        if cuda_graph and not (use_cache and idx.is_cuda):
+            raise ValueError(
+                f"cuda_graph=True needs use_cache=True and CUDA tensors (got use_cache="
+                f"{use_cache}, idx on {idx.device})"
+            )
         was_training = self.training
         self.eval()
         cache = InferenceParams(idx.shape[0], total) if use_cache else None
+        graph = None
         try:
             new = idx
-            for _ in range(max_new_tokens):
-                logits = self(new if use_cache else idx, inference_params=cache)[:, -1]
-                if cache is not None:
-                    cache.sequence_len_offset += new.shape[1]
+            for i in range(max_new_tokens):
+                if cuda_graph and i == 1:  # the prompt ran eagerly and allocated the caches
+                    step = lambda t: self(t, inference_params=cache)[:, -1]
+                    graph = DecodeGraph(step, cache, new)
+                if graph is not None:
+                    logits = graph(new)
+                else:
+                    logits = self(new if use_cache else idx, inference_params=cache)[:, -1]
+                    if cache is not None:
+                        cache.advance(new.shape[1])
                 new = _sample(logits, temperature, top_k, generator)  # [b, 1]
                 idx = torch.cat((idx, new), dim=1)
         finally:

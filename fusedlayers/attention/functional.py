@@ -35,6 +35,7 @@ import torch
 from .frontend import attention
 from .masks import flash_attn_spec
 from .packing import split_packed
+from .paged_kv import gather_pages
 
 
 def _finish(out, lse, return_attn_probs):
@@ -95,8 +96,17 @@ def flash_attn_varlen_func(
     alibi_slopes: torch.Tensor | None = None,
     deterministic: bool = False,
     return_attn_probs: bool = False,
+    block_table: torch.Tensor | None = None,
 ):
-    """Attention on packed sequences `[t, h, d]` with int32 `cu_seqlens_q/k` `[b+1]`."""
+    """Attention on packed sequences `[t, h, d]` with int32 `cu_seqlens_q/k` `[b+1]`.
+
+    With `block_table` (int32 `[b, max_blocks]`, flash-attn 2.6's paged KV), k and v are pages
+    `[num_blocks, page_size, hg, d]` and sequence z's key j is row `j % page_size` of page
+    `block_table[z, j // page_size]`, for `j < cu_seqlens_k[z+1] - cu_seqlens_k[z]`; see
+    `paged_kv.gather_pages`.
+    """
+    if block_table is not None:
+        k, v = gather_pages(k, v, block_table, cu_seqlens_q, cu_seqlens_k)
     out, lse = attention(
         q,
         k,
