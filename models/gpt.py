@@ -160,7 +160,7 @@ class GPT(ReferenceSwitch):
             positions = (
                 torch.arange(s, device=idx.device)
                 if inference_params is None
-                else inference_params.positions(b, s)
+                else inference_params.positions(b, s, idx.device)
             )
             x = x + self.pos_emb(positions)
         h, extra = self._to_format(self.emb_dropout(x))

@@ -208,8 +208,15 @@ class InferenceParams:
         """Device lengths of the current batch's `b` rows (a view)."""
         return self.pre_step_seqlens[self.batch_size_offset : self.batch_size_offset + b]
 
-    def positions(self, b: int, s: int) -> torch.Tensor:
-        """Positions `[b, s]` (int64) of `s` new tokens per sequence, on the device."""
+    def positions(self, b: int, s: int, device: torch.device | None = None) -> torch.Tensor:
+        """Positions `[b, s]` (int64) of `s` new tokens per sequence, on the device.
+
+        `device`: where the model runs. A model asks for positions before its first layer has
+        allocated a cache (learned position embeddings), when the lengths may still be on the
+        CPU; they move there once, as a layer's first cache would move them.
+        """
+        if device is not None:
+            self._place(device)
         start = self.batch_seqlens(b).long()[:, None]
         return start + torch.arange(s, device=start.device)
 
