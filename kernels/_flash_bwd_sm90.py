@@ -39,13 +39,8 @@ is scaled in the epilogue.
 
 from __future__ import annotations
 
-import torch
-
 from ._common import LOG2E, cdiv, lse_strides, strides4
 from ._flash_fwd_sm90 import GLUON_AVAILABLE, _descriptor, tma_view
-
-if GLUON_AVAILABLE:
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 if GLUON_AVAILABLE:
     from ._flash_fwd_sm90 import (
@@ -82,7 +77,7 @@ if GLUON_AVAILABLE:
     def _producer(descs, smem, bars, seq, strides, ptrs, scales):
         """K and V once, then Q, dO, LSE and delta of every (group head, query block) step
         into the ring."""
-        q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc = descs
+        q_desc, k_desc, v_desc, do_desc = descs
         q_smem, k_smem, v_smem, do_smem, lse_smem, delta_smem, ds_smem, p_smem = smem
         kv_bar, ready, empty, ds_ready = bars
         z, h_kv, group, start_q, start_k, start_n, len_q, len_k, diag, m_lo, m_count, total = seq
@@ -99,6 +94,10 @@ if GLUON_AVAILABLE:
         mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
         _tma_load(k_desc, [k_row, k_col], kv_bar, k_smem)
         _tma_load(v_desc, [v_row, v_col], kv_bar, v_smem)
+        lse_ptr, delta_ptr = ptrs[:2]
+        # One row a thread (the 128 threads hold BLOCK_M rows, repeated where fewer).
+        offs = gl.arange(0, BLOCK_M, layout=gl.BlockedLayout([1], [32], [4], [0]))
+        z64 = z.to(gl.int64)
         for it in range(total):
             stage = it % NUM_STAGES
             # Empty barriers start "completed" for parity 1: the first lap never waits.
@@ -108,17 +107,20 @@ if GLUON_AVAILABLE:
             h = h_kv * group + g
             q_row, q_col = _tile_origin(z, h, start_q + m0, stride_qb, stride_qh, stride_qs)
             do_row, do_col = _tile_origin(z, h, start_q + m0, stride_dob, stride_doh, stride_dos)
-            # LSE and delta rows: a 1-D grid over the contiguous buffers (stride_ls == 1).
-            lse_at = z * stride_lb + h * stride_lh + start_q + m0
             mbarrier.wait(empty.index(stage), phase)
-            mbarrier.expect(
-                ready.index(stage),
-                2 * q_desc.block_type.nbytes + 2 * lse_desc.block_type.nbytes,
-            )
+            # LSE and delta by plain loads (a 1-D TMA box must start 16-byte aligned, and a
+            # sequence's rows start anywhere), into shared memory before the arrive below.
+            rows = m0 + offs
+            lse_at = z64 * stride_lb + h.to(gl.int64) * stride_lh + start_q.to(gl.int64) * stride_ls
+            row_ok = rows < len_q
+            lse = gl.load(lse_ptr + lse_at + rows * stride_ls, mask=row_ok, other=0.0)
+            delta = gl.load(delta_ptr + lse_at + rows * stride_ls, mask=row_ok, other=0.0)
+            lse_smem.index(stage).store(lse)
+            delta_smem.index(stage).store(delta)
+            _partition_barrier()  # every producer thread's stores, before the arrive
+            mbarrier.expect(ready.index(stage), 2 * q_desc.block_type.nbytes)
             _tma_load(q_desc, [q_row, q_col], ready.index(stage), q_smem.index(stage))
             _tma_load(do_desc, [do_row, do_col], ready.index(stage), do_smem.index(stage))
-            _tma_load(lse_desc, [lse_at], ready.index(stage), lse_smem.index(stage))
-            _tma_load(delta_desc, [lse_at], ready.index(stage), delta_smem.index(stage))
 
     @gluon.jit
     def _visible_keys(p_t, key0, m0, len_q, len_k, diag):
@@ -189,7 +191,7 @@ if GLUON_AVAILABLE:
         stride_dqb, stride_dqh, stride_dqs = strides[5]
         stride_dkb, stride_dkh, stride_dks = strides[6]
         stride_dvb, stride_dvh, stride_dvs = strides[7]
-        dq_ptr, dk_ptr, dv_ptr = ptrs
+        dq_ptr, dk_ptr, dv_ptr = ptrs[2:]
         qk_scale, sm_scale = scales
         NUM_STAGES: gl.constexpr = q_smem.type.shape[0]
         BLOCK_M: gl.constexpr = q_smem.type.shape[1]
@@ -337,7 +339,7 @@ if GLUON_AVAILABLE:
 
     @gluon.jit
     def _attn_bwd_sm90(
-        q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq_ptr, dk_ptr, dv_ptr,
+        q_desc, k_desc, v_desc, do_desc, lse_ptr, delta_ptr, dq_ptr, dk_ptr, dv_ptr,
         cu_q_ptr, offsets_q_ptr, seqlens_q_ptr, cu_k_ptr, offsets_k_ptr, seqlens_k_ptr,
         stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
         stride_vb, stride_vs, stride_vh, stride_dob, stride_dos, stride_doh,
@@ -387,8 +389,9 @@ if GLUON_AVAILABLE:
         )
         ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], ds_layout)
         p_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_M], ds_layout)  # P^T
-        lse_smem = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, BLOCK_M], lse_desc.layout)
-        delta_smem = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, BLOCK_M], delta_desc.layout)
+        rows_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
+        lse_smem = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, BLOCK_M], rows_layout)
+        delta_smem = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, BLOCK_M], rows_layout)
         bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
         kv_bar = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
         ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], bar_layout)
@@ -403,7 +406,7 @@ if GLUON_AVAILABLE:
         fence_async_shared()
 
         args = (
-            (q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc),
+            (q_desc, k_desc, v_desc, do_desc),
             (q_smem, k_smem, v_smem, do_smem, lse_smem, delta_smem, ds_smem, p_smem),
             (kv_bar, ready, empty, ds_ready),
             (z, h_kv, group, start_q, start_k, start_n, len_q, len_k, diag, m_lo, m_count, total),
@@ -411,7 +414,7 @@ if GLUON_AVAILABLE:
              (stride_vb, stride_vh, stride_vs), (stride_dob, stride_doh, stride_dos),
              (stride_lb, stride_lh, stride_ls), (stride_dqb, stride_dqh, stride_dqs),
              (stride_dkb, stride_dkh, stride_dks), (stride_dvb, stride_dvh, stride_dvs)),
-            (dq_ptr, dk_ptr, dv_ptr), (qk_scale, sm_scale),
+            (lse_ptr, delta_ptr, dq_ptr, dk_ptr, dv_ptr), (qk_scale, sm_scale),
         )  # fmt: skip
         gl.warp_specialize(
             [(_consumer_0, args), (_consumer_1, args), (_producer, args)],
@@ -440,15 +443,6 @@ def plan_views(q, k, v, dout, varlen: bool):
     return None if any(view is None for view in views) else views
 
 
-def _rows_descriptor(t: torch.Tensor, block: int):
-    """A 1-D TMA grid over a contiguous fp32 LSE-shaped buffer (row stride 1): the kernel
-    reads BLOCK_M consecutive rows of one (sequence, head) from element
-    z * stride_b + h * stride_h + row. Boxes past the end are zero-filled."""
-    assert t.is_contiguous() and t.dtype == torch.float32
-    layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
-    return TensorDescriptor(t, [t.numel()], [1], [block], layout)
-
-
 def backward_sm90(
     q, k, v, dout, lse, delta, dq_acc, dk, dv, views, geom, *, softmax_scale, causal, bottom_right
 ):  # fmt: skip
@@ -462,7 +456,6 @@ def backward_sm90(
     k_desc = _descriptor(k, views[1], [BLOCK_N, d])
     v_desc = _descriptor(v, views[2], [BLOCK_N, d])
     do_desc = _descriptor(dout, views[3], [block_m, d])
-    lse_desc, delta_desc = (_rows_descriptor(t, block_m) for t in (lse, delta))
     varlen = geom.varlen
     sq, sk, sv, sdo = (strides4(t, varlen) for t in (q, k, v, dout))
     sdq, sdk, sdv = (strides4(t, varlen) for t in (dq_acc, dk, dv))
@@ -471,7 +464,7 @@ def backward_sm90(
     if grid[0] == 0:
         return
     _attn_bwd_sm90[grid](
-        q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq_acc, dk, dv,
+        q_desc, k_desc, v_desc, do_desc, lse, delta, dq_acc, dk, dv,
         geom.q.cu_seqlens, geom.q.seq_offsets, geom.q.seqlens,
         geom.k.cu_seqlens, geom.k.seq_offsets, geom.k.seqlens,
         *sq[:3], *sk[:3], *sv[:3], *sdo[:3], *lse_strides(lse, varlen),
