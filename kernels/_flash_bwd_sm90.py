@@ -78,7 +78,7 @@ if GLUON_AVAILABLE:
         """K and V once, then Q, dO, LSE and delta of every (group head, query block) step
         into the ring."""
         q_desc, k_desc, v_desc, do_desc = descs
-        q_smem, k_smem, v_smem, do_smem, lse_smem, delta_smem, ds_smem, p_smem = smem
+        q_smem, k_smem, v_smem, do_smem, lse_smem, delta_smem, ds_smem, p_smem, dq_smem = smem
         kv_bar, ready, empty, ds_ready = bars
         z, h_kv, group, start_q, start_k, start_n, len_q, len_k, diag, m_lo, m_count, total = seq
         stride_qb, stride_qh, stride_qs = strides[0]
@@ -92,8 +92,8 @@ if GLUON_AVAILABLE:
         k_row, k_col = _tile_origin(z, h_kv, start_k + start_n, stride_kb, stride_kh, stride_ks)
         v_row, v_col = _tile_origin(z, h_kv, start_k + start_n, stride_vb, stride_vh, stride_vs)
         mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-        _tma_load(k_desc, [k_row, k_col], kv_bar, k_smem)
-        _tma_load(v_desc, [v_row, v_col], kv_bar, v_smem)
+        _tma_load(k_desc, [k_row, k_col], kv_bar, k_smem.index(0))
+        _tma_load(v_desc, [v_row, v_col], kv_bar, v_smem.index(0))
         lse_ptr, delta_ptr = ptrs[:2]
         # One row a thread (the 128 threads hold BLOCK_M rows, repeated where fewer).
         offs = gl.arange(0, BLOCK_M, layout=gl.BlockedLayout([1], [32], [4], [0]))
@@ -121,6 +121,13 @@ if GLUON_AVAILABLE:
             mbarrier.expect(ready.index(stage), 2 * q_desc.block_type.nbytes)
             _tma_load(q_desc, [q_row, q_col], ready.index(stage), q_smem.index(stage))
             _tma_load(do_desc, [do_row, do_col], ready.index(stage), do_smem.index(stage))
+
+    @gluon.jit
+    def _opaque_zero(x):
+        """0, computed at run time from x (inline asm the compiler cannot look through)."""
+        return gl.inline_asm_elementwise(
+            "mov.b32 $0, 0;", "=r,r", [x], dtype=gl.int32, is_pure=False, pack=1
+        )
 
     @gluon.jit
     def _visible_keys(p_t, key0, m0, len_q, len_k, diag):
@@ -165,27 +172,36 @@ if GLUON_AVAILABLE:
             _partition_barrier()
 
     @gluon.jit
-    def _add_dq(dq, dq_block, m0, len_q, stride_dqs, col0):
+    def _add_dq(dq, staging, dq_block, m0, len_q, stride_dqs, col0):
         """Atomically add a [64, 64] fp32 dQ share to rows m0.. (those below len_q), columns
         col0.. of the accumulator block at `dq_block` (row 0 of the step's query block).
 
         Other key blocks' programs add to the same elements: fp32 atomics, relaxed (nothing
-        reads the accumulator in this launch). Out of the wgmma layout first, four consecutive
-        columns a thread: one 16-byte atomic each, and a few row addresses instead of one per
-        element pair (which spilled beside the dK and dV accumulators).
+        reads the accumulator in this launch). The share leaves the wgmma layout through this
+        warpgroup's `staging` tile in shared memory and comes back 16 rows at a time, four
+        consecutive columns a thread: one 16-byte atomic each, and 8 values and a few row
+        addresses in registers at a time. (A whole-tile layout conversion, or atomics straight
+        from the wgmma layout, kept 32 more registers live beside the dK and dV accumulators,
+        and the kernel spilled.)
         """
+        CHUNK: gl.constexpr = 16
         layout: gl.constexpr = gl.BlockedLayout([1, 4], [2, 16], [4, 1], [1, 0])
-        dq = gl.convert_layout(dq, layout)
-        r = gl.arange(0, dq.type.shape[0], layout=gl.SliceLayout(1, layout))
+        staging.store(dq)
+        _partition_barrier()
         c = col0 + gl.arange(0, dq.type.shape[1], layout=gl.SliceLayout(0, layout))
-        ptrs = gl.expand_dims(dq_block + r * stride_dqs, 1) + gl.expand_dims(c, 0)
-        mask = gl.expand_dims(m0 + r < len_q, 1) & gl.expand_dims(c >= 0, 0)
-        gl.atomic_add(ptrs, dq, mask=mask, sem="relaxed")
+        for i in gl.static_range(dq.type.shape[0] // CHUNK):
+            part = staging.slice(i * CHUNK, CHUNK).load(layout)
+            r = i * CHUNK + gl.arange(0, CHUNK, layout=gl.SliceLayout(1, layout))
+            ptrs = gl.expand_dims(dq_block + r * stride_dqs, 1) + gl.expand_dims(c, 0)
+            mask = gl.expand_dims(m0 + r < len_q, 1) & gl.expand_dims(c >= 0, 0)
+            gl.atomic_add(ptrs, part, mask=mask, sem="relaxed")
+        # The next store into `staging` comes a step later, after this warpgroup's next
+        # barrier: every thread has read its rows by then.
 
     @gluon.jit
     def _consumer(smem, bars, seq, strides, ptrs, scales, WG: gl.constexpr):
         """One warpgroup: dK and dV of its 64 keys, and its half of each step's dQ share."""
-        q_smem, k_smem, v_smem, do_smem, lse_smem, delta_smem, ds_smem, p_smem = smem
+        q_smem, k_smem, v_smem, do_smem, lse_smem, delta_smem, ds_smem, p_smem, dq_smem = smem
         kv_bar, ready, empty, ds_ready = bars
         z, h_kv, group, start_q, start_k, start_n, len_q, len_k, diag, m_lo, m_count, total = seq
         stride_dqb, stride_dqh, stride_dqs = strides[5]
@@ -196,7 +212,7 @@ if GLUON_AVAILABLE:
         NUM_STAGES: gl.constexpr = q_smem.type.shape[0]
         BLOCK_M: gl.constexpr = q_smem.type.shape[1]
         HEAD_DIM: gl.constexpr = q_smem.type.shape[2]
-        BLOCK_N: gl.constexpr = k_smem.type.shape[0]
+        BLOCK_N: gl.constexpr = k_smem.type.shape[1]
         KEYS: gl.constexpr = BLOCK_N // 2
         # Each step's dQ share dS K is [BLOCK_M = 64, d]. d = 128: each warpgroup computes 64
         # of the columns (its accumulator beside dK and dV must stay at 32 registers); d = 64:
@@ -230,19 +246,25 @@ if GLUON_AVAILABLE:
         z64 = z.to(gl.int64)
 
         mbarrier.wait(kv_bar, 0)
-        _zero_rows_from(k_smem, len_k - start_n)
-        _zero_rows_from(v_smem, len_k - start_n)
-        k_wg = k_smem.slice(WG * KEYS, KEYS)
-        v_wg = v_smem.slice(WG * KEYS, KEYS)
+        _zero_rows_from(k_smem.index(0), len_k - start_n)
+        _zero_rows_from(v_smem.index(0), len_k - start_n)
         # P^T and dS^T reach the dV, dK and dQ products through shared memory, not registers:
         # the dK and dV accumulators already take 2 x HEAD_DIM / 2 registers a thread.
-        p_wg = p_smem.slice(WG * KEYS, KEYS)
-        if ALTERNATE:
-            k_dq = k_smem
-        else:
-            k_dq = k_smem.slice(WG * DQ_COLS, DQ_COLS, dim=1)
-
+        dq_wg = dq_smem.index(WG)
         for it in range(total):
+            # Shared-memory addresses through an index the compiler cannot see is 0: else it
+            # hoists every wgmma descriptor of the resident tiles out of the loop (dozens of
+            # 64-bit values) and spills them.
+            res = _opaque_zero(it)
+            k_res = k_smem.index(res)
+            v_res = v_smem.index(res)
+            k_wg = k_res.slice(WG * KEYS, KEYS)
+            v_wg = v_res.slice(WG * KEYS, KEYS)
+            p_wg = p_smem.index(res).slice(WG * KEYS, KEYS)
+            if ALTERNATE:
+                k_dq = k_res
+            else:
+                k_dq = k_res.slice(WG * DQ_COLS, DQ_COLS, dim=1)
             stage = it % NUM_STAGES
             g = it // m_count
             m0 = m_lo + (it - g * m_count) * BLOCK_M
@@ -302,7 +324,7 @@ if GLUON_AVAILABLE:
                     dv, dk = warpgroup_mma_wait(1, deps=[dv_tok, dk_tok])
                     _release(empty.index(stage))
                     dq = warpgroup_mma_wait(0, deps=[dq_tok])
-                    _add_dq(dq, dq_ptr + dq_row, m0, len_q, stride_dqs, 0)
+                    _add_dq(dq, dq_wg, dq_ptr + dq_row, m0, len_q, stride_dqs, 0)
                 else:
                     dv, dk = warpgroup_mma_wait(0, deps=[dv_tok, dk_tok])
                     _release(empty.index(stage))
@@ -314,7 +336,7 @@ if GLUON_AVAILABLE:
                 dv, dk = warpgroup_mma_wait(1, deps=[dv_tok, dk_tok])
                 _release(empty.index(stage))
                 dq = warpgroup_mma_wait(0, deps=[dq_tok])
-                _add_dq(dq, dq_ptr + dq_row, m0, len_q, stride_dqs, WG * DQ_COLS)
+                _add_dq(dq, dq_wg, dq_ptr + dq_row, m0, len_q, stride_dqs, WG * DQ_COLS)
 
         # Epilogue: this warpgroup's dK (times the softmax scale) and dV rows.
         out_r = start_n + WG * KEYS + gl.arange(0, KEYS, layout=gl.SliceLayout(1, acc_layout))
@@ -381,14 +403,19 @@ if GLUON_AVAILABLE:
         dtype: gl.constexpr = q_desc.dtype
         q_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_M, HEAD_DIM], q_desc.layout)
         do_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_M, HEAD_DIM], do_desc.layout)
-        k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], k_desc.layout)
-        v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], v_desc.layout)
+        k_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_N, HEAD_DIM], k_desc.layout)
+        v_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_N, HEAD_DIM], v_desc.layout)
         # dS^T [keys, queries], double-buffered; the dQ product reads it transposed.
         ds_layout: gl.constexpr = gl.NVMMASharedLayout(
             swizzle_byte_width=128, element_bitwidth=dtype.primitive_bitwidth, rank=2
         )
         ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], ds_layout)
-        p_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_M], ds_layout)  # P^T
+        p_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_N, BLOCK_M], ds_layout)  # P^T
+        # Each consumer warpgroup's dQ share on its way to the atomics (`_add_dq`).
+        dq_layout: gl.constexpr = gl.NVMMASharedLayout(
+            swizzle_byte_width=128, element_bitwidth=32, rank=2
+        )
+        dq_smem = gl.allocate_shared_memory(gl.float32, [2, 64, 64], dq_layout)
         rows_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
         lse_smem = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, BLOCK_M], rows_layout)
         delta_smem = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, BLOCK_M], rows_layout)
@@ -407,7 +434,7 @@ if GLUON_AVAILABLE:
 
         args = (
             (q_desc, k_desc, v_desc, do_desc),
-            (q_smem, k_smem, v_smem, do_smem, lse_smem, delta_smem, ds_smem, p_smem),
+            (q_smem, k_smem, v_smem, do_smem, lse_smem, delta_smem, ds_smem, p_smem, dq_smem),
             (kv_bar, ready, empty, ds_ready),
             (z, h_kv, group, start_q, start_k, start_n, len_q, len_k, diag, m_lo, m_count, total),
             ((stride_qb, stride_qh, stride_qs), (stride_kb, stride_kh, stride_ks),

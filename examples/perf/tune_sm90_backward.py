@@ -3,14 +3,13 @@
     python examples/perf/tune_sm90_backward.py [--dims 128,64] [--seqlens 4096,16384]
         [--json PATH]
 
-bf16, b = 16384 / s, h = 2048 / d, q/k/v [b, s, h, d], causal and not. Per provider (the sm_90
-backward also with each of `EXTRA_TILES`): the backward alone (autograd.grad of a retained graph,
-dout fixed) and forward+backward, medians of `triton.testing.do_bench`, TFLOP/s counted as
-4 b h s^2 d (halved when causal) for the forward, 2.5x that for the backward and 3.5x for
-forward+backward. "ours-sm90" and "ours-portable" share the forward (`set_forward_path` left at
-"auto") and differ in `set_backward_path`. Before timing, each of ours is checked against
-SDPA-flash's gradients (relative error under 1e-2). The rows where ours-sm90 beats
-ours-portable are what `_backward_paths.SM90_BWD_MIN_KEYS` holds.
+bf16, b = 16384 / s, h = 2048 / d, q/k/v [b, s, h, d], causal and not. Per provider: the
+backward alone (autograd.grad of a retained graph, dout fixed) and forward+backward, medians of
+`triton.testing.do_bench`, TFLOP/s counted as 4 b h s^2 d (halved when causal) for the forward,
+2.5x that for the backward and 3.5x for forward+backward. "ours-sm90" and "ours-portable" share
+the forward (`set_forward_path` left at "auto") and differ in `set_backward_path`. Before timing,
+each of ours is checked against SDPA-flash's gradients (relative error under 1e-2). The rows
+where ours-sm90 beats ours-portable are what `_backward_paths.SM90_BWD_MIN_KEYS` holds.
 """
 
 from __future__ import annotations
@@ -21,15 +20,12 @@ import json
 import torch
 import torch.nn.functional as F
 import triton
-from fusedlayers.kernels import _flash_bwd_sm90, set_backward_path
+from fusedlayers.kernels import set_backward_path
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from fusedlayers import flash_attn_func
 
 TOKENS, HIDDEN = 16384, 2048
-# (BLOCK_M, NUM_STAGES) of the sm_90 backward tried besides `_flash_bwd_sm90.TILES` (d = 128 has
-# no shared memory for a third stage).
-EXTRA_TILES = {128: [], 64: [(64, 3), (64, 4)]}
 
 
 def timed(fn) -> float:
@@ -47,27 +43,19 @@ def _providers(q, k, v, causal):
 
         return run
 
-    d = q.shape[-1]
-    default = _flash_bwd_sm90.TILES[d]
-
-    def ours(path, tile=default):
+    def ours(path):
         def run():
-            # Both are read when the backward launches, so they stay set until then.
-            set_backward_path(path)
-            _flash_bwd_sm90.TILES[d] = tile
+            set_backward_path(path)  # read when the backward launches, so it stays set until then
             return flash_attn_func(q, k, v, causal=causal)
 
         return run
 
-    providers = {
+    return {
         "sdpa-cudnn": sdpa(SDPBackend.CUDNN_ATTENTION),
         "sdpa-flash": sdpa(SDPBackend.FLASH_ATTENTION),
         "ours-portable": ours("portable"),
         "ours-sm90": ours("sm90"),
     }
-    for tile in EXTRA_TILES[d]:
-        providers[f"ours-sm90 {tile}"] = ours("sm90", tile)
-    return providers
 
 
 def measure(d: int, s: int, causal: bool) -> list[dict]:
@@ -79,7 +67,6 @@ def measure(d: int, s: int, causal: bool) -> list[dict]:
         t.requires_grad_()
     fwd_flops = 4 * b * h * s * s * d / (2 if causal else 1)
     base = dict(d=d, s=s, b=b, h=h, causal=int(causal))
-    default_tile = _flash_bwd_sm90.TILES[d]
     reference = None
     rows = []
     for name, forward in _providers(q, k, v, causal).items():
@@ -106,7 +93,6 @@ def measure(d: int, s: int, causal: bool) -> list[dict]:
             row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
         rows.append(row)
     set_backward_path("auto")
-    _flash_bwd_sm90.TILES[d] = default_tile
     return rows
 
 
