@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from . import _flash_bwd_sm90 as sm90
+from ._common import cdiv, multiprocessors
 from ._forward_paths import _on_sm90
 
 _PATHS = ("auto", "portable", "sm90")
@@ -21,8 +22,15 @@ _path = "auto"
 
 # Per head dim, the shortest key length (per sequence) at which "auto" takes the sm_90 backward;
 # None: "auto" never does (set_backward_path("sm90") still can). Measured on the H100 with
-# examples/perf/tune_sm90_backward.py (docs/performance.md, "The sm_90 backward").
-SM90_BWD_MIN_KEYS: dict[int, int | None] = {128: None, 64: None}
+# examples/perf/tune_sm90_backward.py (bf16, b*s = 16k tokens, h*d = 2048, docs/performance.md,
+# "The sm_90 backward"): d=128 backward 1.11-1.21x the portable one at s = 4k and 16k, causal and
+# not (shorter lengths not measured yet); d=64 0.89-1.04x, so it stays portable.
+SM90_BWD_MIN_KEYS: dict[int, int | None] = {128: 4096, 64: None}
+# "auto" also wants this many waves of programs (one per 128 keys of each sequence and KV head,
+# one program per SM): the measured launches had 15; unlike the portable dK/dV pass, which
+# deals a GQA group over several programs when there are few (`_flash_bwd.group_splits`), this
+# kernel keeps one program per key block, so MQA with a small batch would leave SMs idle.
+SM90_BWD_MIN_WAVES = 4
 
 
 def set_backward_path(path: str) -> str:
@@ -66,9 +74,13 @@ def sm90_backward_plan(
         return None
     if window_left != -1 or window_right not in (-1, 0):
         return None
-    min_keys = SM90_BWD_MIN_KEYS[q.shape[-1]]
-    if _path == "auto" and (min_keys is None or geom.k.max_len < min_keys):
-        return None
+    if _path == "auto":
+        min_keys = SM90_BWD_MIN_KEYS[q.shape[-1]]
+        if min_keys is None or geom.k.max_len < min_keys:
+            return None
+        programs = cdiv(geom.k.max_len, sm90.BLOCK_N) * geom.batch * k.shape[-2]
+        if programs < SM90_BWD_MIN_WAVES * multiprocessors(q.device):
+            return None
     views = sm90.plan_views(q, k, v, dout, geom.varlen)
     if views is None:
         return None

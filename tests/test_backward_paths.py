@@ -50,12 +50,17 @@ def test_plan_covers_what_the_kernel_does(monkeypatch):
         assert _plan(q.float(), kv.float(), kv.float(), q.float()) is None
         q96 = torch.randn(2, 300, 4, 96, dtype=torch.bfloat16)
         assert _plan(q96, q96, q96, q96) is None
-        # auto follows the table; None entries mean never.
+        # auto follows the table (None entries mean never) and wants enough programs.
         set_backward_path("auto")
         monkeypatch.setitem(_backward_paths.SM90_BWD_MIN_KEYS, 128, None)
         assert _plan(q, kv, kv, q) is None
         monkeypatch.setitem(_backward_paths.SM90_BWD_MIN_KEYS, 128, 256)
+        monkeypatch.setattr(_backward_paths, "SM90_BWD_MIN_WAVES", 0)
         assert _plan(q, kv, kv, q) is not None
+        assert _plan(q[:, :200], kv[:, :200], kv[:, :200], q[:, :200]) is None  # 200 < 256 keys
+        # 3 key blocks x 2 sequences x 2 KV heads = 12 programs: under one wave of the H100.
+        monkeypatch.setattr(_backward_paths, "SM90_BWD_MIN_WAVES", 1)
+        assert _plan(q, kv, kv, q) is None
     finally:
         set_backward_path(previous)
 
