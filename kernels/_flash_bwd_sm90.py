@@ -8,16 +8,18 @@ Shapes (docs/internals.md), as for the portable backward in `_flash_bwd.py`:
 One program owns BLOCK_N = 128 keys of one (sequence, KV head) and loops over every query block
 of every query head of its GQA group that can see them (FlashAttention-3's backward):
 - a producer warpgroup loads the K and V tiles once, then streams each (query head, query
-  block)'s Q and dO tiles by TMA through a NUM_STAGES-deep shared-memory ring (a "ready"
-  mbarrier with the TMA's byte count and an "empty" one both consumers release);
-- two consumer warpgroups each own 64 of the keys. Per query block, with asynchronous wgmma:
-  S^T = K Q^T and dP^T = V dO^T (key-major, so P^T and dS^T come out of the products in the
-  layout the dV and dK products take from registers), P^T = exp2(S^T * scale * log2e - LSE),
-  dV += P^T dO, dS^T = P^T (dP^T - delta), dK += dS^T Q. Both warpgroups write their dS^T rows
-  into one shared [128 keys, BLOCK_M] tile (double-buffered, an mbarrier both arrive on), and
-  each computes half of this key block's dQ share dS K from it (d = 128: half the columns;
-  d = 64, whose query blocks are 128 rows: half the rows), added into an fp32 dQ accumulator
-  with atomics. dK and dV sum over the group's heads in registers: no atomics, no partial sums.
+  block)'s Q and dO tiles by TMA, and its LSE and delta rows by plain loads, through a
+  NUM_STAGES-deep shared-memory ring (a "ready" mbarrier with the TMA's byte count and an
+  "empty" one both consumers release);
+- two consumer warpgroups each own 64 of the keys. Per query block of BLOCK_M = 64 rows, with
+  asynchronous wgmma: S^T = K Q^T and dP^T = V dO^T (key-major, so P^T and dS^T come out of the
+  products as the A operands of dV += P^T dO and dK += dS^T Q), P^T = exp2(S^T * scale * log2e
+  - LSE), dS^T = P^T (dP^T - delta). P^T and dS^T reach their products through shared memory.
+  Both warpgroups write their dS^T rows into one [128 keys, BLOCK_M] tile (double-buffered, an
+  mbarrier both arrive on), from which this key block's dQ share dS K is computed (d = 128:
+  each warpgroup 64 of the columns; d = 64: the warpgroups take turns) and added into an fp32
+  dQ accumulator with atomics. dK and dV sum over the group's heads in registers: no atomics,
+  no partial sums.
 The launcher zero-fills the accumulator and scales and casts it afterwards (`_flash_bwd`'s
 atomic-dQ epilogue), and computes delta = rowsum(dO * O) first (`_flash_bwd._preprocess`).
 
@@ -58,15 +60,15 @@ if GLUON_AVAILABLE:
     )
 
 BLOCK_N = 128  # keys per program: two consumer warpgroups of 64 (a wgmma's M per warpgroup)
-KEYS_PER_WARPGROUP = BLOCK_N // 2
 CONSUMER_WARPS = 4
 # Registers as in the forward: two consumer warpgroups and a four-warp producer, 168 x 384
 # threads fill the register file; the producer keeps 24, each consumer gets 240.
 MAX_REGISTERS = 168
-# (BLOCK_M query rows per step, NUM_STAGES) per head dim. d = 128: the dK and dV accumulators
-# take 2 x 64 registers a thread, so the score tiles stay [64, 64] (FlashAttention-3's choice);
-# d = 64 has room for [64, 128] score tiles, half the steps per key block. Shared memory, both:
-# K, V + NUM_STAGES x (Q, dO) + 2 dS^T buffers = 160 KiB.
+# (BLOCK_M query rows per step, NUM_STAGES) per head dim. The score tiles stay [64 keys, 64
+# queries] a warpgroup: at d = 128 the dK and dV accumulators take 2 x 64 registers a thread
+# (FlashAttention-3's choice); at d = 64, [64, 128] tiles spilled. Shared memory: K, V, P^T, two
+# dS^T tiles, the dQ staging tiles and NUM_STAGES x (Q, dO): 210 KiB at d = 128 (no room for a
+# third stage), 146 KiB at d = 64 (3 or 4 stages measured within 3% of 2 on the H100).
 TILES = {128: (64, 2), 64: (64, 2)}
 SUPPORTED_HEAD_DIMS = tuple(TILES)
 
@@ -248,8 +250,6 @@ if GLUON_AVAILABLE:
         mbarrier.wait(kv_bar, 0)
         _zero_rows_from(k_smem.index(0), len_k - start_n)
         _zero_rows_from(v_smem.index(0), len_k - start_n)
-        # P^T and dS^T reach the dV, dK and dQ products through shared memory, not registers:
-        # the dK and dV accumulators already take 2 x HEAD_DIM / 2 registers a thread.
         dq_wg = dq_smem.index(WG)
         for it in range(total):
             # Shared-memory addresses through an index the compiler cannot see is 0: else it
@@ -260,6 +260,8 @@ if GLUON_AVAILABLE:
             v_res = v_smem.index(res)
             k_wg = k_res.slice(WG * KEYS, KEYS)
             v_wg = v_res.slice(WG * KEYS, KEYS)
+            # P^T and dS^T reach the dV, dK and dQ products through shared memory, not
+            # registers: the dK and dV accumulators already take 2 x HEAD_DIM / 2 a thread.
             p_wg = p_smem.index(res).slice(WG * KEYS, KEYS)
             if ALTERNATE:
                 k_dq = k_res
