@@ -14,6 +14,9 @@ Offers:
         kernel takes the calls it covers (kernels/_forward_paths.py), the portable Triton kernel
         everything else. "auto" (the default) follows the measured table; the others pin a path
         for tests and benchmarks.
+    set_backward_path("auto" | "portable" | "sm90") -> previous setting; backward_path()
+        The same for the backward: on sm_90 GPUs a warp-specialized Gluon kernel (one launch for
+        dQ, dK and dV) can take the non-deterministic calls it covers (kernels/_backward_paths.py).
     decode_attention(q, k_cache, v_cache, seqlens_k, *, ...) -> (out, lse)
         Split-KV ("flash-decoding") inference forward for few queries over a contiguous or paged
         KV cache (kernels/_flash_decode.py); `check_page_size` states its page-size rule.
@@ -43,6 +46,7 @@ The kernels assume validated input; `fusedlayers` checks and normalizes everythi
 
 from ._activation import ACTIVATIONS as _ACTIVATIONS
 from ._activation import SUPPORTED_DTYPES as ACTIVATION_DTYPES
+from ._backward_paths import backward_path, set_backward_path
 from ._dropout import dropout_keep_mask
 from ._flash_decode import check_page_size, decode_attention
 from ._forward_paths import forward_path, set_forward_path
@@ -62,6 +66,7 @@ __all__ = [
     "MAX_NORM_HIDDEN",
     "NORM_DTYPES",
     "ROPE_DTYPES",
+    "backward_path",
     "check_page_size",
     "decode_attention",
     "dropout_keep_mask",
@@ -70,5 +75,6 @@ __all__ = [
     "fused_activation",
     "layer_norm",
     "rope",
+    "set_backward_path",
     "set_forward_path",
 ]

@@ -18,6 +18,10 @@ Two schemes, both starting with delta = rowsum(dO * O) (fp32):
   dK/dV kernel also adds dS^T K into a zero-filled fp32 dQ accumulator with atomics
   (FlashAttention-2's scheme), and one elementwise pass scales and casts it: 5 block products.
   dK/dV stay bitwise reproducible; dQ does not, as the order of the fp32 adds varies.
+
+On an sm_90 GPU, non-deterministic calls the Hopper kernel covers can instead take it
+(`_backward_paths`, `_flash_bwd_sm90.py`): one warp-specialized launch (TMA, wgmma) for dQ, dK
+and dV after the same preprocess, dQ summed with atomics as in the atomic-dQ scheme.
 """
 
 from __future__ import annotations
@@ -26,6 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
+from . import _flash_bwd_sm90 as sm90
+from ._backward_paths import sm90_backward_plan
 from ._common import (
     cdiv,
     dim_mask,
@@ -237,6 +243,9 @@ def flash_attention_backward(
     allows it (see `ATOMIC_DQ_DEVICES`; off by default): fewer block products, dk/dv still
     bitwise reproducible, dq equal up to fp32 summation order (not bitwise) from run to run.
 
+    On an sm_90 GPU the Hopper kernel may take a non-deterministic call instead
+    (`_backward_paths.sm90_backward_plan`): same outputs, dq up to fp32 summation order.
+
     `dq`, `dk`, `dv`: optional preallocated outputs with the shapes and dtypes of q/k/v and any
     strides with stride(-1) == 1 (e.g. views of one packed gradient buffer); the kernels write
     into them (zeroing rows no sequence owns) and they are returned in place of new ones.
@@ -264,16 +273,24 @@ def flash_attention_backward(
     head_dim = max(q.shape[-1], v.shape[-1])
     shared = (q, k, v, dout, lse, delta, dk, dv, bias_args, alibi_args, seq_ptrs, strides,
               scalars, geo, opts)  # fmt: skip
+    sm90_plan = sm90_backward_plan(
+        q, k, v, dout, lse, geo, window_left=window_left, window_right=window_right,
+        bias=bias, alibi_slopes=alibi_slopes, softcap=softcap, dropout_p=dropout_p,
+        deterministic=deterministic,
+    )  # fmt: skip
+    if sm90_plan is not None:
+        # One launch for dQ, dK and dV on Hopper (`_backward_paths`); dQ sums with atomics.
+        dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        views, causal = sm90_plan
+        sm90.backward_sm90(
+            q, k, v, dout, lse, delta, dq_acc, dk, dv, views, geo,
+            softmax_scale=softmax_scale, causal=causal, bottom_right=bottom_right,
+        )  # fmt: skip
+        return _scaled_dq(dq_acc, dq, q.dtype, softmax_scale), dk, dv, None
     if use_atomic_dq(q, deterministic, dbias is not None):
-        # Zeros: the kernel only adds, and rows no program reaches (padding, rows past
-        # seqlens_q) must come out 0.
         dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         _launch_dkdv(*shared, dq_acc, bwd_atomic_config(head_dim, q.is_cuda))
-        # One elementwise pass: multiply in fp32 and cast on the store (fp32 q: in place).
-        if dq is None:
-            dq = dq_acc if q.dtype == torch.float32 else torch.empty_like(dq_acc, dtype=q.dtype)
-        torch.mul(dq_acc, softmax_scale, out=dq)
-        return dq, dk, dv, None
+        return _scaled_dq(dq_acc, dq, q.dtype, softmax_scale), dk, dv, None
     cfg = bwd_config(
         head_dim, q.is_cuda, max(geo.q.max_len, geo.k.max_len), causal=opts["HAS_RIGHT"]
     )
@@ -288,6 +305,19 @@ def flash_attention_backward(
         num_warps=cfg["WARPS2"], num_stages=cfg["STAGES2"],
     )  # fmt: skip
     return dq, dk, dv, dbias
+
+
+def _scaled_dq(
+    dq_acc: torch.Tensor, dq: torch.Tensor | None, dtype: torch.dtype, softmax_scale: float
+) -> torch.Tensor:
+    """The atomic schemes' dQ epilogue: softmax_scale x the fp32 accumulator, cast to `dtype`
+    (q's) on the store, one elementwise pass; into `dq` when given, else a new tensor (fp32:
+    the accumulator itself, in place). The caller zero-fills the accumulator: the kernels only
+    add, and rows no program reaches (padding, rows past seqlens_q) must come out 0."""
+    if dq is None:
+        dq = dq_acc if dtype == torch.float32 else torch.empty_like(dq_acc, dtype=dtype)
+    torch.mul(dq_acc, softmax_scale, out=dq)
+    return dq
 
 
 def group_splits(programs: int, group: int, device: torch.device, causal: bool) -> int:

@@ -24,15 +24,25 @@ def pytest_addoption(parser):
         "set_forward_path): `sm90` runs every call the Hopper kernel covers on it, whatever its "
         "length, so the GPU suite checks that kernel too",
     )
+    parser.addoption(
+        "--backward-path",
+        default="auto",
+        choices=("auto", "portable", "sm90"),
+        help="pin the attention backward kernels for the whole run (fusedlayers.kernels."
+        "set_backward_path): `sm90` runs every non-deterministic call the Hopper backward "
+        "covers on it",
+    )
 
 
 @pytest.fixture(autouse=True, scope="session")
-def _forward_path(request):
-    from fusedlayers.kernels import set_forward_path
+def _kernel_paths(request):
+    from fusedlayers.kernels import set_backward_path, set_forward_path
 
     previous = set_forward_path(request.config.getoption("--forward-path"))
+    previous_bwd = set_backward_path(request.config.getoption("--backward-path"))
     yield
     set_forward_path(previous)
+    set_backward_path(previous_bwd)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -1,0 +1,157 @@
+"""Compile the sm_90 Gluon kernels for an H100 on a machine without a GPU, and read the
+compiler's resource report (registers, spills, shared memory).
+
+    python examples/perf/compile_sm90_offline.py [--kernels fwd,bwd] [--dims 128,64]
+        [--causal 0,1] [--dump DIR]
+
+Run it with the Triton the GPU host has (3.6 on the H100): Gluon's API differs between
+versions. A stand-in driver reports an sm_90 target, and the launchers run on CPU tensors with
+every kernel launch turned into a compile-only warm-up, so the compiled kernel is exactly what
+that launch would build (same specializations: strides divisible by 16, constexprs). ptxas
+(bundled with Triton) then reports per kernel: registers, spill stores/loads and the stack
+frame. `--dump DIR` also writes the TTGIR, PTX and SASS for reading.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import re
+import subprocess
+import tempfile
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.runtime import driver as triton_driver
+
+COMPILED: list = []
+
+
+class _OfflineDriver:
+    """Just enough of Triton's active CUDA driver for JIT specialization and compilation."""
+
+    def get_current_target(self):
+        return GPUTarget("cuda", 90, 32)
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+    def get_active_torch_device(self):
+        return torch.device("cpu")
+
+
+@contextlib.contextmanager
+def offline_sm90(*kernels):
+    """Inside: launches of `kernels` compile for sm_90 and record the result instead of running."""
+    saved = [(k, k.run) for k in kernels]
+    triton_driver.set_active(_OfflineDriver())
+
+    def compile_only(kernel, original):
+        def run(*args, grid, warmup, **kwargs):
+            COMPILED.append(original(*args, grid=grid, warmup=True, **kwargs))
+
+        return run
+
+    for kernel, original in saved:
+        kernel.run = compile_only(kernel, original)
+        kernel.device_caches.clear()
+    try:
+        yield COMPILED
+    finally:
+        for kernel, original in saved:
+            kernel.run = original
+        # The stand-in driver stays: on a machine without a GPU there is no real one to restore.
+
+
+def ptxas_report(ptx: str) -> str:
+    """ptxas -v for sm_90a on `ptx`: the registers / spill / stack lines."""
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/ptxas")
+    with tempfile.TemporaryDirectory() as tmp:
+        src = os.path.join(tmp, "k.ptx")
+        with open(src, "w") as f:
+            f.write(ptx)
+        result = subprocess.run(
+            [ptxas, "-arch=sm_90a", "-v", src, "-o", os.path.join(tmp, "k.cubin")],
+            capture_output=True, text=True,
+        )  # fmt: skip
+    lines = (result.stdout + result.stderr).splitlines()
+    keep = [ln.strip() for ln in lines if re.search(r"registers|spill|stack|error|warn", ln)]
+    return "\n".join(keep)
+
+
+def _inputs(d, s, b=2, h=4, h_kv=2, dtype=torch.bfloat16):
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(b, s, h, d, generator=g).to(dtype)
+    k = torch.randn(b, s, h_kv, d, generator=g).to(dtype)
+    v = torch.randn(b, s, h_kv, d, generator=g).to(dtype)
+    return q, k, v
+
+
+def compile_forward(d: int, causal: bool):
+    from fusedlayers.kernels import _flash_fwd_sm90 as fwd
+    from fusedlayers.kernels._common import launch_geometry
+
+    q, k, v = _inputs(d, 1024)
+    geom = launch_geometry(q, k)
+    out = torch.empty_like(q)
+    lse = torch.empty(q.shape[0], q.shape[2], q.shape[1])
+    with offline_sm90(fwd._attn_fwd_sm90):
+        fwd.forward_sm90(
+            q, k, v, out, lse, fwd.plan_views(q, k, v, False), geom,
+            softmax_scale=d**-0.5, causal=causal, bottom_right=True,
+        )  # fmt: skip
+    return COMPILED[-1]
+
+
+def compile_backward(d: int, causal: bool):
+    from fusedlayers.kernels import _flash_bwd_sm90 as bwd
+    from fusedlayers.kernels._common import launch_geometry
+
+    q, k, v = _inputs(d, 1024)
+    geom = launch_geometry(q, k)
+    dout = torch.randn_like(q)
+    lse = torch.randn(q.shape[0], q.shape[2], q.shape[1])
+    delta = torch.randn_like(lse)
+    dq_acc = torch.zeros(q.shape, dtype=torch.float32)
+    dk, dv = torch.empty_like(k), torch.empty_like(v)
+    views = bwd.plan_views(q, k, v, dout, False)
+    with offline_sm90(bwd._attn_bwd_sm90):
+        bwd.backward_sm90(
+            q, k, v, dout, lse, delta, dq_acc, dk, dv, views, geom,
+            softmax_scale=d**-0.5, causal=causal, bottom_right=True,
+        )  # fmt: skip
+    return COMPILED[-1]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--kernels", default="fwd,bwd")
+    p.add_argument("--dims", default="128,64")
+    p.add_argument("--causal", default="0,1")
+    p.add_argument("--dump", default=None)
+    args = p.parse_args()
+    builders = {"fwd": compile_forward, "bwd": compile_backward}
+    for name in args.kernels.split(","):
+        for d in (int(x) for x in args.dims.split(",")):
+            for causal in (bool(int(x)) for x in args.causal.split(",")):
+                kernel = builders[name](d, causal)
+                smem = kernel.metadata.shared
+                print(f"== {name} d={d} causal={int(causal)}: shared {smem} bytes")
+                print(ptxas_report(kernel.asm["ptx"]))
+                if args.dump:
+                    os.makedirs(args.dump, exist_ok=True)
+                    stem = os.path.join(args.dump, f"{name}-d{d}-c{int(causal)}")
+                    for ext in ("ttgir", "ptx"):
+                        with open(f"{stem}.{ext}", "w") as f:
+                            f.write(kernel.asm[ext])
+                    with open(f"{stem}.cubin", "wb") as f:
+                        f.write(kernel.asm["cubin"])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,509 @@
+"""Flash-attention backward for Hopper (sm_90), written in Gluon: one launch for dQ, dK and dV.
+
+Shapes (docs/internals.md), as for the portable backward in `_flash_bwd.py`:
+    dense  q/dq [b, s_q, h_q, d], k/dk, v/dv [b, s_k, h_kv, d], dout [b, s_q, h_q, d],
+           lse/delta [b, h_q, s_q]
+    varlen q/dq [t_q, h_q, d], k/dk, v/dv [t_k, h_kv, d], dout [t_q, h_q, d], lse/delta [h_q, t_q]
+
+One program owns BLOCK_N = 128 keys of one (sequence, KV head) and loops over every query block
+of every query head of its GQA group that can see them (FlashAttention-3's backward):
+- a producer warpgroup loads the K and V tiles once, then streams each (query head, query
+  block)'s Q and dO tiles by TMA, and its LSE and delta rows by plain loads, through a
+  NUM_STAGES-deep shared-memory ring (a "ready" mbarrier with the TMA's byte count and an
+  "empty" one both consumers release);
+- two consumer warpgroups each own 64 of the keys. Per query block of BLOCK_M = 64 rows, with
+  asynchronous wgmma: S^T = K Q^T and dP^T = V dO^T (key-major, so P^T and dS^T come out of the
+  products as the A operands of dV += P^T dO and dK += dS^T Q), P^T = exp2(S^T * scale * log2e
+  - LSE), dS^T = P^T (dP^T - delta). P^T and dS^T reach their products through shared memory.
+  Both warpgroups write their dS^T rows into one [128 keys, BLOCK_M] tile (double-buffered, an
+  mbarrier both arrive on), from which this key block's dQ share dS K is computed (d = 128:
+  each warpgroup 64 of the columns; d = 64: the warpgroups take turns) and added into an fp32
+  dQ accumulator with atomics. dK and dV sum over the group's heads in registers: no atomics,
+  no partial sums.
+The launcher zero-fills the accumulator and scales and casts it afterwards (`_flash_bwd`'s
+atomic-dQ epilogue), and computes delta = rowsum(dO * O) first (`_flash_bwd._preprocess`).
+
+Tiles are addressed as in the forward (`_flash_fwd_sm90`, `tma_view`): one 2-D TMA grid over
+each operand's storage, any layout whose heads sit inside one storage row. Rows past a
+sequence's end (keys of the last key block, queries of the last query block) read whatever lies
+there, NaN included: they are zeroed in shared memory before any product (0 x NaN is NaN) and
+masked out of P; their dQ/dK/dV rows are never written.
+
+Covered: fp16/bf16, d = d_v in {64, 128}, MHA/GQA/MQA, no mask / causal (both alignments),
+dense, right-padded and varlen. dQ is not bitwise reproducible (the order of the fp32 atomic
+adds varies), so `deterministic=True` takes the portable two-pass backward, as does everything
+else not covered (`_backward_paths.sm90_backward_plan`).
+
+Precision: as the portable backward. Products accumulate in fp32; P^T and dS^T are rounded to
+the input dtype for the dV, dK and dQ products; dK leaves multiplied by the softmax scale, dQ
+is scaled in the epilogue.
+"""
+
+from __future__ import annotations
+
+from ._common import LOG2E, cdiv, lse_strides, strides4
+from ._flash_fwd_sm90 import GLUON_AVAILABLE, _descriptor, tma_view
+
+if GLUON_AVAILABLE:
+    from ._flash_fwd_sm90 import (
+        _partition_barrier,
+        _release,
+        _seq_bounds,
+        _tile_origin,
+        _tma_load,
+        fence_async_shared,
+        gl,
+        gluon,
+        mbarrier,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+
+BLOCK_N = 128  # keys per program: two consumer warpgroups of 64 (a wgmma's M per warpgroup)
+CONSUMER_WARPS = 4
+# Registers as in the forward: two consumer warpgroups and a four-warp producer, 168 x 384
+# threads fill the register file; the producer keeps 24, each consumer gets 240.
+MAX_REGISTERS = 168
+# (BLOCK_M query rows per step, NUM_STAGES) per head dim. The score tiles stay [64 keys, 64
+# queries] a warpgroup: at d = 128 the dK and dV accumulators take 2 x 64 registers a thread
+# (FlashAttention-3's choice); at d = 64, [64, 128] tiles spilled. Shared memory: K, V, P^T, two
+# dS^T tiles, the dQ staging tiles and NUM_STAGES x (Q, dO): 210 KiB at d = 128 (no room for a
+# third stage), 146 KiB at d = 64 (3 or 4 stages measured within 3% of 2 on the H100).
+TILES = {128: (64, 2), 64: (64, 2)}
+SUPPORTED_HEAD_DIMS = tuple(TILES)
+
+
+if GLUON_AVAILABLE:
+
+    @gluon.jit
+    def _producer(descs, smem, bars, seq, strides, ptrs, scales):
+        """K and V once, then Q, dO, LSE and delta of every (group head, query block) step
+        into the ring."""
+        q_desc, k_desc, v_desc, do_desc = descs
+        q_smem, k_smem, v_smem, do_smem, lse_smem, delta_smem, ds_smem, p_smem, dq_smem = smem
+        kv_bar, ready, empty, ds_ready = bars
+        z, h_kv, group, start_q, start_k, start_n, len_q, len_k, diag, m_lo, m_count, total = seq
+        stride_qb, stride_qh, stride_qs = strides[0]
+        stride_kb, stride_kh, stride_ks = strides[1]
+        stride_vb, stride_vh, stride_vs = strides[2]
+        stride_dob, stride_doh, stride_dos = strides[3]
+        stride_lb, stride_lh, stride_ls = strides[4]
+        NUM_STAGES: gl.constexpr = q_smem.type.shape[0]
+        BLOCK_M: gl.constexpr = q_smem.type.shape[1]
+
+        k_row, k_col = _tile_origin(z, h_kv, start_k + start_n, stride_kb, stride_kh, stride_ks)
+        v_row, v_col = _tile_origin(z, h_kv, start_k + start_n, stride_vb, stride_vh, stride_vs)
+        mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+        _tma_load(k_desc, [k_row, k_col], kv_bar, k_smem.index(0))
+        _tma_load(v_desc, [v_row, v_col], kv_bar, v_smem.index(0))
+        lse_ptr, delta_ptr = ptrs[:2]
+        # One row a thread (the 128 threads hold BLOCK_M rows, repeated where fewer).
+        offs = gl.arange(0, BLOCK_M, layout=gl.BlockedLayout([1], [32], [4], [0]))
+        z64 = z.to(gl.int64)
+        for it in range(total):
+            stage = it % NUM_STAGES
+            # Empty barriers start "completed" for parity 1: the first lap never waits.
+            phase = ((it // NUM_STAGES) & 1) ^ 1
+            g = it // m_count
+            m0 = m_lo + (it - g * m_count) * BLOCK_M
+            h = h_kv * group + g
+            q_row, q_col = _tile_origin(z, h, start_q + m0, stride_qb, stride_qh, stride_qs)
+            do_row, do_col = _tile_origin(z, h, start_q + m0, stride_dob, stride_doh, stride_dos)
+            mbarrier.wait(empty.index(stage), phase)
+            # LSE and delta by plain loads (a 1-D TMA box must start 16-byte aligned, and a
+            # sequence's rows start anywhere), into shared memory before the arrive below.
+            rows = m0 + offs
+            lse_at = z64 * stride_lb + h.to(gl.int64) * stride_lh + start_q.to(gl.int64) * stride_ls
+            row_ok = rows < len_q
+            lse = gl.load(lse_ptr + lse_at + rows * stride_ls, mask=row_ok, other=0.0)
+            delta = gl.load(delta_ptr + lse_at + rows * stride_ls, mask=row_ok, other=0.0)
+            lse_smem.index(stage).store(lse)
+            delta_smem.index(stage).store(delta)
+            _partition_barrier()  # every producer thread's stores, before the arrive
+            mbarrier.expect(ready.index(stage), 2 * q_desc.block_type.nbytes)
+            _tma_load(q_desc, [q_row, q_col], ready.index(stage), q_smem.index(stage))
+            _tma_load(do_desc, [do_row, do_col], ready.index(stage), do_smem.index(stage))
+
+    @gluon.jit
+    def _opaque_zero(x):
+        """0, computed at run time from x (inline asm the compiler cannot look through)."""
+        return gl.inline_asm_elementwise(
+            "mov.b32 $0, 0;", "=r,r", [x], dtype=gl.int32, is_pure=False, pack=1
+        )
+
+    @gluon.jit
+    def _visible_keys(p_t, key0, m0, len_q, len_k, diag):
+        """P^T (or dS^T) [keys from key0, queries from m0] with invisible pairs set to 0: keys
+        past len_k, queries past len_q, and keys past each query's diagonal (`diag` = len_k
+        without a mask). A select, not a -inf score: garbage scores or deltas of out-of-range
+        rows never reach the sums."""
+        layout: gl.constexpr = p_t.type.layout
+        keys = key0 + gl.arange(0, p_t.type.shape[0], layout=gl.SliceLayout(1, layout))
+        rows = m0 + gl.arange(0, p_t.type.shape[1], layout=gl.SliceLayout(0, layout))
+        k2 = gl.expand_dims(keys, 1)
+        q2 = gl.expand_dims(rows, 0)
+        visible = (k2 < len_k) & (q2 < len_q) & (k2 <= q2 + diag)
+        return gl.where(visible, p_t, 0.0)
+
+    @gluon.jit
+    def _zero_rows_from(tile, valid):
+        """Zero rows valid.. of a [rows, d] tile in shared memory (no-op when all are valid).
+
+        Rows past a sequence's end hold whatever follows it (padding may be NaN), and 0 x NaN
+        in a product is NaN. As `_flash_fwd_sm90._zero_rows_past`, but 16 rows at a time, so
+        the registers it takes (8 a thread) fit beside the dK and dV accumulators. Both
+        warpgroups write the same zeros, so neither sees a partial state.
+        """
+        rows: gl.constexpr = tile.type.shape[0]
+        cols: gl.constexpr = tile.type.shape[1]
+        CHUNK: gl.constexpr = 16
+        if valid < rows:
+            layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+            for c in gl.static_range(rows // CHUNK):
+                if (c + 1) * CHUNK > valid:
+                    part = tile.slice(c * CHUNK, CHUNK)
+                    values = part.load(layout)
+                    r = c * CHUNK + gl.arange(0, CHUNK, layout=gl.SliceLayout(1, layout))
+                    keep = gl.expand_dims(r < valid, 1) & gl.expand_dims(
+                        gl.arange(0, cols, layout=gl.SliceLayout(0, layout)) < cols, 0
+                    )
+                    part.store(gl.where(keep, values, gl.zeros_like(values)))
+            # Generic-proxy stores, then async-proxy (wgmma) reads: fence, and wait for all
+            # four warps before a product is issued.
+            fence_async_shared()
+            _partition_barrier()
+
+    @gluon.jit
+    def _add_dq(dq, staging, dq_block, m0, len_q, stride_dqs, col0):
+        """Atomically add a [64, 64] fp32 dQ share to rows m0.. (those below len_q), columns
+        col0.. of the accumulator block at `dq_block` (row 0 of the step's query block).
+
+        Other key blocks' programs add to the same elements: fp32 atomics, relaxed (nothing
+        reads the accumulator in this launch). The share leaves the wgmma layout through this
+        warpgroup's `staging` tile in shared memory and comes back 16 rows at a time, four
+        consecutive columns a thread: one 16-byte atomic each, and 8 values and a few row
+        addresses in registers at a time. (A whole-tile layout conversion, or atomics straight
+        from the wgmma layout, kept 32 more registers live beside the dK and dV accumulators,
+        and the kernel spilled.)
+        """
+        CHUNK: gl.constexpr = 16
+        layout: gl.constexpr = gl.BlockedLayout([1, 4], [2, 16], [4, 1], [1, 0])
+        staging.store(dq)
+        _partition_barrier()
+        c = col0 + gl.arange(0, dq.type.shape[1], layout=gl.SliceLayout(0, layout))
+        for i in gl.static_range(dq.type.shape[0] // CHUNK):
+            part = staging.slice(i * CHUNK, CHUNK).load(layout)
+            r = i * CHUNK + gl.arange(0, CHUNK, layout=gl.SliceLayout(1, layout))
+            ptrs = gl.expand_dims(dq_block + r * stride_dqs, 1) + gl.expand_dims(c, 0)
+            mask = gl.expand_dims(m0 + r < len_q, 1) & gl.expand_dims(c >= 0, 0)
+            gl.atomic_add(ptrs, part, mask=mask, sem="relaxed")
+        # The next store into `staging` comes a step later, after this warpgroup's next
+        # barrier: every thread has read its rows by then.
+
+    @gluon.jit
+    def _consumer(smem, bars, seq, strides, ptrs, scales, WG: gl.constexpr):
+        """One warpgroup: dK and dV of its 64 keys, and its half of each step's dQ share."""
+        q_smem, k_smem, v_smem, do_smem, lse_smem, delta_smem, ds_smem, p_smem, dq_smem = smem
+        kv_bar, ready, empty, ds_ready = bars
+        z, h_kv, group, start_q, start_k, start_n, len_q, len_k, diag, m_lo, m_count, total = seq
+        stride_dqb, stride_dqh, stride_dqs = strides[5]
+        stride_dkb, stride_dkh, stride_dks = strides[6]
+        stride_dvb, stride_dvh, stride_dvs = strides[7]
+        dq_ptr, dk_ptr, dv_ptr = ptrs[2:]
+        qk_scale, sm_scale = scales
+        NUM_STAGES: gl.constexpr = q_smem.type.shape[0]
+        BLOCK_M: gl.constexpr = q_smem.type.shape[1]
+        HEAD_DIM: gl.constexpr = q_smem.type.shape[2]
+        BLOCK_N: gl.constexpr = k_smem.type.shape[1]
+        KEYS: gl.constexpr = BLOCK_N // 2
+        # Each step's dQ share dS K is [BLOCK_M = 64, d]. d = 128: each warpgroup computes 64
+        # of the columns (its accumulator beside dK and dV must stay at 32 registers); d = 64:
+        # the warpgroups take turns computing all of it, one step each.
+        DQ_COLS: gl.constexpr = 64
+        ALTERNATE: gl.constexpr = HEAD_DIM == DQ_COLS
+        dtype: gl.constexpr = q_smem.dtype
+
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_M, 16]
+        )
+        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16]
+        )
+        dq_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, DQ_COLS, 16]
+        )
+
+        # Query-indexed vectors of a key-major tile hold BLOCK_M / 4 values a thread: LSE and
+        # delta come from shared memory when needed, the mask's indices only on masked steps.
+        q_vec: gl.constexpr = gl.SliceLayout(0, s_layout)
+        zero_s = gl.zeros([KEYS, BLOCK_M], gl.float32, s_layout)
+        zero_dq = gl.zeros([64, DQ_COLS], gl.float32, dq_layout)
+        dk = gl.zeros([KEYS, HEAD_DIM], gl.float32, acc_layout)
+        dv = gl.zeros([KEYS, HEAD_DIM], gl.float32, acc_layout)
+        # The key block's steps that need the mask: query blocks reaching past len_q, every step
+        # of a key block reaching past len_k, and (causal) blocks starting below the last key's
+        # diagonal row.
+        key_edge = start_n + BLOCK_N > len_k
+        diag_rows = start_n + BLOCK_N - 1 - diag
+        z64 = z.to(gl.int64)
+
+        mbarrier.wait(kv_bar, 0)
+        _zero_rows_from(k_smem.index(0), len_k - start_n)
+        _zero_rows_from(v_smem.index(0), len_k - start_n)
+        dq_wg = dq_smem.index(WG)
+        for it in range(total):
+            # Shared-memory addresses through an index the compiler cannot see is 0: else it
+            # hoists every wgmma descriptor of the resident tiles out of the loop (dozens of
+            # 64-bit values) and spills them.
+            res = _opaque_zero(it)
+            k_res = k_smem.index(res)
+            v_res = v_smem.index(res)
+            k_wg = k_res.slice(WG * KEYS, KEYS)
+            v_wg = v_res.slice(WG * KEYS, KEYS)
+            # P^T and dS^T reach the dV, dK and dQ products through shared memory, not
+            # registers: the dK and dV accumulators already take 2 x HEAD_DIM / 2 a thread.
+            p_wg = p_smem.index(res).slice(WG * KEYS, KEYS)
+            if ALTERNATE:
+                k_dq = k_res
+            else:
+                k_dq = k_res.slice(WG * DQ_COLS, DQ_COLS, dim=1)
+            stage = it % NUM_STAGES
+            g = it // m_count
+            m0 = m_lo + (it - g * m_count) * BLOCK_M
+            h64 = (h_kv * group + g).to(gl.int64)
+            mbarrier.wait(ready.index(stage), (it // NUM_STAGES) & 1)
+            q_t = q_smem.index(stage)
+            do_t = do_smem.index(stage)
+            _zero_rows_from(q_t, len_q - m0)
+            _zero_rows_from(do_t, len_q - m0)
+            s_tok = warpgroup_mma(k_wg, q_t.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+            dp_tok = warpgroup_mma(v_wg, do_t.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+            # Rows that saw no key carry LSE -inf; their P is masked to 0, and any finite
+            # stand-in keeps exp2 from producing NaN first.
+            lse = lse_smem.index(stage).load(q_vec)
+            lse2 = gl.where(lse == float("-inf"), 0.0, lse) * LOG2E
+            s_t = warpgroup_mma_wait(1, deps=[s_tok])
+            # exp2 with log2(e) folded into qk_scale and the LSE: one FMA per score.
+            p_t = gl.exp2(s_t * qk_scale - gl.expand_dims(lse2, 0))
+            masked = key_edge | (m0 + BLOCK_M > len_q) | (m0 < diag_rows)
+            if masked:
+                p_t = _visible_keys(p_t, start_n + WG * KEYS, m0, len_q, len_k, diag)
+            p_wg.store(p_t.to(dtype))
+            fence_async_shared()
+            _partition_barrier()
+            dv_tok = warpgroup_mma(p_wg, do_t, dv, is_async=True)
+            delta = delta_smem.index(stage).load(q_vec)
+            # wgmma groups retire in issue order: one outstanding (dV) means dP^T has landed.
+            dp_t = warpgroup_mma_wait(1, deps=[dp_tok])
+            ds_t = p_t * (dp_t - gl.expand_dims(delta, 0))
+            if masked:
+                # Delta past a sequence's end may be anything (never written): 0 x NaN.
+                ds_t = _visible_keys(ds_t, start_n + WG * KEYS, m0, len_q, len_k, diag)
+            ds_t = ds_t.to(dtype)
+
+            # dS^T into this warpgroup's rows of the shared tile: the dK product reads them, the
+            # dQ product both warpgroups' rows, so each waits for the other's (generic-proxy
+            # stores read by wgmma: fence first).
+            buf = it % 2
+            ds_buf = ds_smem.index(buf)
+            ds_wg = ds_buf.slice(WG * KEYS, KEYS)
+            ds_wg.store(ds_t)
+            fence_async_shared()
+            _partition_barrier()
+            mbarrier.arrive(ds_ready.index(buf), count=1)
+            dk_tok = warpgroup_mma(ds_wg, q_t, dk, is_async=True)
+            dq_row = z64 * stride_dqb + h64 * stride_dqh + (start_q + m0).to(gl.int64) * stride_dqs
+            # dV and dK landing frees the stage's Q and dO and this warpgroup's P^T rows. The
+            # other warpgroup overwrites this dS^T buffer only two steps on, after it has passed
+            # the next step's barrier, which the warpgroup reading it here reaches only after
+            # its dQ product landed.
+            if ALTERNATE:
+                if it % 2 == WG:
+                    mbarrier.wait(ds_ready.index(buf), (it // 2) & 1)
+                    dq_tok = warpgroup_mma(
+                        ds_buf.permute((1, 0)), k_dq, zero_dq, use_acc=False, is_async=True
+                    )
+                    dv, dk = warpgroup_mma_wait(1, deps=[dv_tok, dk_tok])
+                    _release(empty.index(stage))
+                    dq = warpgroup_mma_wait(0, deps=[dq_tok])
+                    _add_dq(dq, dq_wg, dq_ptr + dq_row, m0, len_q, stride_dqs, 0)
+                else:
+                    dv, dk = warpgroup_mma_wait(0, deps=[dv_tok, dk_tok])
+                    _release(empty.index(stage))
+            else:
+                mbarrier.wait(ds_ready.index(buf), (it // 2) & 1)
+                dq_tok = warpgroup_mma(
+                    ds_buf.permute((1, 0)), k_dq, zero_dq, use_acc=False, is_async=True
+                )
+                dv, dk = warpgroup_mma_wait(1, deps=[dv_tok, dk_tok])
+                _release(empty.index(stage))
+                dq = warpgroup_mma_wait(0, deps=[dq_tok])
+                _add_dq(dq, dq_wg, dq_ptr + dq_row, m0, len_q, stride_dqs, WG * DQ_COLS)
+
+        # Epilogue: this warpgroup's dK (times the softmax scale) and dV rows.
+        out_r = start_n + WG * KEYS + gl.arange(0, KEYS, layout=gl.SliceLayout(1, acc_layout))
+        out_c = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, acc_layout))
+        out_mask = gl.expand_dims(out_r < len_k, 1) & gl.expand_dims(out_c < HEAD_DIM, 0)
+        row_at = (start_k + out_r).to(gl.int64)
+        dk_base = z64 * stride_dkb + h_kv.to(gl.int64) * stride_dkh
+        dk_ptrs = dk_ptr + dk_base + gl.expand_dims(row_at * stride_dks, 1)
+        gl.store(dk_ptrs + gl.expand_dims(out_c, 0), (dk * sm_scale).to(dtype), mask=out_mask)
+        dv_base = z64 * stride_dvb + h_kv.to(gl.int64) * stride_dvh
+        dv_ptrs = dv_ptr + dv_base + gl.expand_dims(row_at * stride_dvs, 1)
+        gl.store(dv_ptrs + gl.expand_dims(out_c, 0), dv.to(dtype), mask=out_mask)
+
+    # The three partitions take one argument list (worker partitions must share a signature).
+    @gluon.jit
+    def _consumer_0(descs, smem, bars, seq, strides, ptrs, scales):
+        _consumer(smem, bars, seq, strides, ptrs, scales, 0)
+
+    @gluon.jit
+    def _consumer_1(descs, smem, bars, seq, strides, ptrs, scales):
+        _consumer(smem, bars, seq, strides, ptrs, scales, 1)
+
+    @gluon.jit
+    def _attn_bwd_sm90(
+        q_desc, k_desc, v_desc, do_desc, lse_ptr, delta_ptr, dq_ptr, dk_ptr, dv_ptr,
+        cu_q_ptr, offsets_q_ptr, seqlens_q_ptr, cu_k_ptr, offsets_k_ptr, seqlens_k_ptr,
+        stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
+        stride_vb, stride_vs, stride_vh, stride_dob, stride_dos, stride_doh,
+        stride_lb, stride_lh, stride_ls, stride_dqb, stride_dqs, stride_dqh,
+        stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh,
+        num_heads_kv, group, full_len_q, full_len_k, qk_scale, sm_scale,
+        HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+        NUM_STAGES: gl.constexpr, SEQ_MODE_Q: gl.constexpr, SEQ_MODE_K: gl.constexpr,
+        IS_CAUSAL: gl.constexpr, BOTTOM_RIGHT: gl.constexpr,
+    ):  # fmt: skip
+        """One program: BLOCK_N keys of one (sequence, KV head), over its GQA group's queries."""
+        # Key blocks vary fastest (neighbours share the group's Q and dO in L2); under a causal
+        # mask the first key blocks see the most queries, and they start first.
+        num_n = gl.cdiv(full_len_k, BLOCK_N)
+        pid = gl.program_id(0)
+        start_n = (pid % num_n) * BLOCK_N
+        bh = pid // num_n
+        z = bh // num_heads_kv
+        h_kv = bh % num_heads_kv
+        start_k, len_k = _seq_bounds(
+            z, cu_k_ptr, offsets_k_ptr, seqlens_k_ptr, full_len_k, SEQ_MODE_K
+        )
+        if start_n >= len_k:
+            return  # rows past the sequence: the launcher zero-filled them
+        start_q, len_q = _seq_bounds(
+            z, cu_q_ptr, offsets_q_ptr, seqlens_q_ptr, full_len_q, SEQ_MODE_Q
+        )
+        # Query rows that see some key of [start_n, start_n + BLOCK_N): i >= start_n - diag.
+        m_lo = len_q * 0
+        diag = len_k  # without a mask every key below len_k is visible to every row
+        if IS_CAUSAL:
+            diag = len_q * 0
+            if BOTTOM_RIGHT:
+                diag = len_k - len_q
+            m_lo = (gl.maximum(start_n - diag, 0) // BLOCK_M) * BLOCK_M
+        m_count = gl.cdiv(gl.maximum(len_q - m_lo, 0), BLOCK_M)
+        total = group * m_count  # may be 0: dK = dV = 0 are still written
+
+        dtype: gl.constexpr = q_desc.dtype
+        q_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_M, HEAD_DIM], q_desc.layout)
+        do_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_M, HEAD_DIM], do_desc.layout)
+        k_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_N, HEAD_DIM], k_desc.layout)
+        v_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_N, HEAD_DIM], v_desc.layout)
+        # dS^T [keys, queries], double-buffered; the dQ product reads it transposed.
+        ds_layout: gl.constexpr = gl.NVMMASharedLayout(
+            swizzle_byte_width=128, element_bitwidth=dtype.primitive_bitwidth, rank=2
+        )
+        ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], ds_layout)
+        p_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_N, BLOCK_M], ds_layout)  # P^T
+        # Each consumer warpgroup's dQ share on its way to the atomics (`_add_dq`).
+        dq_layout: gl.constexpr = gl.NVMMASharedLayout(
+            swizzle_byte_width=128, element_bitwidth=32, rank=2
+        )
+        dq_smem = gl.allocate_shared_memory(gl.float32, [2, 64, 64], dq_layout)
+        rows_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
+        lse_smem = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, BLOCK_M], rows_layout)
+        delta_smem = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, BLOCK_M], rows_layout)
+        bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
+        kv_bar = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
+        ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], bar_layout)
+        empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], bar_layout)
+        ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
+        mbarrier.init(kv_bar, count=1)
+        for i in gl.static_range(NUM_STAGES):
+            mbarrier.init(ready.index(i), count=1)
+            mbarrier.init(empty.index(i), count=2)  # free once both warpgroups released it
+        for i in gl.static_range(2):
+            mbarrier.init(ds_ready.index(i), count=2)  # both warpgroups' dS^T rows written
+        fence_async_shared()
+
+        args = (
+            (q_desc, k_desc, v_desc, do_desc),
+            (q_smem, k_smem, v_smem, do_smem, lse_smem, delta_smem, ds_smem, p_smem, dq_smem),
+            (kv_bar, ready, empty, ds_ready),
+            (z, h_kv, group, start_q, start_k, start_n, len_q, len_k, diag, m_lo, m_count, total),
+            ((stride_qb, stride_qh, stride_qs), (stride_kb, stride_kh, stride_ks),
+             (stride_vb, stride_vh, stride_vs), (stride_dob, stride_doh, stride_dos),
+             (stride_lb, stride_lh, stride_ls), (stride_dqb, stride_dqh, stride_dqs),
+             (stride_dkb, stride_dkh, stride_dks), (stride_dvb, stride_dvh, stride_dvs)),
+            (lse_ptr, delta_ptr, dq_ptr, dk_ptr, dv_ptr), (qk_scale, sm_scale),
+        )  # fmt: skip
+        gl.warp_specialize(
+            [(_consumer_0, args), (_consumer_1, args), (_producer, args)],
+            [4, 4],  # consumer warpgroup 1, and the producer as a whole warpgroup (forward)
+            [240, 24],  # the default partition gets the rest: 3 x 168 - 240 - 24 = 240
+        )
+
+
+# --------------------------------------------------------------------------------------------------
+# Host side
+# --------------------------------------------------------------------------------------------------
+
+
+def plan_views(q, k, v, dout, varlen: bool):
+    """The TMA grids of q, k, v and dout, or None when any of them cannot take this path."""
+    d = q.shape[-1]
+    if d not in TILES or v.shape[-1] != d:
+        return None
+    block_m = TILES[d][0]
+    views = (
+        tma_view(q, varlen, block_m),
+        tma_view(k, varlen, BLOCK_N),
+        tma_view(v, varlen, BLOCK_N),
+        tma_view(dout, varlen, block_m),
+    )
+    return None if any(view is None for view in views) else views
+
+
+def backward_sm90(
+    q, k, v, dout, lse, delta, dq_acc, dk, dv, views, geom, *, softmax_scale, causal, bottom_right
+):  # fmt: skip
+    """Launch `_attn_bwd_sm90`: adds the unscaled dQ into the zero-filled fp32 `dq_acc` (laid
+    out like q) and writes dk / dv (any strides with stride(-1) == 1; rows past a sequence's
+    end are left alone). `lse`, `delta`: contiguous fp32 as the portable backward has them;
+    `views` from `plan_views`."""
+    d = q.shape[-1]
+    block_m, stages = TILES[d]
+    q_desc = _descriptor(q, views[0], [block_m, d])
+    k_desc = _descriptor(k, views[1], [BLOCK_N, d])
+    v_desc = _descriptor(v, views[2], [BLOCK_N, d])
+    do_desc = _descriptor(dout, views[3], [block_m, d])
+    varlen = geom.varlen
+    sq, sk, sv, sdo = (strides4(t, varlen) for t in (q, k, v, dout))
+    sdq, sdk, sdv = (strides4(t, varlen) for t in (dq_acc, dk, dv))
+    h_q, h_kv = q.shape[-2], k.shape[-2]
+    grid = (cdiv(geom.k.max_len, BLOCK_N) * geom.batch * h_kv,)
+    if grid[0] == 0:
+        return
+    _attn_bwd_sm90[grid](
+        q_desc, k_desc, v_desc, do_desc, lse, delta, dq_acc, dk, dv,
+        geom.q.cu_seqlens, geom.q.seq_offsets, geom.q.seqlens,
+        geom.k.cu_seqlens, geom.k.seq_offsets, geom.k.seqlens,
+        *sq[:3], *sk[:3], *sv[:3], *sdo[:3], *lse_strides(lse, varlen),
+        *sdq[:3], *sdk[:3], *sdv[:3],
+        h_kv, h_q // h_kv, geom.q.max_len, geom.k.max_len,
+        float(softmax_scale) * LOG2E, float(softmax_scale),
+        HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=BLOCK_N, NUM_STAGES=stages,
+        SEQ_MODE_Q=geom.q.mode, SEQ_MODE_K=geom.k.mode, IS_CAUSAL=bool(causal),
+        BOTTOM_RIGHT=bool(bottom_right), num_warps=CONSUMER_WARPS, maxnreg=MAX_REGISTERS,
+    )  # fmt: skip
+
+
+__all__ = ["GLUON_AVAILABLE", "SUPPORTED_HEAD_DIMS", "backward_sm90", "plan_views"]

@@ -1,0 +1,71 @@
+"""Host-side logic of the sm_90 backward path, on the CPU: which calls its plan covers, that the
+dispatcher never picks it off an sm_90 GPU, and the setting's validation.
+
+Shapes: dense q/dout [b, s, h, d], k/v [b, s, h_kv, d]; lse [b, h, s].
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from fusedlayers.kernels import _backward_paths, _flash_bwd_sm90, set_backward_path
+from fusedlayers.kernels._common import launch_geometry
+
+
+def _plan(q, k, v, dout, **overrides):
+    geom = launch_geometry(q, k)
+    lse = torch.zeros(q.shape[0], q.shape[2], q.shape[1])
+    options = dict(window_left=-1, window_right=-1, bias=None, alibi_slopes=None, softcap=0.0,
+                   dropout_p=0.0, deterministic=False)  # fmt: skip
+    options.update(overrides)
+    return _backward_paths.sm90_backward_plan(q, k, v, dout, lse, geom, **options)
+
+
+def test_dispatcher_never_picks_sm90_off_the_gpu():
+    q = torch.randn(1, 256, 2, 128, dtype=torch.float16)
+    previous = set_backward_path("sm90")
+    try:
+        assert _plan(q, q, q, q) is None
+    finally:
+        set_backward_path(previous)
+
+
+def test_plan_covers_what_the_kernel_does(monkeypatch):
+    """With the GPU check stubbed to pass, the plan takes exactly the covered calls."""
+    monkeypatch.setattr(_backward_paths, "_on_sm90", lambda t: True)
+    monkeypatch.setattr(_flash_bwd_sm90, "GLUON_AVAILABLE", True)
+    previous = set_backward_path("sm90")
+    try:
+        q = torch.randn(2, 300, 4, 128, dtype=torch.bfloat16)
+        kv = torch.randn(2, 300, 2, 128, dtype=torch.bfloat16)
+        views, causal = _plan(q, kv, kv, q, window_right=0)
+        assert causal and len(views) == 4
+        assert _plan(q, kv, kv, q)[1] is False
+        assert _plan(q, kv, kv, q, deterministic=True) is None  # atomics: not reproducible
+        assert _plan(q, kv, kv, q, window_left=64, window_right=0) is None
+        assert _plan(q, kv, kv, q, softcap=20.0) is None
+        assert _plan(q, kv, kv, q, dropout_p=0.1) is None
+        assert _plan(q, kv, kv, q, alibi_slopes=torch.ones(2, 4)) is None
+        assert _plan(q, kv, kv, q, bias=torch.zeros(2, 4, 300, 300)) is None
+        assert _plan(q.float(), kv.float(), kv.float(), q.float()) is None
+        q96 = torch.randn(2, 300, 4, 96, dtype=torch.bfloat16)
+        assert _plan(q96, q96, q96, q96) is None
+        # auto follows the table (None entries mean never) and wants enough programs.
+        set_backward_path("auto")
+        monkeypatch.setitem(_backward_paths.SM90_BWD_MIN_KEYS, 128, None)
+        assert _plan(q, kv, kv, q) is None
+        monkeypatch.setitem(_backward_paths.SM90_BWD_MIN_KEYS, 128, 256)
+        monkeypatch.setattr(_backward_paths, "SM90_BWD_MIN_WAVES", 0)
+        assert _plan(q, kv, kv, q) is not None
+        assert _plan(q[:, :200], kv[:, :200], kv[:, :200], q[:, :200]) is None  # 200 < 256 keys
+        # 3 key blocks x 2 sequences x 2 KV heads = 12 programs: under one wave of the H100.
+        monkeypatch.setattr(_backward_paths, "SM90_BWD_MIN_WAVES", 1)
+        assert _plan(q, kv, kv, q) is None
+    finally:
+        set_backward_path(previous)
+
+
+def test_set_backward_path_names_bad_values():
+    with pytest.raises(ValueError, match="backward path must be one of .* got 'fast'"):
+        set_backward_path("fast")
+    assert _backward_paths.backward_path() == "auto"
