@@ -97,6 +97,8 @@ def context_parallel_positions(
     s_local: int, cp_size: int, cp_rank: int, device=None
 ) -> torch.Tensor:
     """Global positions `[s_local]` of a rank's tokens of one sequence (TE's load balancing)."""
+    if cp_size == 1:
+        return torch.arange(s_local, device=device)
     return context_parallel_indices([s_local * cp_size], cp_size, cp_rank, device)
 
 
