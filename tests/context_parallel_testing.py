@@ -17,6 +17,7 @@ import dataclasses
 
 import torch
 import torch.distributed as dist
+from fusedlayers.models import GPT, GPTConfig
 
 from fusedlayers import DotProductAttention
 from fusedlayers.attention.context_parallel import (
@@ -144,6 +145,11 @@ def _max_error(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a.double() - b.double()).abs().max().item()
 
 
+def _relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Max error relative to the reference's largest magnitude (at least 1)."""
+    return _max_error(a, b) / max(b.abs().max().item(), 1.0)
+
+
 def run_case(rank: int, world: int, case: CPCase) -> dict:
     """Errors of this rank's slice: {name: (error, PyTorch's error in the case dtype)}."""
     device = "cuda" if dist.get_backend() == "nccl" else "cpu"
@@ -177,7 +183,7 @@ def run_cases(rank: int, world: int, cases: list[CPCase]) -> list[dict]:
 def run_layer_case(rank: int, world: int, qkv_format: str) -> dict:
     """A causal GQA TransformerLayer with RoPE, fp64 reference path: this rank's output and
     input gradient, and the parameter gradients summed over ranks, against one process running
-    the full sequences. Returns {name: max error}."""
+    the full sequences. Returns {name: max error relative to the largest magnitude}."""
     torch.manual_seed(0)
     layer = TransformerLayer(
         32,
@@ -213,12 +219,51 @@ def run_layer_case(rank: int, world: int, qkv_format: str) -> dict:
     pick = lambda t: t.index_select(dim, index)  # noqa: E731
     layer.set_context_parallel_group(dist.group.WORLD, list(range(world)))
     y, dx, dp = run(pick(x), pick(dout))
-    report = {"out": _max_error(y, pick(full_y)), "dx": _max_error(dx, pick(full_dx))}
+    report = {"out": _relative_error(y, pick(full_y)), "dx": _relative_error(dx, pick(full_dx))}
     for name, grad in dp.items():
         dist.all_reduce(grad)  # each rank holds its tokens' share of every parameter gradient
-        report[name] = _max_error(grad, full_dp[name])
+        report[name] = _relative_error(grad, full_dp[name])
     return report
 
 
-def run_layer_cases(rank: int, world: int, formats: list[str]) -> list[dict]:
-    return [run_layer_case(rank, world, f) for f in formats]
+def run_gpt_case(rank: int, world: int, pos_emb: str, qkv_format: str) -> dict:
+    """A small GPT split over the group (`set_context_parallel_group`): this rank's logits, and
+    the parameter gradients summed over ranks, against the full sequences in one process."""
+    torch.manual_seed(0)
+    config = GPTConfig(
+        n_layer=2,
+        n_head=4,
+        n_kv_head=2,
+        d_model=32,
+        context_length=32,
+        pos_emb=pos_emb,
+        attn_input_format=qkv_format,
+    )
+    model = GPT(config, dtype=torch.float64)
+    gen = torch.Generator().manual_seed(2)
+    idx = torch.randint(0, config.vocab_size, (2, 16), generator=gen)
+    weight = torch.randn(2, 16, config.vocab_size, generator=gen, dtype=torch.float64)
+
+    def run(idx, weight):
+        model.zero_grad()
+        logits = model(idx)
+        (logits * weight).sum().backward()
+        return logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    full_logits, full_grads = run(idx, weight)
+    index = context_parallel_indices([16], world, rank)
+    model.set_context_parallel_group(dist.group.WORLD)
+    logits, grads = run(idx[:, index], weight[:, index])
+    report = {"logits": _relative_error(logits, full_logits[:, index])}
+    for name, grad in grads.items():
+        dist.all_reduce(grad)
+        report[name] = _relative_error(grad, full_grads[name])
+    return report
+
+
+def run_layer_cases(rank: int, world: int, formats: list[str]) -> dict[str, dict]:
+    """`run_layer_case` per format and `run_gpt_case` for RoPE/sbhd and learned/thd."""
+    reports = {f"layer-{f}": run_layer_case(rank, world, f) for f in formats}
+    for pos_emb, fmt in (("rope", "sbhd"), ("learned", "thd")):
+        reports[f"gpt-{pos_emb}-{fmt}"] = run_gpt_case(rank, world, pos_emb, fmt)
+    return reports
