@@ -14,11 +14,13 @@ Legend: dense full tensors are bshd [b, S, h, d]; thd full tensors are [T, h, d]
 from __future__ import annotations
 
 import dataclasses
+from unittest import mock
 
 import torch
 import torch.distributed as dist
 from fusedlayers.models import GPT, GPTConfig
 
+import fusedlayers.attention.reference as reference_module
 from fusedlayers import DotProductAttention
 from fusedlayers.attention.context_parallel import (
     context_parallel_attention,
@@ -46,6 +48,12 @@ class CPCase:
     backend: str = "reference"  # "kernel": the Triton kernels (interpreter on CPU)
     module: bool = True  # through DotProductAttention (else the functional entry)
     seed: int = 0
+    high: str = "float64"  # the oracle's dtype (GPU: float32)
+    # PyTorch's own error computed with the attention math in the input dtype (the GPU rule)
+    # rather than the reference's fp32 math on input-dtype tensors
+    pytorch_in_dtype: bool = False
+    cp_stream: bool = False  # merge on a second CUDA stream
+    deterministic: bool = False
 
     @property
     def causal(self) -> bool:
@@ -81,8 +89,12 @@ def _cu(seqlens, device) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.int32, device=device)
 
 
-def _oracle(case: CPCase, q, k, v, dout, dtype):
-    """out and (dq, dk, dv) of the full sequences in the reference path, inputs cast to dtype."""
+def _oracle(case: CPCase, q, k, v, dout, dtype, in_dtype_math: bool = False):
+    """out and (dq, dk, dv) of the full sequences in the reference path, inputs cast to dtype
+    (`in_dtype_math`: the reference computes in that dtype too)."""
+    if in_dtype_math:
+        with mock.patch.object(reference_module, "_compute_dtype", lambda dtype: dtype):
+            return _oracle(case, q, k, v, dout, dtype)
     leaves = [t.to(dtype).requires_grad_() for t in (q, k, v)]
     cu = _cu(case.seqlens, q.device) if case.qkv_format == "thd" else None
     out = attention_reference(
@@ -122,7 +134,9 @@ def _run_local(case: CPCase, group, q, k, v, dout):
             qkv_format=case.qkv_format,
             attn_mask_type=case.mask,
             cp_group=group,
+            cp_stream=torch.cuda.Stream() if case.cp_stream else None,
             use_reference=case.backend == "reference",
+            deterministic=case.deterministic,
         )
         out = attn(q, k, v, **options)
         out = out.view(*out.shape[:-1], case.heads, case.d_v)
@@ -157,8 +171,8 @@ def run_case(rank: int, world: int, case: CPCase) -> dict:
     q, k, v, dout = _full_inputs(case, device)
     seqlens = case.seqlens if case.qkv_format == "thd" else [case.s]
     index = context_parallel_indices(list(seqlens), world, rank, device)
-    high_out, high_grads = _oracle(case, q, k, v, dout, torch.float64)
-    low_out, low_grads = _oracle(case, q, k, v, dout, dtype)
+    high_out, high_grads = _oracle(case, q, k, v, dout, getattr(torch, case.high))
+    low_out, low_grads = _oracle(case, q, k, v, dout, dtype, case.pytorch_in_dtype)
     local = [_local(t, case, index).to(dtype) for t in (q, k, v, dout)]
     out, grads = _run_local(case, dist.group.WORLD, *local)
     rows = lambda t: _local(t, case, index)  # noqa: E731
@@ -267,3 +281,15 @@ def run_layer_cases(rank: int, world: int, formats: list[str]) -> dict[str, dict
     for pos_emb, fmt in (("rope", "sbhd"), ("learned", "thd")):
         reports[f"gpt-{pos_emb}-{fmt}"] = run_gpt_case(rank, world, pos_emb, fmt)
     return reports
+
+
+def run_twice_bitwise(rank: int, world: int, case: CPCase) -> bool:
+    """Whether two runs of `case` give bitwise equal outputs and gradients on this rank."""
+    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    q, k, v, dout = _full_inputs(case, device)
+    seqlens = case.seqlens if case.qkv_format == "thd" else [case.s]
+    index = context_parallel_indices(list(seqlens), world, rank, device)
+    local = [_local(t, case, index).to(getattr(torch, case.dtype)) for t in (q, k, v, dout)]
+    first, second = (_run_local(case, dist.group.WORLD, *local) for _ in range(2))
+    pairs = [(first[0], second[0]), *zip(first[1], second[1])]
+    return all(torch.equal(a, b) for a, b in pairs)
