@@ -11,8 +11,9 @@ the two public ways in.
     reference              `attention_reference`, the pure-PyTorch oracle and debug path
     functional             flash-attn's `flash_attn_*` functions
     dot_product_attention  TE's `DotProductAttention` module
-    context_parallel       ring attention over a process group (TE's context parallelism),
-                           and the rows each rank holds (`context_parallel_indices`)
+    context_parallel       TE's context parallelism: checks the call, the rows each rank
+                           holds (`context_parallel_indices`), then runs the ring
+    ring_attention         the ring: K/V blocks around the group, LSE merge, dK/dV back
 
 Public names are imported from `fusedlayers`; this package adds none of its own.
 """
