@@ -19,6 +19,7 @@ Writes to `--out-dir`: `last.safetensors` (+ `last.train.safetensors`), `loss.pn
 from __future__ import annotations
 
 import argparse
+import gc
 import gzip
 import json
 import math
@@ -336,6 +337,10 @@ def train(args: argparse.Namespace) -> None:
             load_weights(args.out_dir / "last.safetensors", core)
         finish(core, history, args, device)
     if world > 1:
+        # Drop the model first: FSDP's state keeps gloo work objects alive, and a process that
+        # exits holding them aborts ("terminate called without an active exception").
+        del model, core, optimizer, loop
+        gc.collect()
         dist.barrier()  # tearing down while rank 0 still samples can hang the subgroups
         dist.destroy_process_group()
 
