@@ -1,9 +1,22 @@
-"""fusedlayers: TransformerEngine-style attention layers on Triton flash-attention kernels.
+"""fusedlayers: TransformerEngine-style transformer layers on Triton flash-attention kernels.
+
+`import fusedlayers as te` stands in for `import transformer_engine.pytorch as te`: the modules
+carry TransformerEngine's names, arguments and defaults, and the flash-attn functions sit beside
+them with flash-attn's.
 
 Public API:
-    DotProductAttention                       TE's module, on the kernels for CUDA tensors
+    TransformerLayer, MultiheadAttention, DotProductAttention
+                                              TE's modules, on the kernels for CUDA tensors
+    Linear, LayerNormLinear, LayerNormMLP, LayerNorm, RMSNorm
+                                              TE's projection, MLP and norm modules
+    RotaryPositionEmbedding, apply_rotary_pos_emb
+                                              TE's rotary tables and their application
+    InferenceParams                           the KV cache that generation passes to the modules
+    DecodeGraph                               one decode step captured in a CUDA graph
+    get_qkv_layout                            TE's name for the memory layout of q, k, v
     flash_attn_func, flash_attn_varlen_func,  flash-attn's functional API
-    flash_attn_{qkv,kv}packed_func, flash_attn_varlen_{qkv,kv}packed_func
+    flash_attn_{qkv,kv}packed_func, flash_attn_varlen_{qkv,kv}packed_func,
+    flash_attn_with_kvcache
     attention_reference                       the pure-PyTorch oracle / debug path
     split_packed                              q/k/v views of one packed tensor whose gradient
                                               comes back as one buffer, without a copy
@@ -20,14 +33,34 @@ from .attention.functional import (
     flash_attn_varlen_qkvpacked_func,
 )
 from .attention.kvcache import flash_attn_with_kvcache
+from .attention.layouts import get_qkv_layout
 from .attention.packing import split_packed
 from .attention.reference import attention_reference
+from .layers.decode_graph import DecodeGraph
+from .layers.inference import InferenceParams
+from .layers.linear import LayerNormLinear, Linear
+from .layers.mlp import LayerNormMLP
+from .layers.multihead_attention import MultiheadAttention
+from .layers.normalization import LayerNorm, RMSNorm
+from .layers.rope import RotaryPositionEmbedding, apply_rotary_pos_emb
+from .layers.transformer_layer import TransformerLayer
 from .reference_switch import reference_mode
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "DecodeGraph",
     "DotProductAttention",
+    "InferenceParams",
+    "LayerNorm",
+    "LayerNormLinear",
+    "LayerNormMLP",
+    "Linear",
+    "MultiheadAttention",
+    "RMSNorm",
+    "RotaryPositionEmbedding",
+    "TransformerLayer",
+    "apply_rotary_pos_emb",
     "attention_reference",
     "flash_attn_func",
     "flash_attn_kvpacked_func",
@@ -36,6 +69,7 @@ __all__ = [
     "flash_attn_varlen_kvpacked_func",
     "flash_attn_varlen_qkvpacked_func",
     "flash_attn_with_kvcache",
+    "get_qkv_layout",
     "reference_mode",
     "split_packed",
 ]

@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from ._common import cdiv, next_pow2, rows_view
+from ._launch import launch
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # TE activation name -> (the elementwise activation, gated?)
@@ -184,7 +185,7 @@ def activation_forward(x: torch.Tensor, activation: str) -> torch.Tensor:
     x2 = rows_view(x, x.shape[-1])
     n_rows, n_cols = x2.shape[0], y.shape[-1]
     grid, blocks = _grid_and_blocks(n_rows, n_cols, x.device)
-    _act_fwd_kernel[grid](
+    launch(_act_fwd_kernel, grid,
         x2, y,
         x2.stride(0), n_cols,
         n_rows, n_cols,
@@ -205,7 +206,7 @@ def activation_backward(dy: torch.Tensor, x: torch.Tensor, activation: str) -> t
     x2, dy2 = rows_view(x, x.shape[-1]), rows_view(dy, n_cols)
     n_rows = x2.shape[0]
     grid, blocks = _grid_and_blocks(n_rows, n_cols, x.device)
-    _act_bwd_kernel[grid](
+    launch(_act_bwd_kernel, grid,
         x2, dy2, dx,
         x2.stride(0), dy2.stride(0), x.shape[-1],
         n_rows, n_cols,

@@ -11,6 +11,7 @@ import triton
 import triton.language as tl
 
 from ._common import cdiv, dropout_keep, seed_offset
+from ._launch import launch
 
 
 @triton.jit
@@ -57,5 +58,8 @@ def dropout_keep_mask(
     out = torch.empty((b, h, s_q, s_k), dtype=torch.uint8, device=device)
     block_m, block_n = 32, 64
     grid = (cdiv(s_q, block_m), cdiv(s_k, block_n), b * h)
-    _keep_mask_kernel[grid](out, seed, offset, float(p), s_q, s_k, BLOCK_M=block_m, BLOCK_N=block_n)
+    launch(
+        _keep_mask_kernel, grid, out, seed, offset, float(p), s_q, s_k,
+        BLOCK_M=block_m, BLOCK_N=block_n,
+    )  # fmt: skip
     return out.bool()

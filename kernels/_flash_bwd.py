@@ -39,6 +39,7 @@ from ._common import (
 )
 from ._flash_bwd_dkdv import _flash_bwd_dkdv_kernel
 from ._flash_bwd_dq import _flash_bwd_dq_kernel
+from ._launch import launch
 
 
 @triton.jit
@@ -279,7 +280,7 @@ def flash_attention_backward(
     _launch_dkdv(*shared, None, cfg)
     dq = _new_grad(q, geo.q.owns_all_rows, dq)
     dbias_args = (dbias, dbias.stride()) if dbias is not None else (q, (0, 0, 0, 0))
-    _flash_bwd_dq_kernel[(cdiv(geo.q.max_len, cfg["BLOCK_M2"]) * geo.batch * h_q,)](
+    launch(_flash_bwd_dq_kernel, (cdiv(geo.q.max_len, cfg["BLOCK_M2"]) * geo.batch * h_q,),
         q, k, v, dout, lse, delta, dq, bias_args[0], dbias_args[0], alibi_args[0], *seq_ptrs,
         *strides, *strides4(dq, geo.varlen)[:3], *bias_args[1], *dbias_args[1],
         *alibi_args[1], *scalars,
@@ -331,7 +332,7 @@ def _launch_dkdv(
         new = torch.empty if geo.k.owns_all_rows else torch.zeros
         dk_out = new((splits, *dk.shape), dtype=torch.float32, device=dk.device)
         dv_out = new((splits, *dv.shape), dtype=torch.float32, device=dv.device)
-    _flash_bwd_dkdv_kernel[(programs * splits,)](
+    launch(_flash_bwd_dkdv_kernel, (programs * splits,),
         q, k, v, dout, lse, delta, dk_out, dv_out, bias_args[0], alibi_args[0], dq_args[0],
         *seq_ptrs, *strides, *_split_strides4(dk_out, splits, geo.varlen)[:3],
         *_split_strides4(dv_out, splits, geo.varlen)[:3], *bias_args[1], *alibi_args[1],
@@ -385,7 +386,7 @@ def _preprocess(out, dout, lse, geo, seq_ptrs) -> torch.Tensor:
     delta = torch.empty_like(lse)
     h_q, d_v = out.shape[-2], out.shape[-1]
     grid = (cdiv(geo.q.max_len, PREPROCESS_BLOCK_M) * geo.batch * h_q,)
-    _flash_bwd_preprocess_kernel[grid](
+    launch(_flash_bwd_preprocess_kernel, grid,
         out, dout, delta, seq_ptrs[0], seq_ptrs[2], seq_ptrs[4],
         *strides4(out, geo.varlen)[:3], *strides4(dout, geo.varlen)[:3],
         *lse_strides(delta, geo.varlen), h_q, geo.q.max_len, d_v,

@@ -50,6 +50,7 @@ from ._common import (
     smem_per_block,
     visible_tile,
 )
+from ._launch import launch
 
 # --------------------------------------------------------------------------------------------------
 # Launch geometry
@@ -446,7 +447,7 @@ def decode_attention(
     )  # fmt: skip
     _launch((tiles, num_splits), args, constexprs)
     if split:
-        _decode_combine[(b * s_q * h_q,)](
+        launch(_decode_combine, (b * s_q * h_q,),
             out, lse, o_part, lse_part,
             *out.stride()[:3], *lse.stride(), *part_strides,
             s_q, h_q, num_splits,
@@ -473,4 +474,4 @@ def _launch(grid, args, constexprs) -> None:
         _decode_fwd_tuned[grid](*args, **constexprs)
         _PICKED[signature] = _decode_fwd_tuned.best_config
     else:
-        _decode_fwd[grid](*args, **constexprs, **config.all_kwargs())
+        launch(_decode_fwd, grid, *args, **constexprs, **config.all_kwargs())

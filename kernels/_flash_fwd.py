@@ -48,6 +48,7 @@ from ._common import (
     visible_tile,
 )
 from ._forward_paths import run_sm90, sm90_plan
+from ._launch import launch
 
 # --------------------------------------------------------------------------------------------------
 # Autotune configs and their prune predicate
@@ -455,4 +456,4 @@ def _launch(grid, args, constexprs) -> None:
         _attn_fwd[grid](*args, **constexprs)
         _PICKED[signature] = _attn_fwd.best_config
     else:
-        _attn_fwd.fn[grid](*args, **constexprs, **config.all_kwargs())
+        launch(_attn_fwd.fn, grid, *args, **constexprs, **config.all_kwargs())

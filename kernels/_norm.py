@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from ._common import cdiv, multiprocessors, next_pow2, rows_view
+from ._launch import launch
 
 # Largest hidden size the one-row-in-registers kernels take. The 32-warp programs spill registers
 # to local memory for the backward from 16384 and the forward at 65536 (sm_90 cubins): correct,
@@ -196,7 +197,7 @@ def norm_forward(
     if n_rows == 0:
         return y, mean, rstd
     block_m, block_n, num_warps = _geometry(n_cols, _FWD_TILE, _FWD_WARP_ELEMS)
-    _norm_fwd_kernel[(cdiv(n_rows, block_m),)](
+    launch(_norm_fwd_kernel, (cdiv(n_rows, block_m),),
         x2, weight, weight if bias is None else bias, y, rstd if rms else mean, rstd,
         x2.stride(0), n_cols,
         n_rows, n_cols, 1.0 / n_cols, eps,
@@ -235,7 +236,7 @@ def norm_backward(
     programs = cdiv(n_blocks, blocks_per_program)
     dw_partial = torch.empty(programs, n_cols, dtype=torch.float32, device=x.device)
     db_partial = torch.empty_like(dw_partial) if has_bias else dw_partial
-    _norm_bwd_kernel[(programs,)](
+    launch(_norm_bwd_kernel, (programs,),
         x2, weight, dy2, dx, rstd if rms else mean, rstd, dw_partial, db_partial,
         x2.stride(0), dy2.stride(0), n_cols,
         n_rows, n_cols, 1.0 / n_cols, blocks_per_program,

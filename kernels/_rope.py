@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from ._common import cdiv, next_pow2
+from ._launch import launch
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # Elements (of t) per [BLOCK_T, BLOCK_H, d] tile and the warps that hold it: 16 per thread at
@@ -178,7 +179,7 @@ def rotate(
     pos2 = None if positions is None else _as_bshd(positions, seq_dim)
     block_t, block_h, block_p, block_pass = _geometry(n_heads, head_dim, rot_dim)
     n_tokens = b * s
-    _rope_kernel[(cdiv(n_tokens, block_t),)](
+    launch(_rope_kernel, (cdiv(n_tokens, block_t),),
         t4, out4, cos, sin, cos if pos2 is None else pos2,
         t4.stride(0), t4.stride(1), t4.stride(2),
         out4.stride(0), out4.stride(1), out4.stride(2),

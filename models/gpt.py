@@ -18,6 +18,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from fusedlayers.attention.context_parallel import context_parallel_positions
+from fusedlayers.attention.validation import is_whole
+from fusedlayers.layers.decode_graph import DecodeGraph
 from fusedlayers.layers.inference import InferenceParams
 from fusedlayers.layers.normalization import make_norm
 from fusedlayers.layers.rope import RotaryPositionEmbedding
@@ -162,23 +164,47 @@ class GPT(ReferenceSwitch):
         cached; the caller advances the offset afterwards (see `generate`).
         """
         b, s = idx.shape
-        start = 0 if inference_params is None else inference_params.sequence_len_offset
-        limit, full = self.config.context_length, s * self.cp_size
-        if start + full > limit:
+        limit = self.config.context_length
+        # Positions: 0.. without a cache (under context parallelism, this rank's chunks' places
+        # in the full sequence); with one, from each sequence's cached length, on the device (no
+        # host read, so a decode step can be captured in a CUDA graph). The limit is checked on
+        # the host while the cache's host mirror of the lengths is known.
+        lens = [0] if inference_params is None else inference_params.host_lengths(b)
+        full = s * self.cp_size
+        if lens and max(lens) + full > limit:
+            start = max(lens)
             raise ValueError(f"positions {start}..{start + full - 1} exceed context_length {limit}")
         x = self.tok_emb(idx)  # [b, s, d]
         if self.pos_emb is not None:
-            positions = context_parallel_positions(s, self.cp_size, self.cp_rank, idx.device)
-            x = x + self.pos_emb(positions + start)
+            positions = (
+                context_parallel_positions(s, self.cp_size, self.cp_rank, idx.device)
+                if inference_params is None
+                else inference_params.positions(b, s, idx.device)
+            )
+            x = x + self.pos_emb(positions)
         h, extra = self._to_format(self.emb_dropout(x))
         if self.rope is not None:
             # The full table: layers index it by absolute position (offset while decoding).
-            extra["rotary_pos_emb"] = self.rope(limit)
+            extra["rotary_pos_emb"] = (
+                self.rope(limit) if inference_params is None else self._decode_rope_table()
+            )
         for layer in self.layers:
             h = layer(h, inference_params=inference_params, **extra)
         h = self._from_format(self.final_norm(h), b, s)
         weight = self.tok_emb.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(h, weight).float()
+
+    def _decode_rope_table(self) -> torch.Tensor:
+        """The RoPE table, built once per device and buffer version for generation: the layers
+        then compute its cos/sin once (they memoize them per table), and a captured decode step
+        reads a tensor whose address does not change."""
+        inv_freq = self.rope.inv_freq
+        key = (inv_freq.device, inv_freq._version)
+        cached = self.__dict__.get("_rope_table")
+        if cached is None or cached[0] != key:
+            cached = (key, self.rope(self.config.context_length))
+            self.__dict__["_rope_table"] = cached
+        return cached[1]
 
     @torch.no_grad()
     def generate(
@@ -190,6 +216,7 @@ class GPT(ReferenceSwitch):
         top_k: int | None = None,
         use_cache: bool = True,
         generator: torch.Generator | None = None,
+        cuda_graph: bool = False,
     ) -> torch.Tensor:
         """Continue `idx [b, s]` by `max_new_tokens` sampled tokens -> [b, s + max_new_tokens].
 
@@ -197,26 +224,75 @@ class GPT(ReferenceSwitch):
         `use_cache` the prompt is run once and every later step feeds only the newest token,
         reading earlier keys/values from an `InferenceParams` cache; without it every step
         reruns the whole sequence (the slow baseline the tests compare against).
+        `cuda_graph=True` (CUDA, with the cache) runs the prompt eagerly, captures one decode
+        step in a CUDA graph (`fusedlayers.layers.decode_graph.DecodeGraph`) and replays it for
+        every later token: the same kernels, so the same tokens, with one launch per token.
         """
+        _check_generate_args(idx, max_new_tokens, temperature, top_k, self.config.vocab_size)
         total, limit = idx.shape[1] + max_new_tokens, self.config.context_length
         if total > limit:
             raise ValueError(f"prompt + new tokens ({total}) exceed context_length ({limit})")
         if use_cache and self.config.attn_input_format == "thd":
             raise ValueError("generation with a KV cache needs attn_input_format sbhd or bshd")
+        if cuda_graph and not (use_cache and idx.is_cuda):
+            raise ValueError(
+                f"cuda_graph=True needs use_cache=True and CUDA tensors (got use_cache="
+                f"{use_cache}, idx on {idx.device})"
+            )
         was_training = self.training
         self.eval()
         cache = InferenceParams(idx.shape[0], total) if use_cache else None
+        graph = None
         try:
             new = idx
-            for _ in range(max_new_tokens):
-                logits = self(new if use_cache else idx, inference_params=cache)[:, -1]
-                if cache is not None:
-                    cache.sequence_len_offset += new.shape[1]
+            for i in range(max_new_tokens):
+                if cuda_graph and i == 1:  # the prompt ran eagerly and allocated the caches
+                    step = lambda t: self(t, inference_params=cache)[:, -1]
+                    graph = DecodeGraph(step, cache, new)
+                if graph is not None:
+                    logits = graph(new)
+                else:
+                    logits = self(new if use_cache else idx, inference_params=cache)[:, -1]
+                    if cache is not None:
+                        cache.advance(new.shape[1])
                 new = _sample(logits, temperature, top_k, generator)  # [b, 1]
                 idx = torch.cat((idx, new), dim=1)
         finally:
             self.train(was_training)
         return idx
+
+
+def _check_generate_args(idx, max_new_tokens, temperature, top_k, vocab_size) -> None:
+    """`generate`'s arguments, checked before the first forward (one host read of idx's range)."""
+    if (
+        not isinstance(idx, torch.Tensor)
+        or idx.dim() != 2
+        or idx.dtype
+        not in (
+            torch.int64,
+            torch.int32,
+        )
+    ):
+        what = (
+            f"shape {tuple(idx.shape)}, dtype {idx.dtype}"
+            if isinstance(idx, torch.Tensor)
+            else type(idx).__name__
+        )
+        raise ValueError(f"idx must be integer token ids [b, s], got {what}")
+    if idx.shape[0] == 0 or idx.shape[1] == 0:
+        raise ValueError(
+            f"idx of shape {tuple(idx.shape)} is empty: generation needs a prompt of at least one "
+            "token per sequence (e.g. a begin-of-text token)"
+        )
+    low, high = int(idx.min()), int(idx.max())
+    if low < 0 or high >= vocab_size:
+        raise ValueError(f"idx holds token ids in [{low}, {high}], outside [0, {vocab_size})")
+    if not is_whole(max_new_tokens, 0):
+        raise ValueError(f"max_new_tokens ({max_new_tokens!r}) must be an integer >= 0")
+    if not math.isfinite(temperature) or temperature < 0:
+        raise ValueError(f"temperature ({temperature!r}) must be a finite number >= 0 (0 = greedy)")
+    if top_k is not None and not is_whole(top_k, 1):
+        raise ValueError(f"top_k ({top_k!r}) must be None or an integer >= 1")
 
 
 def _sample(

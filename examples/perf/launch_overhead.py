@@ -120,6 +120,8 @@ def backward_breakdown(q, k, v, dout, calls: int) -> list[tuple[str, float]]:
 
 
 def main(calls: int = 1000, top: int = 30, stubbed: bool = False) -> None:
+    from fusedlayers.kernels._launch import set_direct_launch
+
     import fusedlayers
 
     if stubbed:
@@ -145,6 +147,17 @@ def main(calls: int = 1000, top: int = 30, stubbed: bool = False) -> None:
         ("fusedlayers fwd, inputs require grad", host_us_per_call(ours_grad, calls)),
         ("fusedlayers fwd+bwd", host_us_per_call(ours_fwdbwd, calls // 2)),
     ]
+    if not stubbed:  # the same calls with every launch through `kernel[grid]` (Triton's path)
+        previous = set_direct_launch(False)
+        rows += [
+            ("  same, Triton's launcher: fwd, no grad", host_us_per_call(ours, calls)),
+            (
+                "  same, Triton's launcher: fwd, inputs require grad",
+                host_us_per_call(ours_grad, calls),
+            ),
+            ("  same, Triton's launcher: fwd+bwd", host_us_per_call(ours_fwdbwd, calls // 2)),
+        ]
+        set_direct_launch(previous)
     if not stubbed:
         import torch.nn.functional as F
         from torch.nn.attention import SDPBackend, sdpa_kernel

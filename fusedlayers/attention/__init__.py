@@ -10,6 +10,8 @@ the two public ways in.
     packing                `split_packed`: q/k/v views of one packed tensor, one gradient buffer
     reference              `attention_reference`, the pure-PyTorch oracle and debug path
     functional             flash-attn's `flash_attn_*` functions
+    paged_kv               `block_table` for `flash_attn_varlen_func`: checks and the page gather
+    kvcache                `flash_attn_with_kvcache` and the decode core the layers share
     dot_product_attention  TE's `DotProductAttention` module
     context_parallel       TE's context parallelism: checks the call, the rows each rank
                            holds (`context_parallel_indices`), then runs the ring

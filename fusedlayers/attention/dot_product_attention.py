@@ -24,7 +24,7 @@ from ..reference_switch import ReferenceSwitch
 from .context_parallel import check_cp_arguments, context_parallel_attention
 from .frontend import attention
 from .masks import check_mask_type, normalize_window_size
-from .validation import check_dropout, check_head_counts, check_qkv_format
+from .validation import check_dropout, check_head_counts, check_qkv_format, check_softmax_scale
 
 
 class DotProductAttention(ReferenceSwitch):
@@ -38,7 +38,7 @@ class DotProductAttention(ReferenceSwitch):
         qkv_format: `sbhd`, `bshd` or `thd` (default for `forward`).
         attn_mask_type: default mask type (TE's names, see the module docstring).
         window_size: default sliding window `(left, right)`, -1 = unbounded.
-        softmax_scale: default `1/sqrt(d_qk)`.
+        softmax_scale: default `1/sqrt(d_qk)`; else a finite number > 0.
         layer_number, attention_type: accepted for TE compatibility (`self` or `cross`).
         sequence_parallel, tp_size, tp_group, get_rng_state_tracker: TE's tensor/sequence
             parallelism arguments; only the single-device defaults are supported.
@@ -99,6 +99,7 @@ class DotProductAttention(ReferenceSwitch):
         self.window_size = window_size
         self.layer_number = layer_number
         self.attention_type = attention_type
+        check_softmax_scale(softmax_scale)
         self.softmax_scale = d_qk**-0.5 if softmax_scale is None else float(softmax_scale)
         self.deterministic = deterministic
         self.get_rng_state_tracker = get_rng_state_tracker

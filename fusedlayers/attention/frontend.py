@@ -116,7 +116,7 @@ def _varlen_args(q, k, cu_q, cu_kv, cu_q_pad, cu_kv_pad, max_q, max_kv) -> dict:
     )
 
 
-def _padding(attention_mask, cu_q, cu_kv, b, s_q, s_kv):
+def _padding(attention_mask, cu_q, cu_kv, b, s_q, s_kv, device):
     """Padding for sbhd/bshd: (seqlens_q, seqlens_kv, bool mask or None).
 
     TE passes padding as `attention_mask` (self: `[b, 1, 1, s]`; cross: a `(q_mask, kv_mask)`
@@ -125,13 +125,24 @@ def _padding(attention_mask, cu_q, cu_kv, b, s_q, s_kv):
     """
     if attention_mask is not None:
         if isinstance(attention_mask, (tuple, list)):
+            if len(attention_mask) != 2:
+                raise ValueError(
+                    "attention_mask as a sequence must be the pair (q_mask, kv_mask), got "
+                    f"{len(attention_mask)} items"
+                )
             q_mask, kv_mask = attention_mask
+            q_name, kv_name = "attention_mask[0] (query padding)", "attention_mask[1] (kv padding)"
         else:
             q_mask, kv_mask = (
                 (attention_mask, attention_mask) if s_q == s_kv else (None, attention_mask)
             )
-        lens_q = None if q_mask is None else masks.seqlens_from_padding_mask(q_mask, "q mask")
-        lens_kv = masks.seqlens_from_padding_mask(kv_mask, "attention_mask")
+            q_name = kv_name = "attention_mask"
+        lens_q = (
+            None
+            if q_mask is None
+            else masks.seqlens_from_padding_mask(q_mask, q_name, b, s_q, device)
+        )
+        lens_kv = masks.seqlens_from_padding_mask(kv_mask, kv_name, b, s_kv, device)
         if (q_mask is not None and lens_q is None) or lens_kv is None:
             # [b, 1, 1, s_kv] | [b, 1, s_q, 1] -> [b, 1, s_q, s_kv]
             full = kv_mask if q_mask is None else kv_mask | q_mask.transpose(-1, -2)
@@ -232,7 +243,7 @@ def prepare(
         b, s_q, s_kv = qb.shape[0], qb.shape[1], kb.shape[1]
         if spec.padding:
             lens_q, lens_kv, bool_mask = _padding(
-                attention_mask, cu_seqlens_q, cu_seqlens_kv, b, s_q, s_kv
+                attention_mask, cu_seqlens_q, cu_seqlens_kv, b, s_q, s_kv, q.device
             )
         elif spec.arbitrary:
             if attention_mask is None or attention_mask.dtype != torch.bool:
@@ -370,6 +381,8 @@ def attention(
     """
     validation.check_qkv_format(qkv_format)
     validation.check_dropout(dropout_p)
+    validation.check_softmax_scale(softmax_scale)
+    validation.check_softcap(softcap)
     kernel_path, why = _choose_backend(backend, q)
     if (
         kernel_path

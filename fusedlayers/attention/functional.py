@@ -19,7 +19,9 @@ as in flash-attn >= 2.1: with s_q=2, s_k=5 the mask is
 (query i sees keys j <= i + s_k - s_q). `window_size=(left, right)` keeps keys in
 `[i + s_k - s_q - left, i + s_k - s_q + right]`, -1 = unbounded on that side.
 `alibi_slopes` ([h] or [b, h], fp32) adds `-slope * |i + s_k - s_q - j|`. `softcap > 0` applies
-`softcap * tanh(s / softcap)` to the scaled scores. With `return_attn_probs=True` the functions
+`softcap * tanh(s / softcap)` to the scaled scores (0 = off; negative, NaN or inf raise).
+`softmax_scale` is None (1/sqrt(d)) or a finite number > 0; zero, negative, NaN and inf raise,
+where flash-attn would compute with them. With `return_attn_probs=True` the functions
 return `(out, softmax_lse, None)`: the LSE is fp32 `[b, h, s_q]` (varlen `[h, t_q]`); the third
 entry, flash-attn's debug-only dropout pattern, is not produced.
 These functions always run the Triton kernels: CUDA tensors, or CPU tensors under
@@ -33,6 +35,7 @@ import torch
 from .frontend import attention
 from .masks import flash_attn_spec
 from .packing import split_packed
+from .paged_kv import gather_pages
 
 
 def _finish(out, lse, return_attn_probs):
@@ -93,8 +96,17 @@ def flash_attn_varlen_func(
     alibi_slopes: torch.Tensor | None = None,
     deterministic: bool = False,
     return_attn_probs: bool = False,
+    block_table: torch.Tensor | None = None,
 ):
-    """Attention on packed sequences `[t, h, d]` with int32 `cu_seqlens_q/k` `[b+1]`."""
+    """Attention on packed sequences `[t, h, d]` with int32 `cu_seqlens_q/k` `[b+1]`.
+
+    With `block_table` (int32 `[b, max_blocks]`, flash-attn 2.6's paged KV), k and v are pages
+    `[num_blocks, page_size, hg, d]` and sequence z's key j is row `j % page_size` of page
+    `block_table[z, j // page_size]`, for `j < cu_seqlens_k[z+1] - cu_seqlens_k[z]`; see
+    `paged_kv.gather_pages`.
+    """
+    if block_table is not None:
+        k, v = gather_pages(k, v, block_table, cu_seqlens_q, cu_seqlens_k)
     out, lse = attention(
         q,
         k,

@@ -41,7 +41,13 @@ import torch
 from .._logging import debug_enabled, log_decision
 from . import masks
 from .frontend import _choose_backend
-from .validation import KERNEL_DTYPES, MAX_KERNEL_HEAD_DIM, check_head_counts
+from .validation import (
+    KERNEL_DTYPES,
+    MAX_KERNEL_HEAD_DIM,
+    check_head_counts,
+    check_softcap,
+    check_softmax_scale,
+)
 
 try:
     from ..kernels import check_page_size, decode_attention, rope
@@ -234,20 +240,20 @@ def _check_device_values(
             )
 
 
-def _rotate(q, k, tables, seqlens, local: bool, interleaved: bool) -> tuple[Tensor, Tensor]:
+def _rotate(q, k, q_tables, k_tables, seqlens, local: bool, interleaved: bool):
     """flash-attn's rotary rule: new key i at position cache_seqlens + i; query i there too when
-    the mask is causal or local (`local`), else every query at cache_seqlens."""
-    cos, sin = tables
+    the mask is causal or local (`local`), else every query at cache_seqlens. Positions are built
+    on the device from `seqlens`, so nothing is read back."""
     b, s_q = q.shape[:2]
     start = seqlens.long()[:, None]
     pos_k = start + torch.arange(k.shape[1], device=q.device)
     pos_q = start + torch.arange(s_q, device=q.device) if local else start.expand(b, s_q)
-    k = rope(k, cos, sin, pos_k, seq_dim=1, interleaved=interleaved)
-    q = rope(q, cos, sin, pos_q, seq_dim=1, interleaved=interleaved)
+    k = rope(k, *k_tables, pos_k, seq_dim=1, interleaved=interleaved)
+    q = rope(q, *q_tables, pos_q, seq_dim=1, interleaved=interleaved)
     return q, k
 
 
-def _append(k_cache, v_cache, k, v, seqlens, cache_batch_idx, block_table) -> None:
+def append_to_cache(k_cache, v_cache, k, v, seqlens, cache_batch_idx, block_table) -> None:
     """Write k/v [b, s_new, hk, d] at logical rows seqlens[z] + 0.. of each sequence, in place,
     with one indexed write per cache (no loop over the batch)."""
     b, s_new = k.shape[:2]
@@ -309,8 +315,8 @@ def flash_attn_with_kvcache(
         if alibi_slopes.dtype != torch.float32 or alibi_slopes.shape not in ((h,), (b, h)):
             raise ValueError(f"alibi_slopes must be fp32 [h] or [b, h], got {alibi_slopes.shape}")
         alibi_slopes = alibi_slopes.to(q.device).expand(b, h)
-    if float(softcap) < 0:
-        raise ValueError(f"softcap={softcap} must be >= 0 (0 = off)")
+    check_softcap(softcap)
+    check_softmax_scale(softmax_scale)
     if int(num_splits) < 0:
         raise ValueError(f"num_splits={num_splits} must be >= 0 (0 = heuristic)")
     if not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
@@ -329,26 +335,22 @@ def flash_attn_with_kvcache(
             f"{'on' if tables is not None else 'off'}, num_splits {num_splits} (0 = heuristic)",
         )
 
-    # Everything is valid: rotate, append, attend.
-    if tables is not None:
-        local = causal or tuple(window_size) != (-1, -1)
-        q, k = _rotate(q, k, tables, seqlens, local, rotary_interleaved)
-    if s_new:
-        _append(k_cache, v_cache, k, v, seqlens, cache_batch_idx, block_table)
-        seqlens = seqlens + s_new
-    if q.stride(-1) != 1:
-        q = q.contiguous()
-    out, lse = decode_attention(
+    out, lse = cache_attention(
         q,
         k_cache,
         v_cache,
-        seqlens.to(torch.int32),
+        seqlens,
+        k=k,
+        v=v,
+        rotary_q=tables,
+        rotary_k=tables,
+        rotary_local=causal or tuple(window_size) != (-1, -1),
+        rotary_interleaved=rotary_interleaved,
         block_table=block_table,
         cache_batch_idx=cache_batch_idx,
         cache_leftpad=cache_leftpad,
         softmax_scale=d**-0.5 if softmax_scale is None else float(softmax_scale),
-        window_left=spec.window_size[0],
-        window_right=spec.window_size[1],
+        window_size=spec.window_size,
         softcap=float(softcap),
         alibi_slopes=alibi_slopes,
         num_splits=int(num_splits),
@@ -356,4 +358,59 @@ def flash_attn_with_kvcache(
     return (out, lse) if return_softmax_lse else out
 
 
-__all__ = ["flash_attn_with_kvcache"]
+def cache_attention(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    seqlens: Tensor,
+    *,
+    k: Tensor | None = None,
+    v: Tensor | None = None,
+    rotary_q: tuple[Tensor, Tensor] | None = None,
+    rotary_k: tuple[Tensor, Tensor] | None = None,
+    rotary_local: bool = True,
+    rotary_interleaved: bool = False,
+    block_table: Tensor | None = None,
+    cache_batch_idx: Tensor | None = None,
+    cache_leftpad: Tensor | None = None,
+    softmax_scale: float,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: Tensor | None = None,
+    num_splits: int = 0,
+) -> tuple[Tensor, Tensor]:
+    """Rotate, append and attend on validated input: `flash_attn_with_kvcache` after its checks,
+    shared with the decode path of the layers (`fusedlayers.layers.cached_attention`).
+
+    `seqlens` int32 [b] (on q's device): rows cached per sequence before the append. `rotary_q`
+    / `rotary_k`: fp32 (cos, sin) tables [n_pos, rotary_dim] with one angle per channel (the
+    rope kernel's form), applied when k is given (`_rotate` says where). `window_size` is
+    bottom-right aligned, causal = (-1, 0). Returns (out [b, s_q, h, d], lse fp32 [b, h, s_q]).
+    Everything stays on the device (no host read), so a caller can capture it in a CUDA graph.
+    """
+    if k is not None and rotary_k is not None:
+        q, k = _rotate(q, k, rotary_q, rotary_k, seqlens, rotary_local, rotary_interleaved)
+    s_new = 0 if k is None else k.shape[1]
+    if s_new:
+        append_to_cache(k_cache, v_cache, k, v, seqlens, cache_batch_idx, block_table)
+        seqlens = seqlens + s_new
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    return decode_attention(
+        q,
+        k_cache,
+        v_cache,
+        seqlens.to(torch.int32),
+        block_table=block_table,
+        cache_batch_idx=cache_batch_idx,
+        cache_leftpad=cache_leftpad,
+        softmax_scale=softmax_scale,
+        window_left=window_size[0],
+        window_right=window_size[1],
+        softcap=softcap,
+        alibi_slopes=alibi_slopes,
+        num_splits=num_splits,
+    )
+
+
+__all__ = ["append_to_cache", "cache_attention", "flash_attn_with_kvcache"]

@@ -118,17 +118,29 @@ def flash_attn_spec(causal: bool, window_size: tuple[int, int]) -> MaskSpec:
     return MaskSpec(window_size=(left, right), bottom_right=True, padding=False, arbitrary=False)
 
 
-def seqlens_from_padding_mask(mask: torch.Tensor, name: str) -> torch.Tensor | None:
+def seqlens_from_padding_mask(
+    mask: torch.Tensor, name: str, batch: int, length: int, device: torch.device
+) -> torch.Tensor | None:
     """Lengths `[b]` (int32) from a TE padding mask `[b, 1, 1, s]` (True = padded position).
 
-    Returns None when some row is not right-padded (a False after a True): such a mask is then
-    applied as a general boolean mask instead, which is always correct.
+    `batch`, `length` and `device` are the attention inputs' b, s and device; a mask that does
+    not match them raises. Returns None when some row is not right-padded (a False after a
+    True): such a mask is then applied as a general boolean mask instead, which is always correct.
     """
+    if not isinstance(mask, torch.Tensor):
+        raise TypeError(f"{name} must be a bool tensor [b, 1, 1, s], got {type(mask).__name__}")
     if mask.dtype != torch.bool or mask.dim() != 4 or mask.shape[1] != 1 or mask.shape[2] != 1:
         raise ValueError(
             f"{name}: a padding mask must be bool [b, 1, 1, s], got {mask.dtype} "
             f"{tuple(mask.shape)}"
         )
+    if (mask.shape[0], mask.shape[3]) != (batch, length):
+        raise ValueError(
+            f"{name} of shape {tuple(mask.shape)} does not match the inputs: expected "
+            f"[{batch}, 1, 1, {length}] (batch {batch}, sequence length {length})"
+        )
+    if mask.device != device:
+        raise ValueError(f"{name} is on {mask.device}, the inputs on {device}")
     # torch.equal reads the answer on the host: once per mask and in-place version.
     return per_version(mask, "right-padded lengths", _right_padded_lengths)
 

@@ -6,6 +6,9 @@ reading this code. The kernels and the reference then assume normalized, valid i
 
 from __future__ import annotations
 
+import math
+from numbers import Real
+
 import torch
 
 from .._host_cache import per_version
@@ -152,6 +155,34 @@ def check_max_seqlen(max_seqlen: int | None, lengths: list[int], name: str) -> i
 def check_dropout(p: float, name: str = "attention_dropout") -> None:
     if not 0.0 <= float(p) < 1.0:
         raise ValueError(f"{name}={p} must be in [0, 1)")
+
+
+def is_whole(value, minimum: int) -> bool:
+    """`value` is an int (bools excluded: True is not a head count) of at least `minimum`."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
+
+
+def check_softmax_scale(scale, name: str = "softmax_scale") -> None:
+    """None (1/sqrt(d_qk)) or a finite number > 0.
+
+    Zero would make every key equally likely and a negative scale would favour the least similar
+    keys; neither is a softmax temperature anyone means, and NaN or inf poison every output. The
+    kernels would compute all of them without complaint, so they are refused here.
+    """
+    if scale is None:
+        return
+    if isinstance(scale, bool) or not isinstance(scale, Real):
+        raise TypeError(f"{name} must be a float or None, got {type(scale).__name__} {scale!r}")
+    if not math.isfinite(scale) or scale <= 0:
+        raise ValueError(f"{name}={scale!r} must be a finite number > 0 (or None for 1/sqrt(d))")
+
+
+def check_softcap(softcap, name: str = "softcap") -> None:
+    """0 (off) or a finite number > 0: scores become softcap * tanh(scores / softcap)."""
+    if isinstance(softcap, bool) or not isinstance(softcap, Real):
+        raise TypeError(f"{name} must be a float, got {type(softcap).__name__} {softcap!r}")
+    if not math.isfinite(softcap) or softcap < 0:
+        raise ValueError(f"{name}={softcap!r} must be 0 (off) or a finite number > 0")
 
 
 def check_broadcastable(t: torch.Tensor, target: tuple[int, ...], name: str) -> None:

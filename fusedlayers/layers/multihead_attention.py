@@ -30,16 +30,15 @@ import torch.distributed as dist
 
 from ..attention.dot_product_attention import DotProductAttention
 from ..attention.packing import split_packed
+from ..attention.validation import is_whole
 from ..reference_switch import ReferenceSwitch
+from .cached_attention import self_attention_with_cache
 from .inference import InferenceParams
 from .linear import LayerNormLinear, Linear, check_extra_state
 from .qkv_storage import QKVSpec, install_qkv_storage_hooks, storage_form
 from .rope import apply_rotary_pos_emb
 
 FORMATS = ("sbhd", "bshd", "thd")
-# With a KV cache the new queries are the last rows of the key sequence, so causal masks align
-# to the bottom-right corner.
-_BOTTOM_RIGHT = {"causal": "causal_bottom_right", "padding_causal": "padding_causal_bottom_right"}
 
 
 def split_qkv(mixed: torch.Tensor, heads: int, groups: int, head_dim: int, interleaved: bool):
@@ -134,8 +133,10 @@ class MultiheadAttention(ReferenceSwitch):
         super().__init__(use_reference)
         heads = num_attention_heads
         groups = heads if num_gqa_groups is None else num_gqa_groups
+        _check_arguments(
+            hidden_size, heads, groups, kv_channels, attention_type, qkv_format, layer_number
+        )
         head_dim = kv_channels or hidden_size // heads
-        _check_arguments(heads, groups, attention_type, qkv_format, layer_number)
         self.hidden_size = hidden_size
         self.num_attention_heads = heads
         self.num_gqa_groups = groups
@@ -265,9 +266,7 @@ class MultiheadAttention(ReferenceSwitch):
         start = None
         if inference_params is not None:
             batch = q.shape[1] if self.qkv_format == "sbhd" else q.shape[0]
-            start = torch.full(
-                (batch,), inference_params.sequence_len_offset, dtype=torch.int32, device=q.device
-            )
+            start = inference_params.batch_seqlens(batch)
         rope = dict(
             tensor_format=self.qkv_format,
             start_positions=start,
@@ -318,18 +317,24 @@ class MultiheadAttention(ReferenceSwitch):
             cu_seqlens_kv, max_seqlen_kv = cu_seqlens_q, max_seqlen_q
             cu_seqlens_kv_padded = cu_seqlens_q_padded
         q, k, v, ln_out = self._project(hidden_states, encoder_output)
+        if inference_params is not None and self.attention_type == "self":
+            if self.core_attention.cp_group is not None:
+                raise ValueError("inference_params (KV cache) is not supported with cp_group")
+            # Rotation, cache write and attention over the cache, lengths on the device.
+            context = self_attention_with_cache(
+                self, q, k, v, inference_params,
+                attn_mask_type=attn_mask_type, window_size=window_size,
+                attention_mask=attention_mask, rotary_pos_emb=rotary_pos_emb,
+                core_attention_bias_type=core_attention_bias_type,
+                core_attention_bias=core_attention_bias, alibi_slopes=alibi_slopes,
+                checkpoint_core_attention=checkpoint_core_attention,
+            )  # fmt: skip
+            return self._finish(context, ln_out)
         if rotary_pos_emb is not None:
             # Positions count from each sequence's first row in memory (padded offsets if any).
             cu_q = cu_seqlens_q if cu_seqlens_q_padded is None else cu_seqlens_q_padded
             cu_kv = cu_seqlens_kv if cu_seqlens_kv_padded is None else cu_seqlens_kv_padded
             q, k = self._rotate(q, k, rotary_pos_emb, inference_params, cu_q, cu_kv)
-        if inference_params is not None and self.attention_type == "self":
-            if self.core_attention.cp_group is not None:
-                raise ValueError("inference_params (KV cache) is not supported with cp_group")
-            if self.qkv_format == "thd":
-                raise NotImplementedError("the KV cache supports qkv_format sbhd and bshd")
-            k, v = inference_params.update(self.layer_number, k, v, self.qkv_format)
-            attn_mask_type = _BOTTOM_RIGHT.get(attn_mask_type, attn_mask_type)
         options = dict(
             attention_mask=attention_mask,
             qkv_format=self.qkv_format,
@@ -349,6 +354,10 @@ class MultiheadAttention(ReferenceSwitch):
         context = self.core_attention(
             q, k, v, checkpoint_core_attention=checkpoint_core_attention, **options
         )
+        return self._finish(context, ln_out)
+
+    def _finish(self, context, ln_out):
+        """Output projection, plus its bias and the normalized input when asked for."""
         projected = self.proj(context)
         outputs = projected if self.return_bias else (projected,)
         if self.input_layernorm and self.return_layernorm_output:
@@ -356,7 +365,24 @@ class MultiheadAttention(ReferenceSwitch):
         return outputs if len(outputs) > 1 else outputs[0]
 
 
-def _check_arguments(heads, groups, attention_type, qkv_format, layer_number) -> None:
+def _check_arguments(
+    hidden_size, heads, groups, kv_channels, attention_type, qkv_format, layer_number
+) -> None:
+    for name, value in (
+        ("hidden_size", hidden_size),
+        ("num_attention_heads", heads),
+        ("num_gqa_groups", groups),
+    ):
+        if not is_whole(value, 1):
+            raise ValueError(f"{name} ({value!r}) must be a positive integer")
+    if kv_channels is not None and not is_whole(kv_channels, 1):
+        raise ValueError(f"kv_channels ({kv_channels!r}) must be a positive integer or None")
+    if kv_channels is None and hidden_size % heads:
+        # TE would silently use hidden_size // heads and an attention width != hidden_size.
+        raise ValueError(
+            f"hidden_size ({hidden_size}) is not divisible by num_attention_heads ({heads}); "
+            "pass kv_channels to choose the head size"
+        )
     if heads % groups:
         raise ValueError(
             f"num_attention_heads ({heads}) must be divisible by num_gqa_groups ({groups})"

@@ -1,0 +1,152 @@
+"""Launch a `@triton.jit` kernel through its compiled kernel once the specialization is known.
+
+`kernel[grid](*args)` goes through `JITFunction.run` on every call: it re-reads Triton's settings,
+binds and specializes every argument, builds a cache key string, checks globals and evaluates
+the grid, 40-75 us of host time per launch on the H100's host for kernels of ~50 arguments
+(docs/performance.md, "Host time"). Short attention calls are bound by that time, not by the GPU.
+
+`launch(kernel, grid, *args, **kwargs)` does the same launch. The first call for a given
+specialization goes through `kernel[grid]` and keeps the compiled kernel it returns; later calls
+with the same specialization call the compiled kernel's launcher directly
+(`CompiledKernel.run`, the entry `CompiledKernel[grid]` uses too).
+
+The key is at least as fine as Triton's specialization, so one key never maps to two compiled
+kernels: constexpr values as given, launch options (num_warps, ...), and per runtime argument
+what Triton specializes on: a tensor's dtype and 16-byte alignment, an int's being 1, being a
+multiple of 16 and fitting 32 bits, None, a bool's value. Anything else (a TMA descriptor, a
+profiler's launch hook, the CPU interpreter, a Triton whose compiled kernel lacks the launcher)
+takes `kernel[grid]` every time, which is always correct.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+try:
+    from triton import knobs
+except ImportError:  # Triton < 3.4: another launcher convention; its own path only
+    knobs = None
+
+_MIN_INT32, _MAX_INT32 = -(2**31), 2**31 - 1
+_enabled = knobs is not None
+
+
+class _Unsupported(Exception):
+    """An argument this module cannot key: the call takes Triton's own path."""
+
+
+def set_direct_launch(enabled: bool) -> bool:
+    """Turn the direct path on or off (for comparisons); returns the previous setting."""
+    global _enabled
+    previous, _enabled = _enabled, bool(enabled) and knobs is not None
+    return previous
+
+
+def _runtime_key(value):
+    cls = value.__class__
+    if cls is int:
+        return (value == 1, value % 16 == 0, _MIN_INT32 <= value <= _MAX_INT32)
+    if cls is float:
+        return float
+    if value is None or cls is bool:
+        return value
+    if isinstance(value, torch.Tensor):
+        return (value.dtype, value.data_ptr() % 16 == 0)
+    raise _Unsupported(cls.__name__)
+
+
+class _KernelLaunches:
+    """One kernel's parameter layout and its compiled kernels by specialization key."""
+
+    def __init__(self, kernel: triton.JITFunction) -> None:
+        params = kernel.params
+        self.names = [p.name for p in params]
+        self.known = set(self.names)
+        self.constexpr = [p.is_constexpr for p in params]
+        self.defaults = {p.name: p.default for p in params if p.has_default}
+        self.compiled: dict[tuple, object] = {}
+        self.broken = False  # the direct launcher failed once: Triton's path from then on
+
+    def values(self, args: tuple, kwargs: dict) -> list:
+        """Every parameter's value in signature order (what `CompiledKernel.run` takes)."""
+        values = list(args)
+        for name in self.names[len(args) :]:
+            values.append(kwargs[name] if name in kwargs else self.defaults[name])
+        return values
+
+    def key(self, values: list, kwargs: dict, device: int) -> tuple:
+        spec = tuple(
+            value if is_constexpr else _runtime_key(value)
+            for value, is_constexpr in zip(values, self.constexpr)
+        )
+        options = tuple(sorted((k, v) for k, v in kwargs.items() if k not in self.known))
+        return device, spec, options
+
+
+_LAUNCHES: dict[int, _KernelLaunches] = {}
+
+
+def launch(kernel, grid, *args, **kwargs) -> None:
+    """`kernel[grid](*args, **kwargs)`, through the compiled kernel's launcher after the first.
+
+    `kernel` is a `triton.JITFunction` (for an autotuned kernel, its `.fn` with a config's
+    kwargs); `grid` a tuple, or a callable of the launch's keyword arguments.
+    """
+    if not _enabled or not isinstance(kernel, triton.JITFunction) or _hooked():
+        kernel[grid](*args, **kwargs)
+        return
+    launches = _LAUNCHES.get(id(kernel))
+    if launches is None:
+        launches = _LAUNCHES[id(kernel)] = _KernelLaunches(kernel)
+    if launches.broken:
+        kernel[grid](*args, **kwargs)
+        return
+    device = _current_device()
+    values = launches.values(args, kwargs)
+    try:
+        key = launches.key(values, kwargs, device)
+    except _Unsupported:
+        kernel[grid](*args, **kwargs)
+        return
+    compiled = launches.compiled.get(key)
+    if compiled is None:
+        compiled = kernel[grid](*args, **kwargs)
+        if hasattr(compiled, "result"):  # an asynchronous compile hands back a future
+            compiled = compiled.result()
+        if hasattr(compiled, "packed_metadata"):  # not under the CPU interpreter
+            launches.compiled[key] = compiled
+        return
+    if callable(grid):
+        grid = grid(kwargs)
+    stream = _current_stream(device)
+    try:
+        run = compiled.run  # loads the module on first use
+        run(
+            grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1,
+            stream, compiled.function, compiled.packed_metadata, None, None, None, *values,
+        )  # fmt: skip
+    except TypeError:
+        # A Triton whose launcher takes other arguments: the C launcher checks its argument
+        # list before launching, so nothing ran. Take Triton's path for good.
+        launches.broken = True
+        kernel[grid](*args, **kwargs)
+
+
+def _current_device() -> int:
+    return triton.runtime.driver.active.get_current_device()
+
+
+def _current_stream(device: int):
+    return triton.runtime.driver.active.get_current_stream(device)
+
+
+def _hooked() -> bool:
+    """A profiler's launch hook is installed: let Triton call it."""
+    return _installed(knobs.runtime.launch_enter_hook) or _installed(knobs.runtime.launch_exit_hook)
+
+
+def _installed(hook) -> bool:
+    # Triton 3.6 keeps None when no hook is set; later versions keep an always-present chain
+    # (`HookChain`) whose `calls` list is empty.
+    return hook is not None and bool(getattr(hook, "calls", True))

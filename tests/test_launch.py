@@ -1,0 +1,133 @@
+"""The direct launcher (kernels/_launch.py): one compiled kernel per specialization, the compiled
+kernel's own launcher afterwards, and Triton's path whenever the key cannot be trusted.
+
+Triton's JIT needs a GPU to compile, so `run` is replaced by one that records the launch and hands
+back a stand-in compiled kernel that records its direct launches."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+from fusedlayers.kernels import _launch
+
+
+def _toy(x_ptr, n, scale, flag, BLOCK: tl.constexpr, MODE: tl.constexpr = 2):
+    pass
+
+
+class Compiled:
+    packed_metadata = "meta"
+    function = "fn"
+
+    def __init__(self, log, key):
+        self.log, self.key = log, key
+
+    def run(self, *args):
+        self.log.append(("direct", self.key, args))
+
+
+class ToyKernel(triton.runtime.jit.JITFunction):
+    """A real JITFunction (parameters and all) whose `run` records instead of compiling."""
+
+    def __init__(self):
+        super().__init__(_toy)
+        self.log, self.compiles = [], 0
+
+    def run(self, *args, grid, warmup, **kwargs):
+        self.compiles += 1
+        self.log.append(("triton", grid, args, kwargs))
+        return Compiled(self.log, self.compiles)
+
+
+@pytest.fixture
+def kernel(monkeypatch):
+    monkeypatch.setattr(_launch, "_current_device", lambda: 0)
+    monkeypatch.setattr(_launch, "_current_stream", lambda device: 1234)
+    monkeypatch.setattr(_launch, "_LAUNCHES", {})
+    previous = _launch.set_direct_launch(True)
+    yield ToyKernel()
+    _launch.set_direct_launch(previous)
+
+
+def _x(offset=0):
+    return torch.zeros(64)[offset:]
+
+
+def test_second_launch_of_a_specialization_goes_direct(kernel):
+    x = _x()
+    _launch.launch(kernel, (3,), x, 32, 0.5, True, BLOCK=16)
+    assert [entry[0] for entry in kernel.log] == ["triton"]
+    y = _x()
+    _launch.launch(kernel, lambda meta: (meta["BLOCK"] * 2, 5), y, 48, 0.25, True, BLOCK=16)
+    kind, compiled_key, args = kernel.log[-1]
+    assert (kind, compiled_key) == ("direct", 1)
+    # grid (from the launch's keywords), stream, function, metadata, no hooks, then every
+    # parameter in signature order: the new values, constexprs given and defaulted
+    assert args == (32, 5, 1, 1234, "fn", "meta", None, None, None, y, 48, 0.25, True, 16, 2)
+    assert kernel.compiles == 1
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"n": 33},  # no longer a multiple of 16
+        {"n": 1},  # Triton specializes 1
+        {"n": 2**40},  # 64-bit
+        {"x": _x(offset=1)},  # 4-byte aligned, not 16
+        {"x": torch.zeros(64, dtype=torch.float16)},  # another dtype
+        {"flag": False},
+        {"BLOCK": 32},  # another constexpr
+        {"MODE": 3},  # a defaulted constexpr given
+        {"num_warps": 8},  # a launch option
+    ],
+    ids=lambda change: next(iter(change)) + "=" + str(next(iter(change.values())))[:12],
+)
+def test_any_change_triton_specializes_on_compiles_again(kernel, change):
+    base = {"x": _x(), "n": 32, "scale": 0.5, "flag": True, "BLOCK": 16, "num_warps": 4}
+    for call in (base, {**base, **change}):
+        positional = [call["x"], call["n"], call["scale"], call["flag"]]
+        rest = {k: v for k, v in call.items() if k not in ("x", "n", "scale", "flag")}
+        _launch.launch(kernel, (1,), *positional, **rest)
+    assert kernel.compiles == 2, "a launch reused a kernel compiled for another specialization"
+    assert [entry[0] for entry in kernel.log] == ["triton", "triton"]
+
+
+def test_values_triton_does_not_specialize_on_share_a_kernel(kernel):
+    for n, scale in ((32, 0.5), (64, 2.0), (16 * 7, -1.0)):
+        _launch.launch(kernel, (1,), _x(), n, scale, True, BLOCK=16)
+    assert kernel.compiles == 1
+    assert [entry[2][10] for entry in kernel.log[1:]] == [64, 112]  # the new n reaches the kernel
+
+
+def test_unkeyable_argument_always_takes_tritons_path(kernel):
+    for _ in range(2):
+        _launch.launch(kernel, (1,), object(), 32, 0.5, True, BLOCK=16)
+    assert [entry[0] for entry in kernel.log] == ["triton", "triton"]
+
+
+def test_a_launcher_of_another_convention_falls_back_for_good(kernel, monkeypatch):
+    _launch.launch(kernel, (1,), _x(), 32, 0.5, True, BLOCK=16)
+
+    def other_convention(self, grid_x, grid_y, grid_z, stream, function, *args):
+        raise TypeError("function takes exactly 40 arguments")
+
+    monkeypatch.setattr(Compiled, "run", other_convention)
+    for _ in range(2):
+        _launch.launch(kernel, (1,), _x(), 32, 0.5, True, BLOCK=16)
+    assert [entry[0] for entry in kernel.log] == ["triton", "triton", "triton"]
+
+
+def test_profiler_hooks_and_the_switch_take_tritons_path(kernel, monkeypatch):
+    runtime = _launch.knobs.runtime
+    no_hook = runtime.launch_enter_hook  # None (Triton 3.6) or an empty chain (later)
+    _launch.launch(kernel, (1,), _x(), 32, 0.5, True, BLOCK=16)
+    monkeypatch.setattr(runtime, "launch_enter_hook", lambda *args: None)
+    _launch.launch(kernel, (1,), _x(), 32, 0.5, True, BLOCK=16)
+    monkeypatch.setattr(runtime, "launch_enter_hook", no_hook)
+    _launch.set_direct_launch(False)
+    _launch.launch(kernel, (1,), _x(), 32, 0.5, True, BLOCK=16)
+    _launch.set_direct_launch(True)
+    _launch.launch(kernel, (1,), _x(), 32, 0.5, True, BLOCK=16)
+    assert [entry[0] for entry in kernel.log] == ["triton", "triton", "triton", "direct"]
