@@ -3,10 +3,15 @@
     python examples/train_gpt.py            # CPU: `tiny`, ~6 min on 2 cores; GPU: `gpt-50m` bf16
     python examples/train_gpt.py --resume           # continue from runs/gpt/last.safetensors
     torchrun --nproc_per_node 2 examples/train_gpt.py --config gpt-50m   # DDP, same global batch
+    torchrun --nproc_per_node 4 examples/train_gpt.py --context-parallel 2  # 2 CP x 2 DP ranks
+    torchrun --nproc_per_node 2 examples/train_gpt.py --fsdp             # FSDP2 sharding
 
 `--batch-size` is the global batch in sequences: under torchrun each rank computes its slice of the
 same batch a single process would draw, so loss curves are comparable across world sizes. Batches
 are a pure function of (seed, step), which makes `--resume` continue the exact data stream.
+`--context-parallel N` splits every sequence over N consecutive ranks (TE's load-balanced
+chunks); the remaining factor of the world is data parallel. `--fsdp` shards parameters, gradients
+and optimizer state with FSDP2 instead of replicating them with DDP.
 
 Writes to `--out-dir`: `last.safetensors` (+ `last.train.safetensors`), `loss.png`, `log.jsonl`.
 """
@@ -14,6 +19,7 @@ Writes to `--out-dir`: `last.safetensors` (+ `last.train.safetensors`), `loss.pn
 from __future__ import annotations
 
 import argparse
+import gc
 import gzip
 import json
 import math
@@ -39,8 +45,14 @@ from fusedlayers.models import (  # noqa: E402
     load_weights,
     save_checkpoint,
 )
+from fusedlayers.models.sharded_checkpoint import (  # noqa: E402
+    load_sharded_checkpoint,
+    save_sharded_checkpoint,
+)
 from torch.nn.parallel import DistributedDataParallel  # noqa: E402
 from tqdm import tqdm  # noqa: E402
+
+from fusedlayers.attention.context_parallel import context_parallel_indices  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 CORPUS = ROOT / "data" / "shakespeare.txt.gz"
@@ -72,6 +84,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--compare-to", type=Path, default=None, help="run dir whose log.jsonl to overlay/diff"
     )
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
+    p.add_argument("--context-parallel", type=int, default=1, help="ranks that split each sequence")
+    p.add_argument("--fsdp", action="store_true", help="shard with FSDP2 instead of DDP")
     return p.parse_args(argv)
 
 
@@ -103,6 +117,34 @@ def setup_distributed(device: str) -> tuple[int, int, torch.device]:
     return dist.get_rank(), dist.get_world_size(), torch.device(device)
 
 
+def setup_parallel(args: argparse.Namespace, rank: int, world: int, ctx: int):
+    """Data- and context-parallel coordinates, into `args`; returns this rank's CP group.
+
+    Ranks `d*N .. d*N + N-1` form context-parallel group d (N = --context-parallel); group d
+    trains data-parallel slice d of the global batch."""
+    n = args.context_parallel
+    if n < 1 or world % n:
+        raise SystemExit(f"--context-parallel {n} must divide the world size {world}")
+    if n > 1 and ctx % (2 * n):
+        raise SystemExit(f"--context-parallel {n}: context length {ctx} must divide by {2 * n}")
+    if args.fsdp and world == 1:
+        raise SystemExit("--fsdp needs several processes (torchrun --nproc_per_node N)")
+    args.cp_size, args.cp_rank = n, rank % n
+    args.dp_size, args.dp_rank = world // n, rank // n
+    if args.batch_size % args.dp_size:
+        raise SystemExit(
+            f"--batch-size {args.batch_size} must be divisible by the {args.dp_size} "
+            "data-parallel ranks"
+        )
+    group = None
+    for d in range(args.dp_size):  # every rank takes part in creating every group
+        ranks = list(range(d * n, (d + 1) * n))
+        new = dist.new_group(ranks) if n > 1 else None
+        if d == args.dp_rank:
+            group, args.cp_ranks = new, ranks
+    return group
+
+
 def load_corpus(path: Path = CORPUS) -> tuple[torch.Tensor, torch.Tensor]:
     """Byte tokens (vocabulary 256) of the corpus, split into train and held-out tail: uint8 [n]."""
     data = torch.frombuffer(bytearray(gzip.decompress(path.read_bytes())), dtype=torch.uint8)
@@ -124,6 +166,32 @@ def get_batch(
     starts = starts[rank * per_rank : (rank + 1) * per_rank]
     rows = torch.stack([data[i : i + ctx + 1] for i in starts.tolist()]).long()
     return rows[:, :-1], rows[:, 1:]
+
+
+def local_batch(data, args, ctx: int, seed: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's part of global batch `step`: its data-parallel slice of the sequences and,
+    under context parallelism, its chunks of each (inputs and targets alike, so every target
+    stays the byte after its input): int64 [b / dp, ctx / cp]."""
+    x, y = get_batch(data, args.batch_size, ctx, seed, step, args.dp_rank, args.dp_size)
+    if args.cp_size > 1:
+        index = context_parallel_indices([ctx], args.cp_size, args.cp_rank)
+        x, y = x[:, index], y[:, index]
+    return x, y
+
+
+def shard(model: GPT, device: torch.device) -> GPT:
+    """FSDP2: each TransformerLayer is one shard group, the root (embeddings, final norm) the
+    last. On GPU the parameters compute in bf16 and gradients reduce in fp32; on CPU all fp32."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    policy = (
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if device.type == "cuda"
+        else MixedPrecisionPolicy()
+    )
+    for layer in model.layers:
+        fully_shard(layer, mp_policy=policy)
+    return fully_shard(model, mp_policy=policy)
 
 
 def lr_at(step: int, args: argparse.Namespace) -> float:
@@ -154,7 +222,7 @@ def evaluate(model, data, args, ctx, rank, world, autocast) -> float:
     model.eval()
     total = torch.zeros((), device=args.torch_device)
     for i in range(args.eval_batches):
-        x, y = get_batch(data, args.batch_size, ctx, args.seed + 1, i, rank, world)
+        x, y = local_batch(data, args, ctx, args.seed + 1, i)
         with autocast:
             total += lm_loss(model(x.to(args.torch_device)), y.to(args.torch_device))
     if world > 1:
@@ -201,6 +269,7 @@ def compare_runs(history: list[dict], other: list[dict]) -> str:
 
 def sample_text(model: GPT, prompt: str, n: int, device: torch.device, seed: int) -> str:
     """Decode `n` bytes after `prompt` (temperature 0.8, top-k 40) with the KV cache."""
+    model.set_context_parallel_group(None)  # one process decodes the whole sequence
     n = min(n, model.config.context_length - len(prompt))
     idx = torch.tensor([list(prompt.encode())], device=device)
     gen = torch.Generator(device=device).manual_seed(seed)
@@ -222,8 +291,11 @@ def resume(args: argparse.Namespace, model: GPT, optimizer, rank: int) -> tuple[
         return 0, []
     ckpt = args.out_dir / "last.safetensors"
     try:
-        load_weights(ckpt, model)
-        state = load_train_state(ckpt, optimizer)
+        if args.fsdp:
+            state = load_sharded_checkpoint(ckpt, model, optimizer)
+        else:
+            load_weights(ckpt, model)
+            state = load_train_state(ckpt, optimizer)
     except CheckpointError as e:
         raise SystemExit(f"--resume: {e}") from e
     if rank == 0:
@@ -235,28 +307,41 @@ def train(args: argparse.Namespace) -> None:
     """Set up (distributed, data, model, optimizer, resume), then run the loop."""
     rank, world, device = setup_distributed(args.device)
     args.torch_device = device
-    if args.batch_size % world:
-        raise SystemExit(f"--batch-size {args.batch_size} must be divisible by world size {world}")
     data = load_corpus()
     core, config = build(args, device)
+    cp_group = setup_parallel(args, rank, world, config.context_length)
+    if cp_group is not None:
+        core.set_context_parallel_group(cp_group, args.cp_ranks)
+    if args.fsdp:
+        core = shard(core, device)  # before the optimizer: it must hold the sharded parameters
     optimizer = make_optimizer(core, args)
     step, history = resume(args, core, optimizer, rank)
     model = core
-    if world > 1:
+    if world > 1 and not args.fsdp:
         model = DistributedDataParallel(
             core, device_ids=[device.index] if device.type == "cuda" else None
         )
     if rank == 0:
         print(
             f"{args.config}: {core.num_parameters():,} parameters, format "
-            f"{config.attn_input_format}, {world} process(es) on {device}, "
+            f"{config.attn_input_format}, {world} process(es) on {device} "
+            f"({args.dp_size} data x {args.cp_size} context parallel, "
+            f"{'FSDP2' if args.fsdp else 'DDP' if world > 1 else 'one process'}), "
             f"global batch {args.batch_size} x {config.context_length} tokens"
         )
     loop = dict(model=model, core=core, optimizer=optimizer, data=data, args=args)
     step = run(**loop, step=step, history=history, rank=rank, world=world)
     if rank == 0 and step == args.steps:
+        if args.fsdp:  # sample from the gathered checkpoint, on one process
+            core = GPT(config, use_reference=args.use_reference, device=device)
+            load_weights(args.out_dir / "last.safetensors", core)
         finish(core, history, args, device)
     if world > 1:
+        # Drop the model first: FSDP's state keeps gloo work objects alive, and a process that
+        # exits holding them aborts ("terminate called without an active exception").
+        del model, core, optimizer, loop
+        gc.collect()
+        dist.barrier()  # tearing down while rank 0 still samples can hang the subgroups
         dist.destroy_process_group()
 
 
@@ -297,18 +382,26 @@ def run(model, core, optimizer, data, args, step, history, rank, world) -> int:
             step += 1
             if step % args.eval_interval == 0 or step == args.steps:
                 validate()
-            if rank == 0 and (step % args.ckpt_interval == 0 or step == last):
-                save_checkpoint(
-                    args.out_dir / "last.safetensors", core, optimizer, step, {"history": history}
-                )
+            if step % args.ckpt_interval == 0 or step == last:
+                path, extra = args.out_dir / "last.safetensors", {"history": history}
+                if args.fsdp:  # every rank takes part in gathering the shards
+                    save_sharded_checkpoint(path, core, optimizer, step, extra)
+                elif rank == 0:
+                    save_checkpoint(path, core, optimizer, step, extra)
     return step
 
 
 def train_step(model, optimizer, data, args, ctx, step, rank, world, autocast) -> float:
-    """One optimizer step on global batch `step`; returns the loss averaged over ranks."""
+    """One optimizer step on global batch `step`; returns the loss averaged over ranks.
+
+    Every rank's loss is the mean over its own tokens, and every rank holds as many, so the
+    mean over all ranks is the global batch's loss. DDP and FSDP average gradients over all
+    ranks, context-parallel ones included: each of those holds its tokens' share of the
+    gradient (the ring brings every dK/dV back to its owner), so the average is the gradient
+    of that global mean."""
     for group in optimizer.param_groups:
         group["lr"] = lr_at(step, args)
-    x, y = get_batch(data, args.batch_size, ctx, args.seed, step, rank, world)
+    x, y = local_batch(data, args, ctx, args.seed, step)
     x, y = x.to(args.torch_device, non_blocking=True), y.to(args.torch_device, non_blocking=True)
     with autocast:
         loss = lm_loss(model(x), y)

@@ -110,17 +110,25 @@ def save_checkpoint(
     optimizer: torch.optim.Optimizer | None = None,
     step: int | None = None,
     extra: dict[str, Any] | None = None,
+    *,
+    weights: dict[str, torch.Tensor] | None = None,
+    optimizer_state: dict[str, Any] | None = None,
 ) -> Path:
     """Write `model` (a `GPT`, or a DDP/compiled wrapper of one) to `path`; with an optimizer,
-    also the resume state to `train_state_path(path)`. Returns the weights path."""
+    also the resume state to `train_state_path(path)`. Returns the weights path.
+
+    `weights` and `optimizer_state` (torch's `optimizer.state_dict()` form) replace the model's
+    and optimizer's own state when given: a sharded model passes its gathered full state
+    (`sharded_checkpoint`), so every checkpoint has one format whatever wrote it."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     gpt = _unwrap(model)
-    weights = gpt.state_dict()
+    weights = gpt.state_dict() if weights is None else weights
     meta = {"format": FORMAT, "format_version": FORMAT_VERSION}
     weights_sha = _write(path, weights, {**meta, "config": json.dumps(gpt.config.to_dict())})
-    if optimizer is not None:
-        tensors, state_meta = _optimizer_to_flat(optimizer)
+    if optimizer is not None or optimizer_state is not None:
+        state = optimizer.state_dict() if optimizer_state is None else optimizer_state
+        tensors, state_meta = _optimizer_to_flat(state)
         tensors["rng.cpu"] = torch.get_rng_state()
         if torch.cuda.is_available():
             tensors["rng.cuda"] = torch.cuda.get_rng_state()
@@ -142,6 +150,13 @@ def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
 
 def load_weights(path: str | Path, model: torch.nn.Module) -> None:
     """Load a weights file into `model`, checking config, key set and every shape first."""
+    tensors = checked_weights(path, model)
+    _unwrap(model).load_state_dict(tensors)
+
+
+def checked_weights(path: str | Path, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The full tensors of a weights file, checked against `model`'s config, keys and shapes
+    (a sharded model's state dict reports full shapes, so it is checked the same way)."""
     path = Path(path)
     tensors, metadata = _read(path, FORMAT)
     gpt = _unwrap(model)
@@ -165,7 +180,7 @@ def load_weights(path: str | Path, model: torch.nn.Module) -> None:
     ]
     if bad:
         raise CheckpointError(f"{path}: shape mismatch: " + "; ".join(bad))
-    gpt.load_state_dict(tensors)
+    return tensors
 
 
 def load_train_state(
@@ -173,6 +188,13 @@ def load_train_state(
 ) -> dict[str, Any]:
     """Restore the optimizer and RNG state saved next to weights file `path` (load the weights
     first). Returns `{"step": int | None, "extra": dict}`."""
+    return restore_train_state(path, optimizer, lambda state: optimizer.load_state_dict(state))
+
+
+def restore_train_state(path: str | Path, optimizer, load) -> dict[str, Any]:
+    """`load_train_state` with the loading step left to the caller: `load(state)` receives the
+    checked optimizer state in `optimizer.state_dict()` form (a sharded optimizer loads it its
+    own way)."""
     path = Path(path)
     state_path = train_state_path(path)
     tensors, metadata = _read(state_path, FORMAT + "-train")
@@ -180,7 +202,13 @@ def load_train_state(
     if metadata.get("weights_sha256") != weights_sha:
         raise CheckpointError(f"{state_path}: belongs to different weights than {path}")
     if optimizer is not None:
-        _optimizer_from_flat(state_path, optimizer, tensors, metadata)
+        state = _optimizer_from_flat(state_path, optimizer, tensors, metadata)
+        try:
+            load(state)
+        except (ValueError, RuntimeError, KeyError) as e:
+            raise CheckpointError(
+                f"{state_path}: optimizer state does not fit this optimizer: {e}"
+            ) from e
     torch.set_rng_state(tensors["rng.cpu"])
     if "rng.cuda" in tensors and torch.cuda.is_available():
         torch.cuda.set_rng_state(tensors["rng.cuda"])
@@ -190,10 +218,9 @@ def load_train_state(
     }
 
 
-def _optimizer_to_flat(opt: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict]:
-    """Optimizer state as `state.<param index>.<key>` tensors plus JSON param groups.
-    Non-tensor per-parameter values (rare) go to JSON too."""
-    sd = opt.state_dict()
+def _optimizer_to_flat(sd: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict]:
+    """Optimizer state (`state_dict()` form) as `state.<param index>.<key>` tensors plus JSON
+    param groups. Non-tensor per-parameter values (rare) go to JSON too."""
     tensors, scalars = {}, {}
     for idx, state in sd["state"].items():
         for key, value in state.items():
@@ -209,7 +236,8 @@ def _optimizer_to_flat(opt: torch.optim.Optimizer) -> tuple[dict[str, torch.Tens
 
 def _optimizer_from_flat(
     path: Path, opt: torch.optim.Optimizer, tensors: dict[str, torch.Tensor], metadata: dict
-) -> None:
+) -> dict[str, Any]:
+    """The checked optimizer state in `state_dict()` form."""
     groups = _json(path, metadata, "param_groups")
     if [len(g["params"]) for g in groups] != [len(g["params"]) for g in opt.param_groups]:
         raise CheckpointError(
@@ -233,7 +261,4 @@ def _optimizer_from_flat(
     for name, value in _json(path, metadata, "state_scalars").items():
         idx, key = name.split(".", 1)
         state.setdefault(int(idx), {})[key] = value
-    try:
-        opt.load_state_dict({"state": state, "param_groups": groups})
-    except (ValueError, RuntimeError, KeyError) as e:
-        raise CheckpointError(f"{path}: optimizer state does not fit this optimizer: {e}") from e
+    return {"state": state, "param_groups": groups}

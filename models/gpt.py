@@ -14,8 +14,10 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
+from fusedlayers.attention.context_parallel import context_parallel_positions
 from fusedlayers.attention.validation import is_whole
 from fusedlayers.layers.decode_graph import DecodeGraph
 from fusedlayers.layers.inference import InferenceParams
@@ -103,6 +105,19 @@ class GPT(ReferenceSwitch):
             None if c.tie_embeddings else torch.nn.Linear(c.d_model, c.vocab_size, False, **factory)
         )
         self._init_embeddings()
+        self.cp_size, self.cp_rank = 1, 0
+
+    def set_context_parallel_group(
+        self, cp_group, cp_global_ranks=None, cp_stream=None, cp_comm_type: str = "p2p"
+    ) -> None:
+        """Split every sequence over `cp_group` (None: off), TE's way: `forward` then takes this
+        rank's tokens `idx [b, s / cp]`, chunks r and 2cp-1-r of each sequence cut into 2*cp
+        (`fusedlayers.attention.context_parallel.context_parallel_indices`), and returns their
+        logits. Positions (RoPE or learned) are the tokens' positions in the full sequence."""
+        for layer in self.layers:
+            layer.set_context_parallel_group(cp_group, cp_global_ranks, cp_stream, cp_comm_type)
+        self.cp_size = 1 if cp_group is None else dist.get_world_size(cp_group)
+        self.cp_rank = 0 if cp_group is None else dist.get_rank(cp_group)
 
     def _init_embeddings(self) -> None:
         for module in (self.tok_emb, self.pos_emb, self.lm_head):
@@ -124,10 +139,12 @@ class GPT(ReferenceSwitch):
         if fmt == "sbhd":
             return x.transpose(0, 1).contiguous(), {}
         if fmt == "thd":
-            # Equal-length sequences packed back to back: cu_seqlens = 0, s, 2s, ...
+            # Equal-length sequences packed back to back: cu_seqlens = 0, s, 2s, ... (of the
+            # full sequences under context parallelism, TE's convention)
             b, s, d = x.shape
-            cu = torch.arange(0, (b + 1) * s, s, dtype=torch.int32, device=x.device)
-            return x.reshape(b * s, d), dict(cu_seqlens_q=cu, max_seqlen_q=s)
+            full = s * self.cp_size
+            cu = torch.arange(0, (b + 1) * full, full, dtype=torch.int32, device=x.device)
+            return x.reshape(b * s, d), dict(cu_seqlens_q=cu, max_seqlen_q=full)
         return x, {}
 
     def _from_format(self, h: torch.Tensor, b: int, s: int) -> torch.Tensor:
@@ -148,17 +165,19 @@ class GPT(ReferenceSwitch):
         """
         b, s = idx.shape
         limit = self.config.context_length
-        # Positions: 0.. without a cache; with one, from each sequence's cached length, on the
-        # device (no host read, so a decode step can be captured in a CUDA graph). The limit is
-        # checked on the host while the cache's host mirror of the lengths is known.
+        # Positions: 0.. without a cache (under context parallelism, this rank's chunks' places
+        # in the full sequence); with one, from each sequence's cached length, on the device (no
+        # host read, so a decode step can be captured in a CUDA graph). The limit is checked on
+        # the host while the cache's host mirror of the lengths is known.
         lens = [0] if inference_params is None else inference_params.host_lengths(b)
-        if lens and max(lens) + s > limit:
+        full = s * self.cp_size
+        if lens and max(lens) + full > limit:
             start = max(lens)
-            raise ValueError(f"positions {start}..{start + s - 1} exceed context_length {limit}")
+            raise ValueError(f"positions {start}..{start + full - 1} exceed context_length {limit}")
         x = self.tok_emb(idx)  # [b, s, d]
         if self.pos_emb is not None:
             positions = (
-                torch.arange(s, device=idx.device)
+                context_parallel_positions(s, self.cp_size, self.cp_rank, idx.device)
                 if inference_params is None
                 else inference_params.positions(b, s, idx.device)
             )

@@ -13,6 +13,9 @@ the two public ways in.
     paged_kv               `block_table` for `flash_attn_varlen_func`: checks and the page gather
     kvcache                `flash_attn_with_kvcache` and the decode core the layers share
     dot_product_attention  TE's `DotProductAttention` module
+    context_parallel       TE's context parallelism: checks the call, the rows each rank
+                           holds (`context_parallel_indices`), then runs the ring
+    ring_attention         the ring: K/V blocks around the group, LSE merge, dK/dV back
 
 Public names are imported from `fusedlayers`; this package adds none of its own.
 """

@@ -21,6 +21,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from ..reference_switch import ReferenceSwitch
+from .context_parallel import check_cp_arguments, context_parallel_attention
 from .frontend import attention
 from .masks import check_mask_type, normalize_window_size
 from .validation import check_dropout, check_head_counts, check_qkv_format, check_softmax_scale
@@ -39,8 +40,10 @@ class DotProductAttention(ReferenceSwitch):
         window_size: default sliding window `(left, right)`, -1 = unbounded.
         softmax_scale: default `1/sqrt(d_qk)`; else a finite number > 0.
         layer_number, attention_type: accepted for TE compatibility (`self` or `cross`).
-        sequence_parallel, tp_size, tp_group, cp_group, get_rng_state_tracker: TE's parallelism
-            arguments; only the single-device defaults are supported.
+        sequence_parallel, tp_size, tp_group, get_rng_state_tracker: TE's tensor/sequence
+            parallelism arguments; only the single-device defaults are supported.
+        cp_group, cp_global_ranks, cp_stream, cp_comm_type: context parallelism, TE's way (see
+            `set_context_parallel_group`).
         use_reference: run the pure-PyTorch reference path (also a settable attribute).
         deterministic: bitwise-reproducible gradients (the kernels' backward sums dQ in a second
             pass, without atomics; False allows an atomic-dQ backward where it is enabled,
@@ -66,6 +69,9 @@ class DotProductAttention(ReferenceSwitch):
         softmax_scale: float | None = None,
         deterministic: bool = False,
         use_reference: bool = False,
+        cp_global_ranks: list[int] | None = None,
+        cp_stream: torch.cuda.Stream | None = None,
+        cp_comm_type: str = "p2p",
     ) -> None:
         super().__init__(use_reference)
         d_qk, d_v = (kv_channels, kv_channels) if isinstance(kv_channels, int) else kv_channels
@@ -77,12 +83,12 @@ class DotProductAttention(ReferenceSwitch):
         check_dropout(attention_dropout)
         if attention_type not in ("self", "cross"):
             raise ValueError(f"attention_type={attention_type!r} must be 'self' or 'cross'")
-        if sequence_parallel or tp_size != 1 or tp_group is not None or cp_group is not None:
+        if sequence_parallel or tp_size != 1 or tp_group is not None:
             raise NotImplementedError(
-                "tensor, sequence and context parallelism are not supported (got "
-                f"sequence_parallel={sequence_parallel}, tp_size={tp_size}, "
-                f"tp_group={tp_group}, cp_group={cp_group})"
+                "tensor and sequence parallelism are not supported (got "
+                f"sequence_parallel={sequence_parallel}, tp_size={tp_size}, tp_group={tp_group})"
             )
+        self.set_context_parallel_group(cp_group, cp_global_ranks, cp_stream, cp_comm_type)
         self.num_attention_heads = num_attention_heads
         self.num_gqa_groups = num_gqa_groups
         self.hidden_size_per_attention_head_k = d_qk
@@ -97,6 +103,25 @@ class DotProductAttention(ReferenceSwitch):
         self.softmax_scale = d_qk**-0.5 if softmax_scale is None else float(softmax_scale)
         self.deterministic = deterministic
         self.get_rng_state_tracker = get_rng_state_tracker
+
+    def set_context_parallel_group(
+        self, cp_group, cp_global_ranks=None, cp_stream=None, cp_comm_type: str = "p2p"
+    ) -> None:
+        """Split every sequence over the ranks of `cp_group` (None turns it off), TE's way.
+
+        Each rank then passes its slice: for `sbhd`/`bshd` chunks `r` and `2*cp-1-r` of the
+        sequence cut into `2*cp` (`context_parallel_indices`), for `thd` those chunks of every
+        sequence with `cu_seqlens_*` of the full sequences. K/V travel around the ring
+        (`cp_comm_type="p2p"`, the one type supported); `cp_stream`, a second CUDA stream,
+        runs the output merges beside the next block's attention. Masks: `no_mask`/`causal`
+        (and `padding*` for thd); see `fusedlayers.attention.context_parallel`.
+        """
+        self.cp_global_ranks = check_cp_arguments(
+            cp_group, cp_global_ranks, cp_stream, cp_comm_type
+        )
+        self.cp_group = cp_group
+        self.cp_stream = cp_stream
+        self.cp_comm_type = cp_comm_type
 
     def forward(
         self,
@@ -156,6 +181,8 @@ class DotProductAttention(ReferenceSwitch):
         )
 
         def run(q, k, v):
+            if self.cp_group is not None:
+                return self._context_parallel(q, k, v, kwargs)
             return attention(q, k, v, **kwargs)[0]
 
         if checkpoint_core_attention and torch.is_grad_enabled():
@@ -163,3 +190,15 @@ class DotProductAttention(ReferenceSwitch):
         else:
             out = run(query_layer, key_layer, value_layer)
         return out.reshape(*out.shape[:-2], out.shape[-2] * out.shape[-1])
+
+    def _context_parallel(self, q, k, v, kwargs: dict) -> torch.Tensor:
+        kwargs = {key: value for key, value in kwargs.items() if key != "tag"}
+        return context_parallel_attention(
+            q,
+            k,
+            v,
+            cp_group=self.cp_group,
+            cp_global_ranks=self.cp_global_ranks,
+            cp_stream=self.cp_stream,
+            **kwargs,
+        )

@@ -26,6 +26,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 
 from ..attention.dot_product_attention import DotProductAttention
 from ..attention.packing import split_packed
@@ -93,6 +94,8 @@ class MultiheadAttention(ReferenceSwitch):
         qkv_format: `sbhd`, `bshd` or `thd`.
         params_dtype, device: where and in which dtype parameters are created.
         use_reference: run attention on the pure-PyTorch reference (settable attribute).
+        cp_group, cp_global_ranks, cp_stream, cp_comm_type: context parallelism (see
+            `set_context_parallel_group`).
     """
 
     def __init__(
@@ -122,6 +125,10 @@ class MultiheadAttention(ReferenceSwitch):
         params_dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
         use_reference: bool = False,
+        cp_group=None,
+        cp_global_ranks: list[int] | None = None,
+        cp_stream: torch.cuda.Stream | None = None,
+        cp_comm_type: str = "p2p",
     ) -> None:
         super().__init__(use_reference)
         heads = num_attention_heads
@@ -175,7 +182,20 @@ class MultiheadAttention(ReferenceSwitch):
             device=device,
         )
         self.register_load_state_dict_pre_hook(_check_core_attention_extra_state)
+        self.set_context_parallel_group(cp_group, cp_global_ranks, cp_stream, cp_comm_type)
         self.use_reference = use_reference  # propagates to every child with the switch
+
+    def set_context_parallel_group(
+        self, cp_group, cp_global_ranks=None, cp_stream=None, cp_comm_type: str = "p2p"
+    ) -> None:
+        """Split every sequence over `cp_group` (None: off): the input holds this rank's chunks
+        (`DotProductAttention.set_context_parallel_group`), RoPE rotates each token by its
+        position in the full sequence, and thd `cu_seqlens_*` describe the full sequences."""
+        self.core_attention.set_context_parallel_group(
+            cp_group, cp_global_ranks, cp_stream, cp_comm_type
+        )
+        self.cp_size = 1 if cp_group is None else dist.get_world_size(cp_group)
+        self.cp_rank = 0 if cp_group is None else dist.get_rank(cp_group)
 
     def _build_projections(self, heads, groups, head_dim, fused, common, norm) -> None:
         hidden, form = self.hidden_size, self.qkv_storage
@@ -251,6 +271,8 @@ class MultiheadAttention(ReferenceSwitch):
             tensor_format=self.qkv_format,
             start_positions=start,
             interleaved=self.rotary_pos_interleaved,
+            cp_size=self.cp_size,
+            cp_rank=self.cp_rank,
             backend="reference" if self.reference_active else "auto",
         )
         q = apply_rotary_pos_emb(q, q_freqs, cu_seqlens=cu_seqlens_q, **rope)
@@ -296,6 +318,8 @@ class MultiheadAttention(ReferenceSwitch):
             cu_seqlens_kv_padded = cu_seqlens_q_padded
         q, k, v, ln_out = self._project(hidden_states, encoder_output)
         if inference_params is not None and self.attention_type == "self":
+            if self.core_attention.cp_group is not None:
+                raise ValueError("inference_params (KV cache) is not supported with cp_group")
             # Rotation, cache write and attention over the cache, lengths on the device.
             context = self_attention_with_cache(
                 self, q, k, v, inference_params,

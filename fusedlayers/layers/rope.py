@@ -8,6 +8,9 @@ Shapes of `t` per `tensor_format`: `sbhd [s, b, h, d]`, `bshd [b, s, h, d]`, `th
 (then `cu_seqlens` int32 `[b+1]` says where each sequence starts, and positions restart at 0 for
 every sequence). Token at position `p` of sequence `i` uses row `p + start_positions[i]` of
 `freqs` (`start_positions` int `[b]`, default 0): decoding passes the number of cached tokens.
+With context parallelism (`cp_size > 1`, TE's semantics) `t` holds rank `cp_rank`'s chunks
+`cp_rank` and `2*cp_size-1-cp_rank` of every sequence cut into `2*cp_size`, each token keeps its
+global position, and thd's `cu_seqlens` describe the full sequences.
 
 Channel pairing: rotate-half (default) pairs channel `j` with `j + d_rot/2` and the table holds
 `[f_0 .. f_{n-1}, f_0 .. f_{n-1}]`; interleaved pairs `2j` with `2j+1` and the table holds
@@ -99,22 +102,36 @@ def _rotate(x: torch.Tensor, interleaved: bool) -> torch.Tensor:
     return torch.cat((-second, first), dim=-1)
 
 
+def _global_positions(local: torch.Tensor, length: torch.Tensor | int, cp: tuple[int, int]):
+    """Context parallelism: local offsets within a rank's `length` tokens of one sequence (its
+    chunks cp_rank and 2cp-1-cp_rank, each length/2 long) -> positions in the full sequence."""
+    cp_size, cp_rank = cp
+    if cp_size == 1:
+        return local
+    chunk = length // 2
+    second = local >= chunk
+    first_start, second_start = cp_rank * chunk, (2 * cp_size - 1 - cp_rank) * chunk
+    return torch.where(second, second_start + local - chunk, first_start + local)
+
+
 def token_positions(
     t: torch.Tensor,
     tensor_format: str,
     cu_seqlens: torch.Tensor | None = None,
     start_positions: torch.Tensor | None = None,
+    cp: tuple[int, int] = (1, 0),
 ) -> torch.Tensor:
-    """Position of every token: `sbhd [s, b]`, `bshd [b, s]`, `thd [t]` (int64)."""
+    """Position of every token: `sbhd [s, b]`, `bshd [b, s]`, `thd [t]` (int64); `cp` is
+    (cp_size, cp_rank) under context parallelism (thd `cu_seqlens` then count full sequences)."""
     device = t.device
     if tensor_format == "thd":
         if cu_seqlens is None:
             raise ValueError("tensor_format 'thd' needs cu_seqlens")
-        cu = cu_seqlens.to(device=device, dtype=torch.int64)
+        cu = cu_seqlens.to(device=device, dtype=torch.int64) // cp[0]  # this rank's rows
         rows = torch.arange(t.shape[0], device=device)
         # Sequence of each row; rows past the last sequence (padding) go to the last one.
         seq = (torch.searchsorted(cu, rows, right=True) - 1).clamp(0, cu.numel() - 2)
-        positions = rows - cu[seq]
+        positions = _global_positions(rows - cu[seq], cu[seq + 1] - cu[seq], cp)
         if start_positions is not None:
             positions = positions + start_positions.to(device=device, dtype=torch.int64)[seq]
         return positions
@@ -122,7 +139,7 @@ def token_positions(
         raise ValueError(f"tensor_format ({tensor_format!r}) must be one of {FORMATS}")
     s_dim, b_dim = (0, 1) if tensor_format == "sbhd" else (1, 0)
     s, b = t.shape[s_dim], t.shape[b_dim]
-    positions = torch.arange(s, device=device).unsqueeze(1).expand(s, b)
+    positions = _global_positions(torch.arange(s, device=device), s, cp).unsqueeze(1).expand(s, b)
     if start_positions is not None:
         positions = positions + start_positions.to(device=device, dtype=torch.int64).view(1, b)
     return positions if tensor_format == "sbhd" else positions.t()
@@ -133,6 +150,7 @@ def _largest_position(
     tensor_format: str,
     cu_seqlens: torch.Tensor | None,
     start_positions: torch.Tensor | None,
+    cp: tuple[int, int] = (1, 0),
 ) -> int:
     """The largest position `token_positions` gives `t`, computed on the host: `cu_seqlens` and
     `start_positions` are read once per tensor version (`host_values`), where reducing the
@@ -143,7 +161,7 @@ def _largest_position(
 
     shape_only = torch.empty((*t.shape[:-2], 0))  # token_positions reads t's leading dims only
     positions = token_positions(
-        shape_only, tensor_format, on_host(cu_seqlens), on_host(start_positions)
+        shape_only, tensor_format, on_host(cu_seqlens), on_host(start_positions), cp
     )
     return int(positions.max()) if positions.numel() else -1
 
@@ -164,13 +182,15 @@ def _check_table_bound(
     tensor_format: str,
     cu_seqlens: torch.Tensor | None,
     start_positions: torch.Tensor | None,
+    cp: tuple[int, int] = (1, 0),
 ) -> None:
     """Every position a token uses must be a row of `freqs`; checked on the host."""
     if start_positions is None and tensor_format != "thd":
-        # Dense from position 0: the largest position is s - 1, known from the shape.
-        _check_table_covers(freqs, t.shape[_seq_dim(tensor_format)] - 1)
+        # Dense from position 0: the largest position is s * cp_size - 1, known from the shape.
+        _check_table_covers(freqs, t.shape[_seq_dim(tensor_format)] * cp[0] - 1)
     else:
-        _check_table_covers(freqs, _largest_position(t, tensor_format, cu_seqlens, start_positions))
+        last = _largest_position(t, tensor_format, cu_seqlens, start_positions, cp)
+        _check_table_covers(freqs, last)
 
 
 def _seq_dim(tensor_format: str) -> int:
@@ -212,16 +232,17 @@ def _rope_kernel(
     start_positions: torch.Tensor | None,
     interleaved: bool,
     cu_seqlens: torch.Tensor | None,
+    cp: tuple[int, int] = (1, 0),
 ) -> torch.Tensor:
     """The fused kernel on validated input: torch turns the angles into fp32 cos/sin tables."""
     table = freqs.reshape(freqs.shape[0], freqs.shape[-1])
     seq_dim = _seq_dim(tensor_format)
-    if start_positions is None and tensor_format != "thd":
+    if start_positions is None and tensor_format != "thd" and cp[0] == 1:
         # Dense from 0: the kernel takes each token's position from its index, so there is no
         # positions tensor, and only the s rows used get a cos and a sin.
         table, positions = table[: t.shape[seq_dim]], None
     else:
-        positions = token_positions(t, tensor_format, cu_seqlens, start_positions)
+        positions = token_positions(t, tensor_format, cu_seqlens, start_positions, cp)
     angles = table.to(torch.float32)
     return rope(t, angles.cos(), angles.sin(), positions, seq_dim=seq_dim, interleaved=interleaved)
 
@@ -233,12 +254,13 @@ def _rope_reference(
     start_positions: torch.Tensor | None,
     interleaved: bool,
     cu_seqlens: torch.Tensor | None,
+    cp: tuple[int, int] = (1, 0),
 ) -> torch.Tensor:
     """The PyTorch path, in fp32 (fp64 when t or freqs is fp64), on validated input."""
     d_rot = freqs.shape[-1]
     compute = torch.float64 if torch.float64 in (t.dtype, freqs.dtype) else torch.float32
     table = freqs.reshape(freqs.shape[0], d_rot).to(compute)
-    if start_positions is None and tensor_format in ("sbhd", "bshd"):
+    if start_positions is None and tensor_format in ("sbhd", "bshd") and cp[0] == 1:
         # Dense, every sequence from position 0: the positions are 0..s-1, known from the shape.
         # Slicing the table instead of gathering it per token reads nothing back from the device
         # (a sync per call, which left the GPU idle between kernels in training) and computes
@@ -246,7 +268,7 @@ def _rope_reference(
         s = t.shape[_seq_dim(tensor_format)]
         angles = table[:s].view((s, 1, 1, d_rot) if tensor_format == "sbhd" else (1, s, 1, d_rot))
     else:
-        positions = token_positions(t, tensor_format, cu_seqlens, start_positions)
+        positions = token_positions(t, tensor_format, cu_seqlens, start_positions, cp)
         angles = table[positions].unsqueeze(-2)
     rot, rest = t[..., :d_rot].to(compute), t[..., d_rot:]
     rotated = rot * torch.cos(angles) + _rotate(rot, interleaved) * torch.sin(angles)
@@ -277,21 +299,23 @@ def apply_rotary_pos_emb(
 
     `fused` is accepted for TE compatibility and ignored: in TE it picks TE's CUDA kernel over its
     PyTorch code; here `backend` picks the path, and `auto` fuses on CUDA whatever `fused` says.
-    Context parallelism is not supported (`cp_size` must be 1).
+    `cp_size`, `cp_rank`: context parallelism (module docstring): `freqs` covers the full
+    sequences, `t` holds this rank's chunks, thd `cu_seqlens` describe the full sequences.
     """
     del fused  # TE's switch between its own two implementations; `backend` decides here
-    if cp_size != 1 or cp_rank != 0:
-        raise NotImplementedError("apply_rotary_pos_emb: context parallelism is not supported")
+    if cp_size < 1 or not 0 <= cp_rank < cp_size:
+        raise ValueError(f"cp_rank ({cp_rank}) must be in [0, cp_size ({cp_size}))")
+    cp = (int(cp_size), int(cp_rank))
     d_rot = freqs.shape[-1]
     if d_rot > t.shape[-1] or d_rot % 2:
         raise ValueError(f"rotary dim ({d_rot}) must be even and at most head dim ({t.shape[-1]})")
     _check_format(tensor_format)
-    _check_table_bound(t, freqs, tensor_format, cu_seqlens, start_positions)
+    _check_table_bound(t, freqs, tensor_format, cu_seqlens, start_positions, cp)
     use_kernel, why = _use_kernel(backend, t, freqs, tensor_format)
     if debug_enabled():
         log_decision("RoPE", ("kernel: " if use_kernel else "reference: ") + why)
     path = _rope_kernel if use_kernel else _rope_reference
-    return path(t, freqs, tensor_format, start_positions, interleaved, cu_seqlens)
+    return path(t, freqs, tensor_format, start_positions, interleaved, cu_seqlens, cp)
 
 
 __all__ = ["RotaryPositionEmbedding", "apply_rotary_pos_emb"]

@@ -54,6 +54,8 @@ class TransformerLayer(ReferenceSwitch):
         layer_number: KV-cache key (give every layer its own); init_method,
             output_layer_init_method: weight initializers (default normal(0, 0.023)).
         params_dtype, device, use_reference: as in `MultiheadAttention`.
+        cp_group, cp_global_ranks, cp_stream, cp_comm_type: context parallelism for the
+            self-attention (see `set_context_parallel_group`).
     """
 
     def __init__(
@@ -85,6 +87,10 @@ class TransformerLayer(ReferenceSwitch):
         params_dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
         use_reference: bool = False,
+        cp_group=None,
+        cp_global_ranks: list[int] | None = None,
+        cp_stream: torch.cuda.Stream | None = None,
+        cp_comm_type: str = "p2p",
     ) -> None:
         super().__init__(use_reference)
         if layer_type not in ("encoder", "decoder"):
@@ -133,7 +139,19 @@ class TransformerLayer(ReferenceSwitch):
                 attention_type="cross",
             )
         self._build_mlp(ffn_hidden_size, activation, attention)
+        self.set_context_parallel_group(cp_group, cp_global_ranks, cp_stream, cp_comm_type)
         self.use_reference = use_reference  # propagates to every child with the switch
+
+    def set_context_parallel_group(
+        self, cp_group, cp_global_ranks=None, cp_stream=None, cp_comm_type: str = "p2p"
+    ) -> None:
+        """Split every sequence over `cp_group` (None: off); the input then holds this rank's
+        chunks (`MultiheadAttention.set_context_parallel_group`). Only the self-attention is
+        split: a decoder's cross-attention reads the whole `encoder_output` on every rank, which
+        needs no exchange."""
+        self.self_attention.set_context_parallel_group(
+            cp_group, cp_global_ranks, cp_stream, cp_comm_type
+        )
 
     def _build_mlp(self, ffn_hidden_size: int, activation: str, shared: dict) -> None:
         """`layernorm_mlp` and, with `output_layernorm`, the final `layernorm`, configured like
