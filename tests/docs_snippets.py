@@ -6,6 +6,9 @@ when the markdown renders); without one it must run as written on the CPU:
     <!-- snippet: cuda -->           needs a CUDA GPU. On the CPU its imports run and every
                                      `fusedlayers...` name it uses must exist; tests/gpu runs it
                                      in full.
+    <!-- snippet: torchrun N -->     a script for `torchrun --nproc_per_node N`, on N CUDA GPUs
+                                     of one host. On the CPU its names are resolved as for
+                                     `cuda`; tests/gpu launches it when the host has N GPUs.
     <!-- snippet: continues -->      runs in the namespace the file's previous block left.
     <!-- snippet: signature NAME --> lists the parameters of the callable NAME (a dotted import
                                      path) as a call; the names, their order and every literal
@@ -25,7 +28,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC_FILES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-KINDS = ("run", "cuda", "continues", "signature")
+KINDS = ("run", "cuda", "torchrun", "continues", "signature")
 
 _FENCE = re.compile(r"^```python\s*$")
 _MARKER = re.compile(r"^<!--\s*snippet:\s*(\w+)\s*(\S*)\s*-->\s*$")
@@ -36,7 +39,7 @@ class Snippet:
     path: Path
     line: int  # 1-based line of the opening fence
     kind: str
-    target: str  # the callable of a signature block, else ""
+    target: str  # the callable of a signature block, the GPU count of a torchrun block, else ""
     code: str
 
     @property
@@ -56,6 +59,8 @@ def snippets(path: Path) -> list[Snippet]:
         kind, target = (marker.group(1), marker.group(2)) if marker else ("run", "")
         if kind not in KINDS:
             raise ValueError(f"{path.name}:{i}: unknown snippet kind {kind!r}; one of {KINDS}")
+        if kind == "torchrun" and not target.isdigit():
+            raise ValueError(f"{path.name}:{i}: torchrun needs a GPU count, got {target!r}")
         end = next((j for j in range(i + 1, len(lines)) if lines[j].startswith("```")), None)
         if end is None:
             raise ValueError(f"{path.name}:{i + 1}: a ```python block is never closed")

@@ -28,13 +28,15 @@ def test_snippet(snippet: Snippet, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # whatever a block writes lands in a scratch folder
     if snippet.kind == "signature":
         check_signature(snippet)
-    elif snippet.kind == "cuda" or (snippet.kind == "continues" and _chain_needs_cuda(snippet)):
+    elif snippet.kind in ("cuda", "torchrun") or _continues_a_cuda_block(snippet):
         check_names(snippet.code)
     else:
         run_chain(snippet, SNIPPETS)
 
 
-def _chain_needs_cuda(snippet: Snippet) -> bool:
+def _continues_a_cuda_block(snippet: Snippet) -> bool:
+    if snippet.kind != "continues":
+        return False
     same_file = [s for s in SNIPPETS if s.path == snippet.path and s.line < snippet.line]
     head = next(s for s in reversed(same_file) if s.kind != "continues")
     return head.kind == "cuda"
