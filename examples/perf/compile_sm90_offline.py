@@ -4,12 +4,13 @@ compiler's resource report (registers, spills, shared memory).
     python examples/perf/compile_sm90_offline.py [--kernels fwd,bwd] [--dims 128,64]
         [--causal 0,1] [--dump DIR]
 
-Run it with the Triton the GPU host has (3.6 on the H100): Gluon's API differs between
-versions. A stand-in driver reports an sm_90 target, and the launchers run on CPU tensors with
-every kernel launch turned into a compile-only warm-up, so the compiled kernel is exactly what
-that launch would build (same specializations: strides divisible by 16, constexprs). ptxas
-(bundled with Triton) then reports per kernel: registers, spill stores/loads and the stack
-frame. `--dump DIR` also writes the TTGIR, PTX and SASS for reading.
+Run it with the Triton whose build you want to read (3.6 and 3.9 both compile these kernels):
+Gluon's API and the compiler's choices differ between versions. A stand-in driver reports an
+sm_90 target, and the launchers run on CPU tensors with every kernel launch turned into a
+compile-only warm-up, so the compiled kernel is exactly what that launch would build (same
+specializations: strides divisible by 16, constexprs). ptxas (bundled with Triton) then reports
+per kernel: registers, spill stores/loads and the stack frame. `--dump DIR` also writes the
+TTGIR, PTX and SASS for reading.
 """
 
 from __future__ import annotations
@@ -70,7 +71,12 @@ def offline_sm90(*kernels):
 
 def ptxas_report(ptx: str) -> str:
     """ptxas -v for sm_90a on `ptx`: the registers / spill / stack lines."""
-    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/ptxas")
+    try:  # newer Triton bundles a second ptxas for sm_90 and up, and names it per target
+        from triton.backends.nvidia.compiler import get_ptxas
+
+        ptxas = get_ptxas(90).path
+    except ImportError:
+        ptxas = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/ptxas")
     with tempfile.TemporaryDirectory() as tmp:
         src = os.path.join(tmp, "k.ptx")
         with open(src, "w") as f:
@@ -80,7 +86,7 @@ def ptxas_report(ptx: str) -> str:
             capture_output=True, text=True,
         )  # fmt: skip
     lines = (result.stdout + result.stderr).splitlines()
-    keep = [ln.strip() for ln in lines if re.search(r"registers|spill|stack|error|warn", ln)]
+    keep = [ln.strip() for ln in lines if re.search(r"registers|spill|stack|error|warn|fatal", ln)]
     return "\n".join(keep)
 
 
