@@ -20,6 +20,9 @@ Offers:
     decode_attention(q, k_cache, v_cache, seqlens_k, *, ...) -> (out, lse)
         Split-KV ("flash-decoding") inference forward for few queries over a contiguous or paged
         KV cache (kernels/_flash_decode.py); `check_page_size` states its page-size rule.
+    rotate_and_append(q, k, v, k_cache, v_cache, seqlens, *, ...) -> (q, seqlens + s_new)
+        A decode step's rotary embedding and KV-cache writes in one launch, lengths advanced on
+        the device (kernels/_cache_append.py).
     dropout_keep_mask(rng_state, b, h, s_q, s_k, p, device) -> bool [b, h, s_q, s_k]
         The keep-mask the kernels draw for a given (seed, offset), for tests and the reference.
     layer_norm(x, weight, bias, eps, *, rms, zero_centered_gamma) -> y
@@ -47,6 +50,7 @@ The kernels assume validated input; `fusedlayers` checks and normalizes everythi
 from ._activation import ACTIVATIONS as _ACTIVATIONS
 from ._activation import SUPPORTED_DTYPES as ACTIVATION_DTYPES
 from ._backward_paths import backward_path, set_backward_path
+from ._cache_append import rotate_and_append
 from ._dropout import dropout_keep_mask
 from ._flash_decode import check_page_size, decode_attention
 from ._forward_paths import forward_path, set_forward_path
@@ -75,6 +79,7 @@ __all__ = [
     "fused_activation",
     "layer_norm",
     "rope",
+    "rotate_and_append",
     "set_backward_path",
     "set_forward_path",
 ]

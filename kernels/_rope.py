@@ -118,15 +118,33 @@ def _rope_kernel(
         ok = row_ok & (heads < n_heads)[None, :]
         t_base = T + (t_token[:, None] + heads[None, :] * stride_th)
         o_base = Out + (o_token[:, None] + heads[None, :] * stride_oh)
-        x_a, x_b = _load_pairs(t_base, ok, half, BLOCK_P, INTERLEAVED)
-        out_a = x_a * cos_a - x_b * sin_a
-        out_b = x_b * cos_b + x_a * sin_b
-        _store_pairs(o_base, ok, out_a, out_b, half, BLOCK_P, INTERLEAVED)
-        if BLOCK_PASS > 0:  # partial rotation: channels ROT_DIM..HEAD_DIM are copied
-            cols = ROT_DIM + tl.arange(0, BLOCK_PASS)
-            mask = ok[:, :, None] & (cols < HEAD_DIM)[None, None, :]
-            rest = tl.load(t_base[:, :, None] + cols[None, None, :], mask=mask)
-            tl.store(o_base[:, :, None] + cols[None, None, :], rest, mask=mask)
+        rotate_tile(
+            t_base, o_base, ok, cos_a, cos_b, sin_a, sin_b,
+            HEAD_DIM, ROT_DIM, BLOCK_P, BLOCK_PASS, INTERLEAVED,
+        )  # fmt: skip
+
+
+@triton.jit
+def rotate_tile(
+    t_base, o_base, ok, cos_a, cos_b, sin_a, sin_b,
+    HEAD_DIM: tl.constexpr, ROT_DIM: tl.constexpr,
+    BLOCK_P: tl.constexpr, BLOCK_PASS: tl.constexpr, INTERLEAVED: tl.constexpr,
+):  # fmt: skip
+    """One [R, C] tile of rows (pointers to channel 0 in t and out, `ok` the rows that exist):
+    rotate its channel pairs by the [R, 1, BLOCK_P] cos/sin pairs and copy the channels past
+    ROT_DIM."""
+    half = ROT_DIM // 2
+    x_a, x_b = _load_pairs(t_base, ok, half, BLOCK_P, INTERLEAVED)
+    out_a = x_a * cos_a - x_b * sin_a
+    out_b = x_b * cos_b + x_a * sin_b
+    _store_pairs(o_base, ok, out_a, out_b, half, BLOCK_P, INTERLEAVED)
+    if BLOCK_PASS > 0:  # partial rotation: channels ROT_DIM..HEAD_DIM are copied
+        cols = ROT_DIM + tl.arange(0, BLOCK_PASS)
+        mask = ok[:, :, None] & (cols < HEAD_DIM)[None, None, :]
+        rest = tl.load(t_base[:, :, None] + cols[None, None, :], mask=mask)
+        tl.store(
+            o_base[:, :, None] + cols[None, None, :], rest.to(o_base.dtype.element_ty), mask=mask
+        )
 
 
 def _as_bshd(x: torch.Tensor, seq_dim: int) -> torch.Tensor:

@@ -13,7 +13,7 @@ import re
 
 import pytest
 import torch
-from fusedlayers.kernels import _flash_decode
+from fusedlayers.kernels import _flash_decode, rotate_and_append
 from kvcache_testing import KVCase, call_kernel, check_kv_case, make_kv_inputs
 
 from fusedlayers import flash_attn_with_kvcache
@@ -39,12 +39,36 @@ CASES = [
     KVCase(dtype=F32, rotary="half", rotary_dim=8, s_new=2, s_q=2, window=(6, -1)),  # partial
     KVCase(seqlens="zero", s_new=2, s_q=2, causal=True),  # empty prefix
     KVCase(d=40, s_new=1, page_size=16, causal=True),  # padded head dim, paged
+    KVCase(page_size=16, s_new=2, s_q=2, b=3, causal=True, rotary="half"),  # rotated into pages
+    KVCase(batch_idx=True, s_new=1, causal=True, rotary="interleaved"),  # into other entries
+    KVCase(h=6, hk=2, d=40, s_new=3, s_q=1, causal=True, rotary="half"),  # s_new > s_q, padded d
 ]
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.label())
 def test_matches_reference(case):
     check_kv_case(case, "cpu")
+
+
+def test_append_never_writes_past_the_capacity():
+    """The fused append leaves rows at or past the cache's capacity alone, even when a caller
+    (a CUDA graph replayed once too often) asks for them: the cache is a view into a larger
+    buffer, so a write past its end would land in the rows checked here."""
+    b, hk, d, capacity, s_new = 2, 2, 16, 8, 3
+    buffer = torch.randn(b, capacity + 4, hk, d)
+    k_cache, v_cache = buffer[:, :capacity], buffer.clone()[:, :capacity]
+    q = torch.randn(b, 1, 4, d)
+    k, v = torch.randn(b, s_new, hk, d), torch.randn(b, s_new, hk, d)
+    seqlens = torch.tensor([capacity - 1, capacity - 3], dtype=torch.int32)
+    beyond = buffer[:, capacity:].clone()
+    _, after = rotate_and_append(
+        q, k, v, k_cache, v_cache, seqlens, rotary_q=None, rotary_k=None, local=True,
+        interleaved=False,
+    )  # fmt: skip
+    assert after.tolist() == [capacity + 2, capacity]
+    torch.testing.assert_close(k_cache[0, capacity - 1], k[0, 0], rtol=0, atol=0)
+    torch.testing.assert_close(k_cache[1, capacity - 3 :], k[1], rtol=0, atol=0)
+    torch.testing.assert_close(buffer[:, capacity:], beyond, rtol=0, atol=0)
 
 
 def test_paged_matches_contiguous():

@@ -50,9 +50,9 @@ from .validation import (
 )
 
 try:
-    from ..kernels import check_page_size, decode_attention, rope
+    from ..kernels import check_page_size, decode_attention, rotate_and_append
 except ImportError:  # Triton missing: `_choose_backend` raises first with the reason
-    decode_attention = rope = check_page_size = None
+    decode_attention = rotate_and_append = check_page_size = None
 
 Tensor = torch.Tensor
 
@@ -240,19 +240,6 @@ def _check_device_values(
             )
 
 
-def _rotate(q, k, q_tables, k_tables, seqlens, local: bool, interleaved: bool):
-    """flash-attn's rotary rule: new key i at position cache_seqlens + i; query i there too when
-    the mask is causal or local (`local`), else every query at cache_seqlens. Positions are built
-    on the device from `seqlens`, so nothing is read back."""
-    b, s_q = q.shape[:2]
-    start = seqlens.long()[:, None]
-    pos_k = start + torch.arange(k.shape[1], device=q.device)
-    pos_q = start + torch.arange(s_q, device=q.device) if local else start.expand(b, s_q)
-    k = rope(k, *k_tables, pos_k, seq_dim=1, interleaved=interleaved)
-    q = rope(q, *q_tables, pos_q, seq_dim=1, interleaved=interleaved)
-    return q, k
-
-
 def append_to_cache(k_cache, v_cache, k, v, seqlens, cache_batch_idx, block_table) -> None:
     """Write k/v [b, s_new, hk, d] at logical rows seqlens[z] + 0.. of each sequence, in place,
     with one indexed write per cache (no loop over the batch)."""
@@ -384,18 +371,22 @@ def cache_attention(
 
     `seqlens` int32 [b] (on q's device): rows cached per sequence before the append. `rotary_q`
     / `rotary_k`: fp32 (cos, sin) tables [n_pos, rotary_dim] with one angle per channel (the
-    rope kernel's form), applied when k is given (`_rotate` says where). `window_size` is
-    bottom-right aligned, causal = (-1, 0). Returns (out [b, s_q, h, d], lse fp32 [b, h, s_q]).
-    Everything stays on the device (no host read), so a caller can capture it in a CUDA graph.
+    rope kernel's form), applied when k is given (`kernels/_cache_append.py` says at which
+    positions). `window_size` is bottom-right aligned, causal = (-1, 0). Returns
+    (out [b, s_q, h, d], lse fp32 [b, h, s_q]). Everything stays on the device (no host
+    read), so a caller can capture it in a CUDA graph.
     """
-    if k is not None and rotary_k is not None:
-        q, k = _rotate(q, k, rotary_q, rotary_k, seqlens, rotary_local, rotary_interleaved)
-    s_new = 0 if k is None else k.shape[1]
-    if s_new:
-        append_to_cache(k_cache, v_cache, k, v, seqlens, cache_batch_idx, block_table)
-        seqlens = seqlens + s_new
     if q.stride(-1) != 1:
         q = q.contiguous()
+    if k is not None:
+        # Rotation and the cache writes in one launch, lengths advanced on the device.
+        k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (k, v))
+        q, seqlens = rotate_and_append(
+            q, k, v, k_cache, v_cache, seqlens,
+            rotary_q=rotary_q if rotary_k is not None else None, rotary_k=rotary_k,
+            local=rotary_local, interleaved=rotary_interleaved,
+            block_table=block_table, cache_batch_idx=cache_batch_idx,
+        )  # fmt: skip
     return decode_attention(
         q,
         k_cache,
