@@ -174,18 +174,24 @@ def test_modules_choose_path_from_use_reference(monkeypatch):
 
 
 def test_auto_takes_the_kernel_on_cuda_from_the_measured_hidden_size(monkeypatch):
-    """`auto` never takes the kernel for CPU tensors; for CUDA ones only from
-    KERNEL_MIN_HIDDEN (4096, the H100's break-even), and never with None."""
+    """`auto` never takes the kernel for CPU tensors; for CUDA ones from KERNEL_MIN_HIDDEN (4096,
+    the H100's break-even) and for calls of few rows (launch-bound), and never for many rows
+    with None."""
+    many = normalization.KERNEL_MAX_FEW_ROWS + 1
     w_small, w_large = torch.randn(16), torch.randn(4096)
-    x_small, x_large = torch.randn(2, 16), torch.randn(2, 4096)
+    x_small, x_large = torch.randn(many, 16), torch.randn(many, 4096)
+    x_few = torch.randn(normalization.KERNEL_MAX_FEW_ROWS, 16)
     assert normalization._use_kernel("auto", x_large, w_large, None)[0] is False
+    assert normalization._use_kernel("auto", x_few, w_small, None)[0] is False
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: True))
     assert normalization.KERNEL_MIN_HIDDEN == 4096
     use, why = normalization._use_kernel("auto", x_small, w_small, None)
     assert not use and "hidden size (16) below" in why
     assert normalization._use_kernel("auto", x_large, w_large, None) == (True, "CUDA tensors")
+    assert normalization._use_kernel("auto", x_few, w_small, None) == (True, "CUDA tensors")
     monkeypatch.setattr(normalization, "KERNEL_MIN_HIDDEN", None)
     assert normalization._use_kernel("auto", x_large, w_large, None)[0] is False
+    assert normalization._use_kernel("auto", x_few, w_small, None)[0] is True
 
 
 def test_benchmark_dry_run(tmp_path):

@@ -8,7 +8,8 @@ Two paths behind one entry, `apply_normalization`:
   one backward; fp32 statistics; deterministic parameter gradients), for fp16/bf16/fp32 with
   hidden <= `MAX_NORM_HIDDEN`. `backend="kernel"` asks for them (CPU tensors need
   `TRITON_INTERPRET=1`); `auto` takes them for CUDA tensors whose hidden size is at least
-  `KERNEL_MIN_HIDDEN`, where the H100 measured them faster (see its comment).
+  `KERNEL_MIN_HIDDEN`, where the H100 measured them faster (see its comment), and for calls of
+  at most `KERNEL_MAX_FEW_ROWS` rows, which are bound by launches.
 - reference: torch's `F.layer_norm` / `F.rms_norm` on an fp32 copy of the input (fp64 for fp64):
   TE's norm kernels accumulate in fp32 whatever the input dtype, and a bf16 `rms_norm` would not.
   `use_reference=True` (or `reference_mode()`), CPU tensors, fp64 and oversized rows take it.
@@ -38,6 +39,10 @@ NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 # faster forward and 2.4-4.6x forward+backward; at 1024 and 2048 the forward wins but the backward
 # loses (0.6-1.2x forward+backward), so smaller rows keep the torch path.
 KERNEL_MIN_HIDDEN: int | None = 4096
+# Calls of at most this many rows (a decode step: one row per sequence) take the kernel at any
+# hidden size: they are bound by launches, and the kernel is one launch where the fp32 torch path
+# is four (x and the weight cast up, the norm, the result cast down).
+KERNEL_MAX_FEW_ROWS = 256
 
 
 def check_normalization(normalization: str) -> None:
@@ -80,9 +85,10 @@ def _kernel_blocker(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
 
 def _use_kernel(backend: str, x, weight, bias) -> tuple[bool, str]:
     """(run the kernel?, why): `choose_backend`, with `auto` keeping rows under the measured
-    break-even (KERNEL_MIN_HIDDEN) on the reference path."""
+    break-even (KERNEL_MIN_HIDDEN) on the reference path, unless the call has few rows."""
     not_worth = ""
-    if KERNEL_MIN_HIDDEN is None or x.shape[-1] < KERNEL_MIN_HIDDEN:
+    few_rows = x.numel() <= KERNEL_MAX_FEW_ROWS * x.shape[-1]
+    if not few_rows and (KERNEL_MIN_HIDDEN is None or x.shape[-1] < KERNEL_MIN_HIDDEN):
         not_worth = (
             f"hidden size ({x.shape[-1]}) below the norm kernels' measured break-even "
             f"(KERNEL_MIN_HIDDEN={KERNEL_MIN_HIDDEN})"
