@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from ._common import next_pow2
-from ._launch import launch
+from ._launch import call_signature, launch
 from ._rope import _geometry, _load_pairs, rotate_tile
 
 _NUM_WARPS = 4
@@ -177,5 +177,9 @@ def rotate_and_append(
         BLOCK_HQ=block_hq, BLOCK_HK=block_hk, BLOCK_P=block_p, BLOCK_PASS=block_pass,
         BLOCK_D=next_pow2(head_dim), BLOCK_DV=next_pow2(head_dim_v),
         num_warps=_NUM_WARPS,
+        signature=call_signature(
+            (q, k, v, k_cache, v_cache, seqlens, batch_idx, table, q_cos, q_sin, k_cos, k_sin),
+            (),
+        ),
     )  # fmt: skip
     return q_out, seqlens_out

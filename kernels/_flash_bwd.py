@@ -45,7 +45,7 @@ from ._common import (
 )
 from ._flash_bwd_dkdv import _flash_bwd_dkdv_kernel
 from ._flash_bwd_dq import _flash_bwd_dq_kernel
-from ._launch import launch
+from ._launch import call_signature, int_signature, launch
 
 
 @triton.jit
@@ -256,12 +256,20 @@ def flash_attention_backward(
         seqlens_q=seqlens_q, seqlens_k=seqlens_k,
     )  # fmt: skip
     h_q = q.shape[-2]
+    # What every launch below specializes on (`_launch.call_signature`), computed once.
+    signature = call_signature(
+        (dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seq_offsets_q, seq_offsets_k,
+         seqlens_q, seqlens_k, bias, alibi_slopes, dq, dk, dv),
+        (max_seqlen_q, max_seqlen_k, softmax_scale, window_left, window_right, bottom_right,
+         bias_requires_grad, softcap, dropout_p, int_signature(seed), int_signature(offset),
+         deterministic),
+    )  # fmt: skip
     lse = lse.contiguous()
     dk = _new_grad(k, geo.k.owns_all_rows, dk)
     dv = _new_grad(v, geo.k.owns_all_rows, dv)
     dbias = _new_dbias(bias, geo, h_q) if bias is not None and bias_requires_grad else None
     seq_ptrs = _seq_pointers(geo, q)
-    delta = _preprocess(out, dout, lse, geo, seq_ptrs)
+    delta = _preprocess(out, dout, lse, geo, seq_ptrs, signature)
     strides = _strides(q, k, v, dout, lse, geo.varlen)
     scalars = (h_q, k.shape[-2], geo.q.max_len, geo.k.max_len, q.shape[-1], v.shape[-1],
                softmax_scale, softcap if softcap > 0 else 1.0, window_left, window_right,
@@ -289,12 +297,12 @@ def flash_attention_backward(
         return _scaled_dq(dq_acc, dq, q.dtype, softmax_scale), dk, dv, None
     if use_atomic_dq(q, deterministic, dbias is not None):
         dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        _launch_dkdv(*shared, dq_acc, bwd_atomic_config(head_dim, q.is_cuda))
+        _launch_dkdv(*shared, dq_acc, bwd_atomic_config(head_dim, q.is_cuda), signature)
         return _scaled_dq(dq_acc, dq, q.dtype, softmax_scale), dk, dv, None
     cfg = bwd_config(
         head_dim, q.is_cuda, max(geo.q.max_len, geo.k.max_len), causal=opts["HAS_RIGHT"]
     )
-    _launch_dkdv(*shared, None, cfg)
+    _launch_dkdv(*shared, None, cfg, signature)
     dq = _new_grad(q, geo.q.owns_all_rows, dq)
     dbias_args = (dbias, dbias.stride()) if dbias is not None else (q, (0, 0, 0, 0))
     launch(_flash_bwd_dq_kernel, (cdiv(geo.q.max_len, cfg["BLOCK_M2"]) * geo.batch * h_q,),
@@ -302,7 +310,7 @@ def flash_attention_backward(
         *strides, *strides4(dq, geo.varlen)[:3], *bias_args[1], *dbias_args[1],
         *alibi_args[1], *scalars,
         BLOCK_M=cfg["BLOCK_M2"], BLOCK_N=cfg["BLOCK_N2"], WRITE_DBIAS=dbias is not None, **opts,
-        num_warps=cfg["WARPS2"], num_stages=cfg["STAGES2"],
+        num_warps=cfg["WARPS2"], num_stages=cfg["STAGES2"], signature=signature,
     )  # fmt: skip
     return dq, dk, dv, dbias
 
@@ -343,13 +351,14 @@ def group_splits(programs: int, group: int, device: torch.device, causal: bool) 
 
 def _launch_dkdv(
     q, k, v, dout, lse, delta, dk, dv, bias_args, alibi_args, seq_ptrs, strides, scalars, geo,
-    opts, dq_acc: torch.Tensor | None, cfg: dict[str, int],
+    opts, dq_acc: torch.Tensor | None, cfg: dict[str, int], signature: tuple | None = None,
 ) -> None:  # fmt: skip
     """The dK/dV kernel; with an fp32 `dq_acc` it also adds the unscaled dQ into it (atomics).
 
     `cfg` needs BLOCK_M1, BLOCK_N1, WARPS1, STAGES1 (both config tables provide them). When
     `group_splits` deals the GQA group out over several programs, they write fp32 partial sums
-    `[splits, *k.shape]` that are then added into dk / dv.
+    `[splits, *k.shape]` that are then added into dk / dv. `signature`: the backward's
+    `call_signature` (the split count, which settings can change, is added to it here).
     """
     # Without an accumulator the kernel never touches DQ_ACC; q stands in for the pointer.
     dq_args = (dq_acc, strides4(dq_acc, geo.varlen)[:3]) if dq_acc is not None else (q, (0, 0, 0))
@@ -370,6 +379,7 @@ def _launch_dkdv(
         splits, *scalars[2:],
         BLOCK_M=cfg["BLOCK_M1"], BLOCK_N=cfg["BLOCK_N1"], ATOMIC_DQ=dq_acc is not None, **opts,
         num_warps=cfg["WARPS1"], num_stages=cfg["STAGES1"],
+        signature=None if signature is None else (signature, splits),
     )  # fmt: skip
     if splits > 1:
         # A fixed-order reduction over the shares: bitwise reproducible run to run.
@@ -411,7 +421,7 @@ def _strides(q, k, v, dout, lse, varlen: bool) -> tuple[int, ...]:
     return (*[s for triple in per_operand for s in triple], *lse_strides(lse, varlen))
 
 
-def _preprocess(out, dout, lse, geo, seq_ptrs) -> torch.Tensor:
+def _preprocess(out, dout, lse, geo, seq_ptrs, signature: tuple | None = None) -> torch.Tensor:
     """delta = rowsum(dout * out) in fp32, shaped and strided like the (contiguous) LSE."""
     delta = torch.empty_like(lse)
     h_q, d_v = out.shape[-2], out.shape[-1]
@@ -421,7 +431,7 @@ def _preprocess(out, dout, lse, geo, seq_ptrs) -> torch.Tensor:
         *strides4(out, geo.varlen)[:3], *strides4(dout, geo.varlen)[:3],
         *lse_strides(delta, geo.varlen), h_q, geo.q.max_len, d_v,
         BLOCK_M=PREPROCESS_BLOCK_M, HEAD_DIM_V=next_pow2_dim(d_v), PAD_V=next_pow2_dim(d_v) != d_v,
-        SEQ_MODE_Q=geo.q.mode,
+        SEQ_MODE_Q=geo.q.mode, signature=signature,
     )  # fmt: skip
     return delta
 

@@ -50,7 +50,7 @@ from ._common import (
     smem_per_block,
     visible_tile,
 )
-from ._launch import launch
+from ._launch import call_signature, launch
 
 # --------------------------------------------------------------------------------------------------
 # Launch geometry
@@ -445,14 +445,20 @@ def decode_attention(
         HAS_ALIBI=alibi_slopes is not None, SPLIT=split,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
     )  # fmt: skip
-    _launch((tiles, num_splits), args, constexprs)
+    # What both launches specialize on (`_launch.call_signature`); o_part/lse_part follow from it.
+    signature = call_signature(
+        (q, k_cache, v_cache, seqlens_k, cache_batch_idx, cache_leftpad, block_table,
+         alibi_slopes),
+        (softmax_scale, softcap, window_left, window_right, num_splits),
+    )  # fmt: skip
+    _launch((tiles, num_splits), args, constexprs, signature)
     if split:
         launch(_decode_combine, (b * s_q * h_q,),
             out, lse, o_part, lse_part,
             *out.stride()[:3], *lse.stride(), *part_strides,
             s_q, h_q, num_splits,
             HEAD_DIM=d, BLOCK_D=block_d, BLOCK_S=next_pow2(num_splits),
-            num_warps=4 if next_pow2(num_splits) * block_d <= 4096 else 8,
+            num_warps=4 if next_pow2(num_splits) * block_d <= 4096 else 8, signature=signature,
         )  # fmt: skip
     return out, lse
 
@@ -463,15 +469,15 @@ _PICKED: dict[tuple, triton.Config] = {}
 _KEY_ARGS = [_decode_fwd.arg_names.index(n) for n in ("page_size", "num_splits", "CACHE_BUCKET")]
 
 
-def _launch(grid, args, constexprs) -> None:
-    signature = (
+def _launch(grid, args, constexprs, signature: tuple | None = None) -> None:
+    tuning = (
         tuple(constexprs.values()),
         tuple(a.dtype for a in args if isinstance(a, torch.Tensor)),
         tuple(args[i] for i in _KEY_ARGS),
     )
-    config = _PICKED.get(signature)
+    config = _PICKED.get(tuning)
     if config is None:
         _decode_fwd_tuned[grid](*args, **constexprs)
-        _PICKED[signature] = _decode_fwd_tuned.best_config
+        _PICKED[tuning] = _decode_fwd_tuned.best_config
     else:
-        launch(_decode_fwd, grid, *args, **constexprs, **config.all_kwargs())
+        launch(_decode_fwd, grid, *args, **constexprs, **config.all_kwargs(), signature=signature)

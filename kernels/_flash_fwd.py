@@ -48,7 +48,7 @@ from ._common import (
     visible_tile,
 )
 from ._forward_paths import run_sm90, sm90_plan
-from ._launch import launch
+from ._launch import call_signature, int_signature, launch
 
 # --------------------------------------------------------------------------------------------------
 # Autotune configs and their prune predicate
@@ -429,8 +429,14 @@ def flash_attention_forward(
         bias=bias, alibi_slopes=alibi_slopes, softcap=softcap, dropout_p=dropout_p,
         seed=seed, offset=offset,
     )  # fmt: skip
+    signature = call_signature(
+        (q, k, v, cu_seqlens_q, cu_seqlens_k, seq_offsets_q, seq_offsets_k, seqlens_q, seqlens_k,
+         bias, alibi_slopes),
+        (max_seqlen_q, max_seqlen_k, softmax_scale, window_left, window_right, bottom_right,
+         softcap, dropout_p, int_signature(seed), int_signature(offset)),
+    )  # fmt: skip
     if grid({"BLOCK_M": 1})[0] > 0:  # no query rows anywhere: an empty grid is no valid launch
-        _launch(grid, args, constexprs)
+        _launch(grid, args, constexprs, signature)
     return out, lse
 
 
@@ -444,16 +450,17 @@ _PICKED: dict[tuple, triton.Config] = {}
 _SEQ_BUCKET_ARG = _attn_fwd.arg_names.index("SEQ_BUCKET")
 
 
-def _launch(grid, args, constexprs) -> None:
-    """`_attn_fwd[grid](...)`, through the autotuner only the first time per signature."""
-    signature = (
+def _launch(grid, args, constexprs, signature: tuple | None = None) -> None:
+    """`_attn_fwd[grid](...)`, through the autotuner only the first time per tuning signature.
+    `signature`: the call's `call_signature`, handed to `launch`."""
+    tuning = (
         tuple(constexprs.values()),
         tuple(a.dtype for a in args if isinstance(a, torch.Tensor)),
         args[_SEQ_BUCKET_ARG],
     )
-    config = _PICKED.get(signature)
+    config = _PICKED.get(tuning)
     if config is None:
         _attn_fwd[grid](*args, **constexprs)
-        _PICKED[signature] = _attn_fwd.best_config
+        _PICKED[tuning] = _attn_fwd.best_config
     else:
-        launch(_attn_fwd.fn, grid, *args, **constexprs, **config.all_kwargs())
+        launch(_attn_fwd.fn, grid, *args, **constexprs, **config.all_kwargs(), signature=signature)

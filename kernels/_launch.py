@@ -16,6 +16,15 @@ what Triton specializes on: a tensor's dtype and 16-byte alignment, an int's bei
 multiple of 16 and fitting 32 bits, None, a bool's value. Anything else (a TMA descriptor, a
 profiler's launch hook, the CPU interpreter, a Triton whose compiled kernel lacks the launcher)
 takes `kernel[grid]` every time, which is always correct.
+
+Computing that key costs ~1 us per argument in Python, a third of a short attention forward's
+host time. A caller that already knows what determines the specialization passes it as
+`signature=` (from `call_signature`: every input tensor's shape, strides, dtype, device and
+16-byte alignment, and the scalar arguments): the compiled kernel is then looked up by the
+signature and the launch's keywords, and the per-argument key is computed only the first time a
+signature is seen. The contract: with the same signature and keywords, every runtime argument
+specializes the same way. `set_signature_checks(True)` verifies it on every launch (the GPU
+suite runs with it on).
 """
 
 from __future__ import annotations
@@ -30,6 +39,7 @@ except ImportError:  # Triton < 3.4: another launcher convention; its own path o
 
 _MIN_INT32, _MAX_INT32 = -(2**31), 2**31 - 1
 _enabled = knobs is not None
+_check_signatures = False
 
 
 class _Unsupported(Exception):
@@ -41,6 +51,37 @@ def set_direct_launch(enabled: bool) -> bool:
     global _enabled
     previous, _enabled = _enabled, bool(enabled) and knobs is not None
     return previous
+
+
+def set_signature_checks(enabled: bool) -> bool:
+    """Verify every `signature=` launch against the per-argument key (for tests); returns the
+    previous setting. A signature that maps to a kernel compiled for another specialization
+    raises `AssertionError`."""
+    global _check_signatures
+    previous, _check_signatures = _check_signatures, bool(enabled)
+    return previous
+
+
+def tensor_signature(t: torch.Tensor | None) -> tuple | None:
+    """What a launch's specialization can depend on in a tensor: shape, strides, dtype, device
+    and 16-byte alignment (not its values)."""
+    if t is None:
+        return None
+    return (t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16 == 0)
+
+
+def call_signature(tensors: tuple, scalars: tuple) -> tuple:
+    """The `signature=` of launches made from these input tensors (None allowed) and scalars
+    (hashable; ints that reach a kernel as runtime arguments must be given as their values or
+    as `int_signature`). Outputs the launcher allocates need not be listed: their shapes follow
+    from the inputs and the allocator aligns them."""
+    return (*(tensor_signature(t) for t in tensors), *scalars)
+
+
+def int_signature(value: int) -> tuple:
+    """How Triton specializes a runtime int, for signatures of ints that change every call
+    (dropout seeds and offsets)."""
+    return _runtime_key(value)
 
 
 def _runtime_key(value):
@@ -66,6 +107,7 @@ class _KernelLaunches:
         self.constexpr = [p.is_constexpr for p in params]
         self.defaults = {p.name: p.default for p in params if p.has_default}
         self.compiled: dict[tuple, object] = {}
+        self.by_signature: dict[tuple, object] = {}
         self.broken = False  # the direct launcher failed once: Triton's path from then on
 
     def values(self, args: tuple, kwargs: dict) -> list:
@@ -87,11 +129,16 @@ class _KernelLaunches:
 _LAUNCHES: dict[int, _KernelLaunches] = {}
 
 
-def launch(kernel, grid, *args, **kwargs) -> None:
+# A signature table larger than this is dropped and rebuilt (a long run of new shapes).
+_MAX_SIGNATURES = 4096
+
+
+def launch(kernel, grid, *args, signature: tuple | None = None, **kwargs) -> None:
     """`kernel[grid](*args, **kwargs)`, through the compiled kernel's launcher after the first.
 
     `kernel` is a `triton.JITFunction` (for an autotuned kernel, its `.fn` with a config's
-    kwargs); `grid` a tuple, or a callable of the launch's keyword arguments.
+    kwargs); `grid` a tuple, or a callable of the launch's keyword arguments. `signature`, when
+    given, identifies the specialization in place of the per-argument key (module docstring).
     """
     if not _enabled or not isinstance(kernel, triton.JITFunction) or _hooked():
         kernel[grid](*args, **kwargs)
@@ -104,12 +151,27 @@ def launch(kernel, grid, *args, **kwargs) -> None:
         return
     device = _current_device()
     values = launches.values(args, kwargs)
-    try:
-        key = launches.key(values, kwargs, device)
-    except _Unsupported:
-        kernel[grid](*args, **kwargs)
-        return
-    compiled = launches.compiled.get(key)
+    compiled = None
+    if signature is not None:
+        fast_key = (device, signature, tuple(kwargs.items()))
+        compiled = launches.by_signature.get(fast_key)
+        if compiled is not None and _check_signatures:
+            key = launches.key(values, kwargs, device)
+            assert launches.compiled.get(key) is compiled, (
+                f"launch signature of {kernel.fn.__name__} maps to a kernel compiled for another "
+                "specialization"
+            )
+    if compiled is None:
+        try:
+            key = launches.key(values, kwargs, device)
+        except _Unsupported:
+            kernel[grid](*args, **kwargs)
+            return
+        compiled = launches.compiled.get(key)
+        if compiled is not None and signature is not None:
+            if len(launches.by_signature) >= _MAX_SIGNATURES:
+                launches.by_signature.clear()
+            launches.by_signature[fast_key] = compiled
     if compiled is None:
         compiled = kernel[grid](*args, **kwargs)
         if hasattr(compiled, "result"):  # an asynchronous compile hands back a future

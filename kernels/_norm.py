@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from ._common import cdiv, multiprocessors, next_pow2, rows_view
-from ._launch import launch
+from ._launch import call_signature, launch
 
 # Largest hidden size the one-row-in-registers kernels take. The 32-warp programs spill registers
 # to local memory for the backward from 16384 and the forward at 65536 (sm_90 cubins): correct,
@@ -203,6 +203,7 @@ def norm_forward(
         n_rows, n_cols, 1.0 / n_cols, eps,
         IS_RMS=rms, HAS_BIAS=bias is not None, ZERO_CENTERED=zero_centered_gamma,
         BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
+        signature=call_signature((x2, weight, bias), (eps,)),
     )  # fmt: skip
     return y, mean, rstd
 

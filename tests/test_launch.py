@@ -131,3 +131,79 @@ def test_profiler_hooks_and_the_switch_take_tritons_path(kernel, monkeypatch):
     _launch.set_direct_launch(True)
     _launch.launch(kernel, (1,), _x(), 32, 0.5, True, BLOCK=16)
     assert [entry[0] for entry in kernel.log] == ["triton", "triton", "triton", "direct"]
+
+
+# --- `signature=`: the caller names the specialization, the per-argument key is skipped -------
+
+
+def _count_keys(monkeypatch):
+    monkeypatch.setattr(_launch, "_check_signatures", False)  # conftest turns them on
+    calls = []
+    real = _launch._KernelLaunches.key
+
+    def counting(self, *args):
+        calls.append(1)
+        return real(self, *args)
+
+    monkeypatch.setattr(_launch._KernelLaunches, "key", counting)
+    return calls
+
+
+def test_a_known_signature_launches_without_the_per_argument_key(kernel, monkeypatch):
+    keys = _count_keys(monkeypatch)
+    for n in (32, 32, 48, 48):
+        x = _x()
+        signature = _launch.call_signature((x,), (n,))
+        _launch.launch(kernel, (1,), x, n, 0.5, True, BLOCK=16, signature=signature)
+    # compile (key), first direct launch of the signature (key), then the table; n=48: new
+    # signature (key), then the table
+    assert len(keys) == 3
+    assert kernel.compiles == 1
+    assert [entry[0] for entry in kernel.log] == ["triton", "direct", "direct", "direct"]
+    assert [entry[2][10] for entry in kernel.log[1:]] == [32, 48, 48]
+
+
+def test_a_signature_is_per_launch_keywords(kernel):
+    x = _x()
+    signature = _launch.call_signature((x,), (32,))
+    for block in (16, 16, 32, 32):
+        _launch.launch(kernel, (1,), x, 32, 0.5, True, BLOCK=block, signature=signature)
+    assert kernel.compiles == 2
+    assert [entry[1] for entry in kernel.log if entry[0] == "direct"] == [1, 2]
+
+
+def test_tensor_signature_tells_apart_what_triton_specializes_on():
+    base = torch.zeros(4, 8)
+    signatures = {
+        _launch.tensor_signature(t)
+        for t in (
+            base,
+            torch.zeros(4, 8),  # same signature as base
+            base.t(),  # strides
+            torch.zeros(4, 9),  # shape
+            torch.zeros(4, 8, dtype=torch.float16),  # dtype
+            torch.zeros(40)[1:33].view(4, 8),  # 4-byte aligned
+        )
+    }
+    assert len(signatures) == 5
+    assert _launch.tensor_signature(None) is None
+
+
+def test_signature_checks_catch_a_signature_that_misses_a_specialization(kernel):
+    """A caller's signature that leaves out something Triton specializes on (here n, which
+    decides divisibility by 16) maps two specializations to one kernel: the checks say so."""
+    previous = _launch.set_signature_checks(True)
+    try:
+        lying = _launch.call_signature((), ("same",))
+        for n in (32, 32):
+            _launch.launch(kernel, (1,), _x(), n, 0.5, True, BLOCK=16, signature=lying)
+        _launch.launch(kernel, (1,), _x(), 33, 0.5, True, BLOCK=16)  # compiles n=33
+        with pytest.raises(AssertionError, match="another specialization"):
+            _launch.launch(kernel, (1,), _x(), 33, 0.5, True, BLOCK=16, signature=lying)
+    finally:
+        _launch.set_signature_checks(previous)
+
+
+def test_int_signature_follows_tritons_int_specialization():
+    assert _launch.int_signature(32) == _launch.int_signature(64)
+    assert len({_launch.int_signature(n) for n in (1, 2, 16, 17, 2**40)}) == 4

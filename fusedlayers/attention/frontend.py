@@ -9,6 +9,13 @@ Shapes per `qkv_format` (h = query heads, hg = KV heads):
     bshd: q [b, s_q, h, d_qk], k [b, s_k, hg, d_qk], v [b, s_k, hg, d_v] -> out [b, s_q, h, d_v]
     thd:  q [t_q, h, d_qk],    k [t_k, hg, d_qk],    v [t_k, hg, d_v]    -> out [t_q, h, d_v]
     lse (fp32): [b, h, s_q] for sbhd/bshd, [h, t_q] for thd.
+
+Signature cache: a call with no mask tensor, no `cu_seqlens`, no bias and no ALiBi (the common
+training and inference call) is validated and normalized once per signature, that is q, k and v's
+shapes, strides, dtypes and devices and every argument the checks read; a later call with the
+same signature reuses the result, and any change (a stride, a length, a dtype, a scale)
+validates again. Calls with those tensors are checked in full every time; the facts read off
+their values are memoized per tensor version (`_host_cache`).
 """
 
 from __future__ import annotations
@@ -24,8 +31,10 @@ from .reference import attention_reference
 
 try:
     from ..kernels import flash_attention
+    from ..kernels._launch import tensor_signature
 except ImportError as error:  # Triton missing (no Linux wheel) or broken: the reference serves
     flash_attention, _KERNELS_MISSING = None, f"kernels unavailable ({error})"
+    tensor_signature = None  # and calls are validated in full every time
 else:
     _KERNELS_MISSING = None
 
@@ -48,6 +57,11 @@ class _Prepared:
     bias: torch.Tensor | None
     alibi_slopes: torch.Tensor | None
     copies: list[str]
+
+
+# Validated, tensor-free calls by signature (module docstring): the mask spec they normalized to.
+_VALIDATED: dict[tuple, masks.MaskSpec] = {}
+_MAX_VALIDATED = 1024
 
 
 def _interpreter_on() -> bool:
@@ -379,10 +393,6 @@ def attention(
     `attn_mask_type`/`window_size` (the flash-attn API builds its own, bottom-right aligned).
     `expected_heads = (h, hg, d_qk, d_v)` checks the inputs against a module's configuration.
     """
-    validation.check_qkv_format(qkv_format)
-    validation.check_dropout(dropout_p)
-    validation.check_softmax_scale(softmax_scale)
-    validation.check_softcap(softcap)
     kernel_path, why = _choose_backend(backend, q)
     if (
         kernel_path
@@ -399,28 +409,64 @@ def attention(
                 "not supported by the kernels: reference path"
             ),
         )
-    p = prepare(
-        q,
-        k,
-        v,
-        qkv_format=qkv_format,
-        attn_mask_type=attn_mask_type,
-        window_size=window_size,
-        attention_mask=attention_mask,
-        cu_seqlens_q=cu_seqlens_q,
-        cu_seqlens_kv=cu_seqlens_kv,
-        cu_seqlens_q_padded=cu_seqlens_q_padded,
-        cu_seqlens_kv_padded=cu_seqlens_kv_padded,
-        max_seqlen_q=max_seqlen_q,
-        max_seqlen_kv=max_seqlen_kv,
-        softmax_scale=softmax_scale,
-        core_attention_bias_type=core_attention_bias_type,
-        core_attention_bias=core_attention_bias,
-        alibi_slopes=alibi_slopes,
-        kernel_path=kernel_path,
-        spec=mask_spec,
-        expected_heads=expected_heads,
-    )
+    signature = None
+    if (
+        attention_mask is None
+        and cu_seqlens_q is None
+        and cu_seqlens_kv is None
+        and core_attention_bias is None
+        and alibi_slopes is None
+        and core_attention_bias_type == "no_bias"
+        and all(
+            isinstance(x, (int, float, type(None))) for x in (softmax_scale, softcap, dropout_p)
+        )
+        and tensor_signature is not None
+        and not torch.compiler.is_compiling()
+    ):
+        signature = (
+            tensor_signature(q), tensor_signature(k), tensor_signature(v), qkv_format,
+            attn_mask_type, window_size, mask_spec, softmax_scale, softcap, dropout_p,
+            kernel_path, expected_heads,
+        )  # fmt: skip
+    try:
+        spec = _VALIDATED.get(signature) if signature is not None else None
+    except TypeError:  # an unhashable argument (a list for window_size): no caching
+        signature = spec = None
+    if spec is not None:
+        p = _Prepared(
+            *_layout_views(q, k, v, qkv_format), {}, None, None, spec, None, None, None, []
+        )
+    else:
+        validation.check_qkv_format(qkv_format)
+        validation.check_dropout(dropout_p)
+        validation.check_softmax_scale(softmax_scale)
+        validation.check_softcap(softcap)
+        p = prepare(
+            q,
+            k,
+            v,
+            qkv_format=qkv_format,
+            attn_mask_type=attn_mask_type,
+            window_size=window_size,
+            attention_mask=attention_mask,
+            cu_seqlens_q=cu_seqlens_q,
+            cu_seqlens_kv=cu_seqlens_kv,
+            cu_seqlens_q_padded=cu_seqlens_q_padded,
+            cu_seqlens_kv_padded=cu_seqlens_kv_padded,
+            max_seqlen_q=max_seqlen_q,
+            max_seqlen_kv=max_seqlen_kv,
+            softmax_scale=softmax_scale,
+            core_attention_bias_type=core_attention_bias_type,
+            core_attention_bias=core_attention_bias,
+            alibi_slopes=alibi_slopes,
+            kernel_path=kernel_path,
+            spec=mask_spec,
+            expected_heads=expected_heads,
+        )
+        if signature is not None and not p.copies:
+            if len(_VALIDATED) >= _MAX_VALIDATED:
+                _VALIDATED.clear()
+            _VALIDATED[signature] = p.spec
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
     if debug_enabled():
         _log(p, q, k, v, qkv_format, attn_mask_type, kernel_path, why, tag)
@@ -433,6 +479,13 @@ def attention(
     if qkv_format == "sbhd":
         out = out.transpose(0, 1)
     return out, lse
+
+
+def _layout_views(q, k, v, qkv_format):
+    """The bshd/thd views `prepare` hands on for inputs it needed no copy for."""
+    if qkv_format == "sbhd":
+        return q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+    return q, k, v
 
 
 def _log(p, q, k, v, qkv_format, attn_mask_type, kernel_path, why, tag):
