@@ -433,9 +433,9 @@ def attention(
     except TypeError:  # an unhashable argument (a list for window_size): no caching
         signature = spec = None
     if spec is not None:
-        p = _Prepared(
-            *_layout_views(q, k, v, qkv_format), {}, None, None, spec, None, None, None, []
-        )
+        # The signature fixes the strides, so these are the views `prepare` made, no copies.
+        views = (_kernel_view(t, qkv_format, "", []) for t in (q, k, v))
+        p = _Prepared(*views, {}, None, None, spec, None, None, None, [])
     else:
         validation.check_qkv_format(qkv_format)
         validation.check_dropout(dropout_p)
@@ -479,13 +479,6 @@ def attention(
     if qkv_format == "sbhd":
         out = out.transpose(0, 1)
     return out, lse
-
-
-def _layout_views(q, k, v, qkv_format):
-    """The bshd/thd views `prepare` hands on for inputs it needed no copy for."""
-    if qkv_format == "sbhd":
-        return q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
-    return q, k, v
 
 
 def _log(p, q, k, v, qkv_format, attn_mask_type, kernel_path, why, tag):
