@@ -18,8 +18,8 @@ of every query head of its GQA group that can see them (FlashAttention-3's backw
   Both warpgroups write their dS^T rows into one [128 keys, BLOCK_M] tile (double-buffered, an
   mbarrier both arrive on), from which this key block's dQ share dS K is computed (d = 128:
   each warpgroup 64 of the columns; d = 64: the warpgroups take turns) and added into an fp32
-  dQ accumulator with atomics. dK and dV sum over the group's heads in registers: no atomics,
-  no partial sums.
+  dQ accumulator with atomics, from shared memory while the next step's S^T and dP^T products
+  run. dK and dV sum over the group's heads in registers: no atomics, no partial sums.
 The launcher zero-fills the accumulator and scales and casts it afterwards (`_flash_bwd`'s
 atomic-dQ epilogue), and computes delta = rowsum(dO * O) first (`_flash_bwd._preprocess`).
 
@@ -174,31 +174,46 @@ if GLUON_AVAILABLE:
             _partition_barrier()
 
     @gluon.jit
-    def _add_dq(dq, staging, dq_block, m0, len_q, stride_dqs, col0):
-        """Atomically add a [64, 64] fp32 dQ share to rows m0.. (those below len_q), columns
-        col0.. of the accumulator block at `dq_block` (row 0 of the step's query block).
-
-        Other key blocks' programs add to the same elements: fp32 atomics, relaxed (nothing
-        reads the accumulator in this launch). The share leaves the wgmma layout through this
-        warpgroup's `staging` tile in shared memory and comes back 16 rows at a time, four
-        consecutive columns a thread: one 16-byte atomic each, and 8 values and a few row
-        addresses in registers at a time. (A whole-tile layout conversion, or atomics straight
-        from the wgmma layout, kept 32 more registers live beside the dK and dV accumulators,
-        and the kernel spilled.)
-        """
-        CHUNK: gl.constexpr = 16
-        layout: gl.constexpr = gl.BlockedLayout([1, 4], [2, 16], [4, 1], [1, 0])
+    def _stage_dq(dq, staging):
+        """Park a [64, 64] fp32 dQ share in this warpgroup's `staging` tile (freeing its
+        accumulator registers) for `_add_staged_dq`, which adds it while the next step's
+        products run."""
         staging.store(dq)
         _partition_barrier()
-        c = col0 + gl.arange(0, dq.type.shape[1], layout=gl.SliceLayout(0, layout))
-        for i in gl.static_range(dq.type.shape[0] // CHUNK):
+
+    @gluon.jit
+    def _add_staged_dq(staging, dq_block, m0, len_q, stride_dqs, col0):
+        """Atomically add the share parked in `staging` to rows m0.. (those below len_q),
+        columns col0.. of the accumulator block at `dq_block` (row 0 of the step's query block).
+
+        Other key blocks' programs add to the same elements: fp32 atomics, relaxed (nothing
+        reads the accumulator in this launch). The share comes back from shared memory 16 rows
+        at a time, four consecutive columns a thread: one 16-byte atomic each, and 8 values and
+        a few row addresses in registers at a time. (A whole-tile layout conversion, or atomics
+        straight from the wgmma layout, kept 32 more registers live beside the dK and dV
+        accumulators, and the kernel spilled.)
+        """
+        CHUNK: gl.constexpr = 16
+        ROWS: gl.constexpr = staging.type.shape[0]
+        COLS: gl.constexpr = staging.type.shape[1]
+        layout: gl.constexpr = gl.BlockedLayout([1, 4], [2, 16], [4, 1], [1, 0])
+        c = col0 + gl.arange(0, COLS, layout=gl.SliceLayout(0, layout))
+        for i in gl.static_range(ROWS // CHUNK):
             part = staging.slice(i * CHUNK, CHUNK).load(layout)
             r = i * CHUNK + gl.arange(0, CHUNK, layout=gl.SliceLayout(1, layout))
             ptrs = gl.expand_dims(dq_block + r * stride_dqs, 1) + gl.expand_dims(c, 0)
             mask = gl.expand_dims(m0 + r < len_q, 1) & gl.expand_dims(c >= 0, 0)
             gl.atomic_add(ptrs, part, mask=mask, sem="relaxed")
-        # The next store into `staging` comes a step later, after this warpgroup's next
-        # barrier: every thread has read its rows by then.
+        # The next store into `staging` comes at the end of this step, after this warpgroup's
+        # P^T barrier: every thread has read its rows by then.
+
+    @gluon.jit
+    def _owns_dq(step, WG: gl.constexpr, ALTERNATE: gl.constexpr):
+        """Whether warpgroup WG computes step `step`'s dQ share (d = 64: every other step)."""
+        if ALTERNATE:
+            return step % 2 == WG
+        else:
+            return step >= 0
 
     @gluon.jit
     def _consumer(smem, bars, seq, strides, ptrs, scales, WG: gl.constexpr):
@@ -221,6 +236,7 @@ if GLUON_AVAILABLE:
         # the warpgroups take turns computing all of it, one step each.
         DQ_COLS: gl.constexpr = 64
         ALTERNATE: gl.constexpr = HEAD_DIM == DQ_COLS
+        dq_col0: gl.constexpr = 0 if ALTERNATE else WG * DQ_COLS
         dtype: gl.constexpr = q_smem.dtype
 
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(
@@ -251,6 +267,10 @@ if GLUON_AVAILABLE:
         _zero_rows_from(k_smem.index(0), len_k - start_n)
         _zero_rows_from(v_smem.index(0), len_k - start_n)
         dq_wg = dq_smem.index(WG)
+        # The dQ share parked at the end of the previous step (`_stage_dq`) goes out while this
+        # step's first two products run: the address of its accumulator block, its first row.
+        prev_row = z64 * 0
+        prev_m0 = m_lo
         for it in range(total):
             # Shared-memory addresses through an index the compiler cannot see is 0: else it
             # hoists every wgmma descriptor of the resident tiles out of the loop (dozens of
@@ -278,6 +298,9 @@ if GLUON_AVAILABLE:
             _zero_rows_from(do_t, len_q - m0)
             s_tok = warpgroup_mma(k_wg, q_t.permute((1, 0)), zero_s, use_acc=False, is_async=True)
             dp_tok = warpgroup_mma(v_wg, do_t.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+            if it > 0:
+                if _owns_dq(it - 1, WG, ALTERNATE):
+                    _add_staged_dq(dq_wg, dq_ptr + prev_row, prev_m0, len_q, stride_dqs, dq_col0)
             # Rows that saw no key carry LSE -inf; their P is masked to 0, and any finite
             # stand-in keeps exp2 from producing NaN first.
             lse = lse_smem.index(stage).load(q_vec)
@@ -317,28 +340,22 @@ if GLUON_AVAILABLE:
             # other warpgroup overwrites this dS^T buffer only two steps on, after it has passed
             # the next step's barrier, which the warpgroup reading it here reaches only after
             # its dQ product landed.
-            if ALTERNATE:
-                if it % 2 == WG:
-                    mbarrier.wait(ds_ready.index(buf), (it // 2) & 1)
-                    dq_tok = warpgroup_mma(
-                        ds_buf.permute((1, 0)), k_dq, zero_dq, use_acc=False, is_async=True
-                    )
-                    dv, dk = warpgroup_mma_wait(1, deps=[dv_tok, dk_tok])
-                    _release(empty.index(stage))
-                    dq = warpgroup_mma_wait(0, deps=[dq_tok])
-                    _add_dq(dq, dq_wg, dq_ptr + dq_row, m0, len_q, stride_dqs, 0)
-                else:
-                    dv, dk = warpgroup_mma_wait(0, deps=[dv_tok, dk_tok])
-                    _release(empty.index(stage))
-            else:
+            if _owns_dq(it, WG, ALTERNATE):
                 mbarrier.wait(ds_ready.index(buf), (it // 2) & 1)
                 dq_tok = warpgroup_mma(
                     ds_buf.permute((1, 0)), k_dq, zero_dq, use_acc=False, is_async=True
                 )
                 dv, dk = warpgroup_mma_wait(1, deps=[dv_tok, dk_tok])
                 _release(empty.index(stage))
-                dq = warpgroup_mma_wait(0, deps=[dq_tok])
-                _add_dq(dq, dq_wg, dq_ptr + dq_row, m0, len_q, stride_dqs, WG * DQ_COLS)
+                _stage_dq(warpgroup_mma_wait(0, deps=[dq_tok]), dq_wg)
+            else:
+                dv, dk = warpgroup_mma_wait(0, deps=[dv_tok, dk_tok])
+                _release(empty.index(stage))
+            prev_row = dq_row
+            prev_m0 = m0
+        if total > 0:
+            if _owns_dq(total - 1, WG, ALTERNATE):
+                _add_staged_dq(dq_wg, dq_ptr + prev_row, prev_m0, len_q, stride_dqs, dq_col0)
 
         # Epilogue: this warpgroup's dK (times the softmax scale) and dV rows.
         out_r = start_n + WG * KEYS + gl.arange(0, KEYS, layout=gl.SliceLayout(1, acc_layout))
@@ -413,7 +430,7 @@ if GLUON_AVAILABLE:
         )
         ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], ds_layout)
         p_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_N, BLOCK_M], ds_layout)  # P^T
-        # Each consumer warpgroup's dQ share on its way to the atomics (`_add_dq`).
+        # Each consumer warpgroup's dQ share on its way to the atomics (`_stage_dq`).
         dq_layout: gl.constexpr = gl.NVMMASharedLayout(
             swizzle_byte_width=128, element_bitwidth=32, rank=2
         )
