@@ -288,10 +288,9 @@ def flash_attention_backward(
     )  # fmt: skip
     if sm90_plan is not None:
         # One launch for dQ, dK and dV on Hopper (`_backward_paths`); dQ sums with atomics.
-        dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         views, causal = sm90_plan
-        sm90.backward_sm90(
-            q, k, v, dout, lse, delta, dq_acc, dk, dv, views, geo,
+        dq_acc = sm90.backward_sm90(
+            q, k, v, dout, lse, delta, dk, dv, views, geo,
             softmax_scale=softmax_scale, causal=causal, bottom_right=bottom_right,
         )  # fmt: skip
         return _scaled_dq(dq_acc, dq, q.dtype, softmax_scale), dk, dv, None

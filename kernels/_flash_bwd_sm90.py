@@ -18,10 +18,12 @@ of every query head of its GQA group that can see them (FlashAttention-3's backw
   Both warpgroups write their dS^T rows into one [128 keys, BLOCK_M] tile (double-buffered, an
   mbarrier both arrive on), from which this key block's dQ share dS K is computed (d = 128:
   each warpgroup 64 of the columns; d = 64: the warpgroups take turns) and added into an fp32
-  dQ accumulator with atomics, from shared memory while the next step's S^T and dP^T products
-  run. dK and dV sum over the group's heads in registers: no atomics, no partial sums.
-The launcher zero-fills the accumulator and scales and casts it afterwards (`_flash_bwd`'s
-atomic-dQ epilogue), and computes delta = rowsum(dO * O) first (`_flash_bwd._preprocess`).
+  dQ accumulator by one TMA reduce-add per share from shared memory (FlashAttention-3's bulk
+  reduction; the consumers issue no atomics). dK and dV sum over the group's heads in
+  registers: no atomics, no partial sums.
+`backward_sm90` allocates the accumulator (`dq_accumulator`); `_flash_bwd` scales and casts it
+afterwards (its atomic-dQ epilogue) and computes delta = rowsum(dO * O) first
+(`_flash_bwd._preprocess`).
 
 Tiles are addressed as in the forward (`_flash_fwd_sm90`, `tma_view`): one 2-D TMA grid over
 each operand's storage, any layout whose heads sit inside one storage row. Rows past a
@@ -41,10 +43,18 @@ is scaled in the epilogue.
 
 from __future__ import annotations
 
+import functools
+
+import torch
+
 from ._common import LOG2E, cdiv, lse_strides, strides4
 from ._flash_fwd_sm90 import GLUON_AVAILABLE, _descriptor, tma_view
 
 if GLUON_AVAILABLE:
+    from triton._C.libtriton import ir
+    from triton.experimental.gluon.language._core import builtin
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
     from ._flash_fwd_sm90 import (
         _partition_barrier,
         _release,
@@ -55,9 +65,23 @@ if GLUON_AVAILABLE:
         gl,
         gluon,
         mbarrier,
+        tma,
         warpgroup_mma,
         warpgroup_mma_wait,
     )
+
+    # A TMA reduce-add of a shared-memory tile into global memory: `tma.async_atomic_add` in
+    # later Triton versions; Triton 3.6's Gluon builds the operation but has no Python name for it.
+    _tma_reduce_add = getattr(tma, "async_atomic_add", None)
+    if _tma_reduce_add is None:
+
+        @builtin
+        def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
+            coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+            _semantic.builder.create_async_tma_reduce(
+                ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle
+            )
+
 
 BLOCK_N = 128  # keys per program: two consumer warpgroups of 64 (a wgmma's M per warpgroup)
 CONSUMER_WARPS = 4
@@ -79,7 +103,7 @@ if GLUON_AVAILABLE:
     def _producer(descs, smem, bars, seq, strides, ptrs, scales):
         """K and V once, then Q, dO, LSE and delta of every (group head, query block) step
         into the ring."""
-        q_desc, k_desc, v_desc, do_desc = descs
+        q_desc, k_desc, v_desc, do_desc, dq_desc = descs
         q_smem, k_smem, v_smem, do_smem, lse_smem, delta_smem, ds_smem, p_smem, dq_smem = smem
         kv_bar, ready, empty, ds_ready = bars
         z, h_kv, group, start_q, start_k, start_n, len_q, len_k, diag, m_lo, m_count, total = seq
@@ -174,38 +198,21 @@ if GLUON_AVAILABLE:
             _partition_barrier()
 
     @gluon.jit
-    def _stage_dq(dq, staging):
-        """Park a [64, 64] fp32 dQ share in this warpgroup's `staging` tile (freeing its
-        accumulator registers) for `_add_staged_dq`, which adds it while the next step's
-        products run."""
-        staging.store(dq)
-        _partition_barrier()
+    def _reduce_dq(dq, staging, dq_desc, row, col):
+        """Add a [64, 64] fp32 dQ share into the accumulator at TMA (row, col) of `dq_desc`'s
+        grid, through this warpgroup's `staging` tile and one TMA reduce-add (FlashAttention-3's
+        bulk reduction): the consumers issue no atomics, and the L2 sees whole 128-byte lines.
 
-    @gluon.jit
-    def _add_staged_dq(staging, dq_block, m0, len_q, stride_dqs, col0):
-        """Atomically add the share parked in `staging` to rows m0.. (those below len_q),
-        columns col0.. of the accumulator block at `dq_block` (row 0 of the step's query block).
-
-        Other key blocks' programs add to the same elements: fp32 atomics, relaxed (nothing
-        reads the accumulator in this launch). The share comes back from shared memory 16 rows
-        at a time, four consecutive columns a thread: one 16-byte atomic each, and 8 values and
-        a few row addresses in registers at a time. (A whole-tile layout conversion, or atomics
-        straight from the wgmma layout, kept 32 more registers live beside the dK and dV
-        accumulators, and the kernel spilled.)
+        Other key blocks' programs add to the same elements; each element's add is atomic.
+        Rows of the box past the step's last query hold exact zeros (dS^T is 0 there and K is
+        finite), so adding them into the next sequence's or the padding's rows changes nothing.
+        The caller waits for the copy's shared-memory read (`tma.store_wait`) before the next
+        store into `staging`.
         """
-        CHUNK: gl.constexpr = 16
-        ROWS: gl.constexpr = staging.type.shape[0]
-        COLS: gl.constexpr = staging.type.shape[1]
-        layout: gl.constexpr = gl.BlockedLayout([1, 4], [2, 16], [4, 1], [1, 0])
-        c = col0 + gl.arange(0, COLS, layout=gl.SliceLayout(0, layout))
-        for i in gl.static_range(ROWS // CHUNK):
-            part = staging.slice(i * CHUNK, CHUNK).load(layout)
-            r = i * CHUNK + gl.arange(0, CHUNK, layout=gl.SliceLayout(1, layout))
-            ptrs = gl.expand_dims(dq_block + r * stride_dqs, 1) + gl.expand_dims(c, 0)
-            mask = gl.expand_dims(m0 + r < len_q, 1) & gl.expand_dims(c >= 0, 0)
-            gl.atomic_add(ptrs, part, mask=mask, sem="relaxed")
-        # The next store into `staging` comes at the end of this step, after this warpgroup's
-        # P^T barrier: every thread has read its rows by then.
+        staging.store(dq)
+        fence_async_shared()  # generic-proxy stores, read by the TMA (async proxy)
+        _partition_barrier()
+        _tma_reduce_add(dq_desc, [row, col], staging)
 
     @gluon.jit
     def _owns_dq(step, WG: gl.constexpr, ALTERNATE: gl.constexpr):
@@ -216,15 +223,16 @@ if GLUON_AVAILABLE:
             return step >= 0
 
     @gluon.jit
-    def _consumer(smem, bars, seq, strides, ptrs, scales, WG: gl.constexpr):
+    def _consumer(descs, smem, bars, seq, strides, ptrs, scales, WG: gl.constexpr):
         """One warpgroup: dK and dV of its 64 keys, and its half of each step's dQ share."""
         q_smem, k_smem, v_smem, do_smem, lse_smem, delta_smem, ds_smem, p_smem, dq_smem = smem
         kv_bar, ready, empty, ds_ready = bars
         z, h_kv, group, start_q, start_k, start_n, len_q, len_k, diag, m_lo, m_count, total = seq
+        dq_desc = descs[4]
         stride_dqb, stride_dqh, stride_dqs = strides[5]
         stride_dkb, stride_dkh, stride_dks = strides[6]
         stride_dvb, stride_dvh, stride_dvs = strides[7]
-        dq_ptr, dk_ptr, dv_ptr = ptrs[2:]
+        dk_ptr, dv_ptr = ptrs[2:]
         qk_scale, sm_scale = scales
         NUM_STAGES: gl.constexpr = q_smem.type.shape[0]
         BLOCK_M: gl.constexpr = q_smem.type.shape[1]
@@ -267,10 +275,6 @@ if GLUON_AVAILABLE:
         _zero_rows_from(k_smem.index(0), len_k - start_n)
         _zero_rows_from(v_smem.index(0), len_k - start_n)
         dq_wg = dq_smem.index(WG)
-        # The dQ share parked at the end of the previous step (`_stage_dq`) goes out while this
-        # step's first two products run: the address of its accumulator block, its first row.
-        prev_row = z64 * 0
-        prev_m0 = m_lo
         for it in range(total):
             # Shared-memory addresses through an index the compiler cannot see is 0: else it
             # hoists every wgmma descriptor of the resident tiles out of the loop (dozens of
@@ -290,7 +294,6 @@ if GLUON_AVAILABLE:
             stage = it % NUM_STAGES
             g = it // m_count
             m0 = m_lo + (it - g * m_count) * BLOCK_M
-            h64 = (h_kv * group + g).to(gl.int64)
             mbarrier.wait(ready.index(stage), (it // NUM_STAGES) & 1)
             q_t = q_smem.index(stage)
             do_t = do_smem.index(stage)
@@ -298,9 +301,9 @@ if GLUON_AVAILABLE:
             _zero_rows_from(do_t, len_q - m0)
             s_tok = warpgroup_mma(k_wg, q_t.permute((1, 0)), zero_s, use_acc=False, is_async=True)
             dp_tok = warpgroup_mma(v_wg, do_t.permute((1, 0)), zero_s, use_acc=False, is_async=True)
-            if it > 0:
-                if _owns_dq(it - 1, WG, ALTERNATE):
-                    _add_staged_dq(dq_wg, dq_ptr + prev_row, prev_m0, len_q, stride_dqs, dq_col0)
+            # The previous step's dQ reduce has read `dq_wg` before it is stored into again
+            # (at this step's end, after the P^T barrier below orders every thread after this).
+            tma.store_wait(0)
             # Rows that saw no key carry LSE -inf; their P is masked to 0, and any finite
             # stand-in keeps exp2 from producing NaN first.
             lse = lse_smem.index(stage).load(q_vec)
@@ -335,7 +338,6 @@ if GLUON_AVAILABLE:
             _partition_barrier()
             mbarrier.arrive(ds_ready.index(buf), count=1)
             dk_tok = warpgroup_mma(ds_wg, q_t, dk, is_async=True)
-            dq_row = z64 * stride_dqb + h64 * stride_dqh + (start_q + m0).to(gl.int64) * stride_dqs
             # dV and dK landing frees the stage's Q and dO and this warpgroup's P^T rows. The
             # other warpgroup overwrites this dS^T buffer only two steps on, after it has passed
             # the next step's barrier, which the warpgroup reading it here reaches only after
@@ -347,15 +349,15 @@ if GLUON_AVAILABLE:
                 )
                 dv, dk = warpgroup_mma_wait(1, deps=[dv_tok, dk_tok])
                 _release(empty.index(stage))
-                _stage_dq(warpgroup_mma_wait(0, deps=[dq_tok]), dq_wg)
+                dq = warpgroup_mma_wait(0, deps=[dq_tok])
+                dq_row, dq_col = _tile_origin(
+                    z, h_kv * group + g, start_q + m0, stride_dqb, stride_dqh, stride_dqs
+                )
+                _reduce_dq(dq, dq_wg, dq_desc, dq_row, dq_col + dq_col0)
             else:
                 dv, dk = warpgroup_mma_wait(0, deps=[dv_tok, dk_tok])
                 _release(empty.index(stage))
-            prev_row = dq_row
-            prev_m0 = m0
-        if total > 0:
-            if _owns_dq(total - 1, WG, ALTERNATE):
-                _add_staged_dq(dq_wg, dq_ptr + prev_row, prev_m0, len_q, stride_dqs, dq_col0)
+        tma.store_wait(0)  # the last reduce's read of shared memory, before the program ends
 
         # Epilogue: this warpgroup's dK (times the softmax scale) and dV rows.
         out_r = start_n + WG * KEYS + gl.arange(0, KEYS, layout=gl.SliceLayout(1, acc_layout))
@@ -372,15 +374,15 @@ if GLUON_AVAILABLE:
     # The three partitions take one argument list (worker partitions must share a signature).
     @gluon.jit
     def _consumer_0(descs, smem, bars, seq, strides, ptrs, scales):
-        _consumer(smem, bars, seq, strides, ptrs, scales, 0)
+        _consumer(descs, smem, bars, seq, strides, ptrs, scales, 0)
 
     @gluon.jit
     def _consumer_1(descs, smem, bars, seq, strides, ptrs, scales):
-        _consumer(smem, bars, seq, strides, ptrs, scales, 1)
+        _consumer(descs, smem, bars, seq, strides, ptrs, scales, 1)
 
     @gluon.jit
     def _attn_bwd_sm90(
-        q_desc, k_desc, v_desc, do_desc, lse_ptr, delta_ptr, dq_ptr, dk_ptr, dv_ptr,
+        q_desc, k_desc, v_desc, do_desc, dq_desc, lse_ptr, delta_ptr, dk_ptr, dv_ptr,
         cu_q_ptr, offsets_q_ptr, seqlens_q_ptr, cu_k_ptr, offsets_k_ptr, seqlens_k_ptr,
         stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
         stride_vb, stride_vs, stride_vh, stride_dob, stride_dos, stride_doh,
@@ -430,11 +432,8 @@ if GLUON_AVAILABLE:
         )
         ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], ds_layout)
         p_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_N, BLOCK_M], ds_layout)  # P^T
-        # Each consumer warpgroup's dQ share on its way to the atomics (`_stage_dq`).
-        dq_layout: gl.constexpr = gl.NVMMASharedLayout(
-            swizzle_byte_width=128, element_bitwidth=32, rank=2
-        )
-        dq_smem = gl.allocate_shared_memory(gl.float32, [2, 64, 64], dq_layout)
+        # Each consumer warpgroup's dQ share on its way to the TMA reduce (`_reduce_dq`).
+        dq_smem = gl.allocate_shared_memory(gl.float32, [2, 64, 64], dq_desc.layout)
         rows_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
         lse_smem = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, BLOCK_M], rows_layout)
         delta_smem = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, BLOCK_M], rows_layout)
@@ -452,7 +451,7 @@ if GLUON_AVAILABLE:
         fence_async_shared()
 
         args = (
-            (q_desc, k_desc, v_desc, do_desc),
+            (q_desc, k_desc, v_desc, do_desc, dq_desc),
             (q_smem, k_smem, v_smem, do_smem, lse_smem, delta_smem, ds_smem, p_smem, dq_smem),
             (kv_bar, ready, empty, ds_ready),
             (z, h_kv, group, start_q, start_k, start_n, len_q, len_k, diag, m_lo, m_count, total),
@@ -460,7 +459,7 @@ if GLUON_AVAILABLE:
              (stride_vb, stride_vh, stride_vs), (stride_dob, stride_doh, stride_dos),
              (stride_lb, stride_lh, stride_ls), (stride_dqb, stride_dqh, stride_dqs),
              (stride_dkb, stride_dkh, stride_dks), (stride_dvb, stride_dvh, stride_dvs)),
-            (lse_ptr, delta_ptr, dq_ptr, dk_ptr, dv_ptr), (qk_scale, sm_scale),
+            (lse_ptr, delta_ptr, dk_ptr, dv_ptr), (qk_scale, sm_scale),
         )  # fmt: skip
         gl.warp_specialize(
             [(_consumer_0, args), (_consumer_1, args), (_producer, args)],
@@ -472,6 +471,30 @@ if GLUON_AVAILABLE:
 # --------------------------------------------------------------------------------------------------
 # Host side
 # --------------------------------------------------------------------------------------------------
+
+
+# Each consumer warpgroup's dQ share per step: [64 query rows, 64 columns] of fp32.
+DQ_BOX = (64, 64)
+
+
+@functools.cache
+def _dq_layout():
+    """The shared-memory layout of a dQ share and of its TMA reduce (cached: ~20 us to build)."""
+    return gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
+
+
+def dq_accumulator(q):
+    """The zero-filled fp32 dQ accumulator, shaped like q and contiguous, with storage for at
+    least one whole TMA box of rows behind it.
+
+    `tma_view` describes a grid of at least one box of rows however short the tensor is; TMA
+    clips its writes only at the grid's end, so a reduce into a shorter buffer would add (zeros)
+    past its end, and x + 0.0 is not bitwise x for -0.0 or a NaN payload.
+    """
+    row_elems = q.shape[-1] * q.shape[-2]
+    rows = q.numel() // row_elems if row_elems else 0
+    storage = torch.zeros(max(rows, DQ_BOX[0]) * row_elems, dtype=torch.float32, device=q.device)
+    return storage[: q.numel()].view(q.shape)
 
 
 def plan_views(q, k, v, dout, varlen: bool):
@@ -490,30 +513,32 @@ def plan_views(q, k, v, dout, varlen: bool):
 
 
 def backward_sm90(
-    q, k, v, dout, lse, delta, dq_acc, dk, dv, views, geom, *, softmax_scale, causal, bottom_right
+    q, k, v, dout, lse, delta, dk, dv, views, geom, *, softmax_scale, causal, bottom_right
 ):  # fmt: skip
-    """Launch `_attn_bwd_sm90`: adds the unscaled dQ into the zero-filled fp32 `dq_acc` (laid
-    out like q) and writes dk / dv (any strides with stride(-1) == 1; rows past a sequence's
-    end are left alone). `lse`, `delta`: contiguous fp32 as the portable backward has them;
-    `views` from `plan_views`."""
+    """Launch `_attn_bwd_sm90`: writes dk / dv (any strides with stride(-1) == 1; rows past a
+    sequence's end are left alone) and returns the unscaled dQ, fp32, laid out like a
+    contiguous q (`dq_accumulator`). `lse`, `delta`: contiguous fp32 as the portable backward
+    has them; `views` from `plan_views`."""
     d = q.shape[-1]
     block_m, stages = TILES[d]
     q_desc = _descriptor(q, views[0], [block_m, d])
     k_desc = _descriptor(k, views[1], [BLOCK_N, d])
     v_desc = _descriptor(v, views[2], [BLOCK_N, d])
     do_desc = _descriptor(dout, views[3], [block_m, d])
-    varlen = geom.varlen
-    sq, sk, sv, sdo = (strides4(t, varlen) for t in (q, k, v, dout))
-    sdq, sdk, sdv = (strides4(t, varlen) for t in (dq_acc, dk, dv))
+    dq_acc = dq_accumulator(q)
+    dq_view = tma_view(dq_acc, varlen=geom.varlen, block_rows=DQ_BOX[0])
+    dq_desc = TensorDescriptor(dq_acc, *dq_view, list(DQ_BOX), _dq_layout())
+    sq, sk, sv, sdo = (strides4(t, geom.varlen) for t in (q, k, v, dout))
+    sdq, sdk, sdv = (strides4(t, geom.varlen) for t in (dq_acc, dk, dv))
     h_q, h_kv = q.shape[-2], k.shape[-2]
     grid = (cdiv(geom.k.max_len, BLOCK_N) * geom.batch * h_kv,)
     if grid[0] == 0:
-        return
+        return dq_acc
     _attn_bwd_sm90[grid](
-        q_desc, k_desc, v_desc, do_desc, lse, delta, dq_acc, dk, dv,
+        q_desc, k_desc, v_desc, do_desc, dq_desc, lse, delta, dk, dv,
         geom.q.cu_seqlens, geom.q.seq_offsets, geom.q.seqlens,
         geom.k.cu_seqlens, geom.k.seq_offsets, geom.k.seqlens,
-        *sq[:3], *sk[:3], *sv[:3], *sdo[:3], *lse_strides(lse, varlen),
+        *sq[:3], *sk[:3], *sv[:3], *sdo[:3], *lse_strides(lse, geom.varlen),
         *sdq[:3], *sdk[:3], *sdv[:3],
         h_kv, h_q // h_kv, geom.q.max_len, geom.k.max_len,
         float(softmax_scale) * LOG2E, float(softmax_scale),
@@ -521,6 +546,7 @@ def backward_sm90(
         SEQ_MODE_Q=geom.q.mode, SEQ_MODE_K=geom.k.mode, IS_CAUSAL=bool(causal),
         BOTTOM_RIGHT=bool(bottom_right), num_warps=CONSUMER_WARPS, maxnreg=MAX_REGISTERS,
     )  # fmt: skip
+    return dq_acc
 
 
 __all__ = ["GLUON_AVAILABLE", "SUPPORTED_HEAD_DIMS", "backward_sm90", "plan_views"]

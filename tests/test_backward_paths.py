@@ -1,5 +1,6 @@
 """Host-side logic of the sm_90 backward path, on the CPU: which calls its plan covers, that the
-dispatcher never picks it off an sm_90 GPU, and the setting's validation.
+dispatcher never picks it off an sm_90 GPU, the setting's validation, and the storage behind the dQ
+accumulator that the kernel's TMA reduce writes into.
 
 Shapes: dense q/dout [b, s, h, d], k/v [b, s, h_kv, d]; lse [b, h, s].
 """
@@ -8,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from fusedlayers.kernels import _backward_paths, _flash_bwd_sm90, set_backward_path
+from fusedlayers.kernels import _backward_paths, _flash_bwd_sm90, _flash_fwd_sm90, set_backward_path
 from fusedlayers.kernels._common import launch_geometry
 
 
@@ -69,3 +70,24 @@ def test_set_backward_path_names_bad_values():
     with pytest.raises(ValueError, match="backward path must be one of .* got 'fast'"):
         set_backward_path("fast")
     assert _backward_paths.backward_path() == "auto"
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [(2, 5, 3, 64), (1, 300, 2, 128), (7, 4, 64), (130, 1, 128), (0, 2, 64)],
+    ids=["dense-short", "dense-long", "varlen-short", "varlen-long", "empty"],
+)
+def test_dq_accumulator_has_a_whole_tma_box_behind_it(shape):
+    # The TMA reduce-add writes whole boxes of DQ_BOX[0] rows wherever the grid allows, and
+    # `tma_view` claims at least that many rows: the storage must really have them.
+    q = torch.randn(shape, dtype=torch.float16)
+    acc = _flash_bwd_sm90.dq_accumulator(q)
+    assert acc.shape == q.shape and acc.dtype == torch.float32 and acc.is_contiguous()
+    assert bool((acc == 0).all())
+    row = q.shape[-1] * q.shape[-2]
+    storage_rows = acc.untyped_storage().nbytes() // (4 * row)
+    rows = q.numel() // row
+    assert storage_rows >= max(rows, _flash_bwd_sm90.DQ_BOX[0])
+    view = _flash_fwd_sm90.tma_view(acc, len(shape) == 3, _flash_bwd_sm90.DQ_BOX[0])
+    if rows:
+        assert view is not None and view[0][0] <= storage_rows

@@ -123,12 +123,11 @@ def compile_backward(d: int, causal: bool):
     dout = torch.randn_like(q)
     lse = torch.randn(q.shape[0], q.shape[2], q.shape[1])
     delta = torch.randn_like(lse)
-    dq_acc = torch.zeros(q.shape, dtype=torch.float32)
     dk, dv = torch.empty_like(k), torch.empty_like(v)
     views = bwd.plan_views(q, k, v, dout, False)
     with offline_sm90(bwd._attn_bwd_sm90):
         bwd.backward_sm90(
-            q, k, v, dout, lse, delta, dq_acc, dk, dv, views, geom,
+            q, k, v, dout, lse, delta, dk, dv, views, geom,
             softmax_scale=d**-0.5, causal=causal, bottom_right=True,
         )  # fmt: skip
     return COMPILED[-1]
