@@ -23,9 +23,10 @@ _path = "auto"
 # Per head dim, the shortest key length (per sequence) at which "auto" takes the sm_90 backward;
 # None: "auto" never does (set_backward_path("sm90") still can). Measured on the H100 with
 # examples/perf/tune_sm90_backward.py (bf16, b*s = 16k tokens, h*d = 2048, docs/performance.md,
-# "The sm_90 backward"): d=128 backward 1.11-1.21x the portable one at s = 4k and 16k, causal and
-# not (shorter lengths not measured yet); d=64 0.89-1.04x, so it stays portable.
-SM90_BWD_MIN_KEYS: dict[int, int | None] = {128: 4096, 64: None}
+# "The sm_90 backward"): with the TMA reduce of dQ, d=128 backward 1.04-1.11x the portable one at
+# s = 1k and 2k, causal and not (shorter lengths not measured), and more from 4k on; d=64
+# 0.89-1.04x, so it stays portable.
+SM90_BWD_MIN_KEYS: dict[int, int | None] = {128: 1024, 64: None}
 # "auto" also wants this many waves of programs (one per 128 keys of each sequence and KV head,
 # one program per SM): the measured launches had 15; unlike the portable dK/dV pass, which
 # deals a GQA group over several programs when there are few (`_flash_bwd.group_splits`), this
