@@ -331,6 +331,8 @@ def train(args: argparse.Namespace) -> None:
         )
     loop = dict(model=model, core=core, optimizer=optimizer, data=data, args=args)
     step = run(**loop, step=step, history=history, rank=rank, world=world)
+    if device.type == "cuda":
+        report_peak_memory(device, rank, world)
     if rank == 0 and step == args.steps:
         if args.fsdp:  # sample from the gathered checkpoint, on one process
             core = GPT(config, use_reference=args.use_reference, device=device)
@@ -413,6 +415,17 @@ def train_step(model, optimizer, data, args, ctx, step, rank, world, autocast) -
     if world > 1:
         dist.all_reduce(loss, op=dist.ReduceOp.AVG)
     return loss.item()
+
+
+def report_peak_memory(device: torch.device, rank: int, world: int) -> None:
+    """Print the run's peak allocated GPU memory (training, evaluation and checkpointing), the
+    largest over all ranks: what decides whether a sequence length or a sharding fits. Every
+    rank must call it (a collective when world > 1)."""
+    peak = torch.tensor(float(torch.cuda.max_memory_allocated(device)), device=device)
+    if world > 1:
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    if rank == 0:
+        print(f"peak GPU memory: {peak.item() / 2**30:.2f} GiB per GPU (largest of {world})")
 
 
 def finish(model: GPT, history: list[dict], args: argparse.Namespace, device) -> None:

@@ -77,3 +77,6 @@ def test_short_bf16_training_run(tmp_path, capsys):
     line = next(x for x in out.splitlines() if x.startswith("validation loss: first"))
     first, last = (float(v.split()[-1]) for v in line.split(":")[1].split(","))
     assert last < 0.6 * first, out
+    peak = next(x for x in out.splitlines() if x.startswith("peak GPU memory:"))
+    gib = float(peak.split()[3])
+    assert 0 < gib * 2**30 <= torch.cuda.get_device_properties(0).total_memory, peak
