@@ -287,7 +287,7 @@ def flash_attention_backward(
         deterministic=deterministic,
     )  # fmt: skip
     if sm90_plan is not None:
-        # One launch for dQ, dK and dV on Hopper (`_backward_paths`); dQ sums with atomics.
+        # One launch for dQ, dK and dV on Hopper (`_backward_paths`); dQ sums by TMA reduce-adds.
         views, causal = sm90_plan
         dq_acc = sm90.backward_sm90(
             q, k, v, dout, lse, delta, dk, dv, views, geo,

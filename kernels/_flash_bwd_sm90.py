@@ -51,11 +51,8 @@ from ._common import LOG2E, cdiv, lse_strides, strides4
 from ._flash_fwd_sm90 import GLUON_AVAILABLE, _descriptor, tma_view
 
 if GLUON_AVAILABLE:
-    from triton._C.libtriton import ir
-    from triton.experimental.gluon.language._core import builtin
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
     from ._flash_fwd_sm90 import (
+        TensorDescriptor,
         _partition_barrier,
         _release,
         _seq_bounds,
@@ -74,6 +71,8 @@ if GLUON_AVAILABLE:
     # later Triton versions; Triton 3.6's Gluon builds the operation but has no Python name for it.
     _tma_reduce_add = getattr(tma, "async_atomic_add", None)
     if _tma_reduce_add is None:
+        from triton._C.libtriton import ir
+        from triton.experimental.gluon.language._core import builtin
 
         @builtin
         def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
