@@ -340,17 +340,20 @@ def forward_launch(
     q, k, v, *,
     cu_seqlens_q, cu_seqlens_k, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k,
     seqlens_q, seqlens_k, softmax_scale, window_left, window_right, bottom_right,
-    bias, alibi_slopes, softcap, dropout_p, seed, offset,
+    bias, alibi_slopes, softcap, dropout_p, seed, offset, geom=None,
 ):  # fmt: skip
     """Everything `_attn_fwd` needs: (out, lse, grid, args, constexprs), outputs allocated.
 
     Split from the launch so tools can run one explicit config (`_attn_fwd.fn[grid](...)`).
+    `geom`: the call's `launch_geometry` when the caller has it already (it is computed from the
+    same arguments otherwise).
     """
-    geom = launch_geometry(
-        q, k, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seq_offsets_q=seq_offsets_q,
-        seq_offsets_k=seq_offsets_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
-        seqlens_q=seqlens_q, seqlens_k=seqlens_k,
-    )  # fmt: skip
+    if geom is None:
+        geom = launch_geometry(
+            q, k, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+            seq_offsets_q=seq_offsets_q, seq_offsets_k=seq_offsets_k, max_seqlen_q=max_seqlen_q,
+            max_seqlen_k=max_seqlen_k, seqlens_q=seqlens_q, seqlens_k=seqlens_k,
+        )  # fmt: skip
     out, lse = _alloc_outputs(q, v, geom)
     num_heads_q, num_heads_kv = q.shape[-2], k.shape[-2]
     d_qk, d_v = q.shape[-1], v.shape[-1]
@@ -427,7 +430,7 @@ def flash_attention_forward(
         seqlens_q=seqlens_q, seqlens_k=seqlens_k, softmax_scale=softmax_scale,
         window_left=window_left, window_right=window_right, bottom_right=bottom_right,
         bias=bias, alibi_slopes=alibi_slopes, softcap=softcap, dropout_p=dropout_p,
-        seed=seed, offset=offset,
+        seed=seed, offset=offset, geom=geom,
     )  # fmt: skip
     signature = call_signature(
         (q, k, v, cu_seqlens_q, cu_seqlens_k, seq_offsets_q, seq_offsets_k, seqlens_q, seqlens_k,
