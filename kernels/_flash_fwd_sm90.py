@@ -6,18 +6,19 @@ Shapes (docs/internals.md), as for the portable kernel in `_flash_fwd.py`:
            -> out [b, s_q, h_q, d], lse [b, h_q, s_q]
     varlen q [t_q, h_q, d], k [t_k, h_kv, d], v [t_k, h_kv, d] -> out [t_q, h_q, d], lse [h_q, t_q]
 
-One program owns BLOCK_M = 128 query rows of one (sequence, query head), split over three
-partitions (`gl.warp_specialize`), FlashAttention-3's design:
+One program owns BLOCK_M = 64 x `CONSUMERS[d]` query rows of one (sequence, query head) (128 at
+d = 128, 192 at d = 64), split over partitions (`gl.warp_specialize`), FlashAttention-3's
+design:
 - a producer warpgroup streams each consumer's Q rows once and the K and V tiles of every visible
   key block by TMA into a NUM_STAGES-deep shared-memory ring, each stage guarded by a "ready"
-  mbarrier (the TMA's transaction count) and an "empty" one (both consumers' release); it keeps
+  mbarrier (the TMA's transaction count) and an "empty" one (every consumer's release); it keeps
   24 registers a thread and leaves the rest to the consumers (`setmaxnreg`);
-- two consumer warpgroups of 64 rows each run the products on asynchronous wgmma and the online
-  softmax. Within a warpgroup the products are software-pipelined: the next block's S = Q K^T
-  and the previous block's O += P V are both in flight while the softmax of the current scores
-  runs. Between the warpgroups a pair of mbarriers makes them take turns issuing products
-  (ping-pong), so one warpgroup's softmax runs on the CUDA cores while the other's products run
-  on the tensor cores.
+- two or three consumer warpgroups of 64 rows each run the products on asynchronous wgmma and
+  the online softmax. Within a warpgroup the products are software-pipelined: the next block's
+  S = Q K^T and the previous block's O += P V are both in flight while the softmax of the
+  current scores runs. Between the warpgroups one mbarrier each makes them take turns issuing
+  products (ping-pong, round-robin with three), so one warpgroup's softmax runs on the CUDA
+  cores while the others' products run on the tensor cores.
 
 How a tile is addressed: every operand is read through one 2-D TMA descriptor over its storage,
 rows of `stride_s` elements (`tma_view`). Head h of sequence z starts at element
@@ -65,15 +66,21 @@ try:  # Gluon ships with Triton 3.5+; its Hopper module is what this path needs.
 except Exception:  # noqa: BLE001 - any import failure means: no Gluon path on this install
     GLUON_AVAILABLE = False
 
-BLOCK_M = 128  # two consumer warpgroups of 64 rows (a wgmma's M is 64 per warpgroup)
-WARPGROUP_ROWS = BLOCK_M // 2
-CONSUMER_WARPS = 4  # the default partition: warpgroup 0; warpgroup 1 is a worker partition
-# Registers: three warpgroups (two consumers, the producer) = 384 threads; 168 x 384 fills the 64K
-# register file. The producer keeps 24 (the minimum), which leaves the consumers 240 each.
-MAX_REGISTERS = 168
-# (BLOCK_N, NUM_STAGES) per head dim. Shared memory: Q 128 x d plus NUM_STAGES K and V tiles.
+WARPGROUP_ROWS = 64  # query rows per consumer warpgroup (a wgmma's M is 64 per warpgroup)
+CONSUMER_WARPS = 4  # the default partition: consumer warpgroup 0; the others are workers
+# (BLOCK_N, NUM_STAGES) per head dim. Shared memory: Q BLOCK_M x d plus NUM_STAGES K and V tiles.
 TILES = {64: (128, 3), 128: (128, 2)}
 SUPPORTED_HEAD_DIMS = tuple(TILES)
+# Consumer warpgroups per head dim, so BLOCK_M = 64 x this. d = 128: two (FlashAttention-3's
+# ping-pong). d = 64: three, FlashAttention-3's d = 64 tile: its products are short, so a
+# softmax hides only under two other warpgroups' products.
+CONSUMERS = {64: 3, 128: 2}
+# Registers a thread, per consumer count: (at launch, [each worker consumer, the producer]).
+# All warpgroups start with 65536 / threads (capped at 168 by the two-consumer design); the
+# producer drops to 24 (the minimum) and the consumers share the rest, the default partition
+# taking what the workers leave: two consumers 3 x 168 - 240 - 24 = 240 each; three consumers
+# 4 x 128 - 2 x 160 - 24 = 168 for the default, 160 for the workers.
+REGISTERS = {2: (168, [240, 24]), 3: (128, [160, 160, 24])}
 
 
 def tile_for(head_dim: int) -> tuple[int, int]:
@@ -83,6 +90,11 @@ def tile_for(head_dim: int) -> tuple[int, int]:
 
 if GLUON_AVAILABLE:
     WG_ROWS = gl.constexpr(WARPGROUP_ROWS)
+
+    @gluon.jit
+    def _num_consumers(q_smem):
+        """Consumer warpgroups of the program: one Q tile each."""
+        return q_smem.type.shape[0]
 
     @gluon.jit
     def _seq_bounds(z, cu_ptr, offsets_ptr, seqlens_ptr, full_len, SEQ_MODE: gl.constexpr):
@@ -117,12 +129,13 @@ if GLUON_AVAILABLE:
         out_ptr, lse_ptr, o_base, lse_base, stride_os, stride_ls,
     ):  # fmt: skip
         """One warp: each warpgroup's Q rows once, then K and V of key blocks 0..num_blocks-1
-        into the stage ring, each stage reused once both consumers released it."""
+        into the stage ring, each stage reused once every consumer released it."""
         q_smem, k_smem, v_smem = smem
         BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
         NUM_STAGES: gl.constexpr = k_smem.type.shape[0]
+        NUM_WG: gl.constexpr = q_smem.type.shape[0]
         q_bars, k_ready, k_empty, v_ready, v_empty, turn = bars
-        for wg in gl.static_range(2):
+        for wg in gl.static_range(NUM_WG):
             mbarrier.expect(q_bars.index(wg), q_desc.block_type.nbytes)
             _tma_load(q_desc, [q_row + wg * WG_ROWS, q_col], q_bars.index(wg), q_smem.index(wg))
         for it in range(num_blocks):
@@ -148,16 +161,21 @@ if GLUON_AVAILABLE:
     def _take_turn(turn, wg: gl.constexpr, n):
         """Wait until it is this warpgroup's turn to issue products (its n-th issue, from 0).
 
-        Ping-pong (FlashAttention-3's inter-warpgroup schedule): the warpgroups alternate, so one
-        warpgroup's softmax runs on the CUDA cores while the other's products run on the tensor
-        cores. `turn[wg]` completes each time the other warpgroup hands over; warpgroup 0 goes
-        first (its barrier starts completed for parity 1, as every fresh mbarrier does).
+        Ping-pong (FlashAttention-3's inter-warpgroup schedule): the warpgroups issue in a
+        fixed round (0, 1, .., 0, 1, ..), so one warpgroup's softmax runs on the CUDA cores while
+        the others' products run on the tensor cores. `turn[wg]` completes each time the
+        warpgroup before it in the round hands over; warpgroup 0 goes first (its barrier starts
+        completed for parity 1, as every fresh mbarrier does).
         """
-        mbarrier.wait(turn.index(wg), (n & 1) ^ (1 - wg))
+        if wg == 0:
+            mbarrier.wait(turn.index(wg), (n & 1) ^ 1)
+        else:
+            mbarrier.wait(turn.index(wg), n & 1)
 
     @gluon.jit
     def _pass_turn(turn, wg: gl.constexpr):
-        mbarrier.arrive(turn.index(1 - wg), count=1)
+        NUM_WG: gl.constexpr = turn.type.shape[0]
+        mbarrier.arrive(turn.index((wg + 1) % NUM_WG), count=1)
 
     @gluon.jit
     def _zero_rows_past(tile, valid):
@@ -331,6 +349,17 @@ if GLUON_AVAILABLE:
         )  # fmt: skip
 
     @gluon.jit
+    def _consumer_2(
+        q_desc, k_desc, v_desc, smem, bars, q_row, q_col, k_row, k_col, v_row, v_col,
+        start_m, len_q, len_k, diag, num_blocks, first_masked, qk_scale,
+        out_ptr, lse_ptr, o_base, lse_base, stride_os, stride_ls,
+    ):  # fmt: skip
+        _consumer(
+            smem, bars, start_m, len_q, len_k, diag, num_blocks, first_masked, qk_scale,
+            out_ptr, lse_ptr, o_base, lse_base, stride_os, stride_ls, 2,
+        )  # fmt: skip
+
+    @gluon.jit
     def _attn_fwd_sm90(
         q_desc, k_desc, v_desc, out_ptr, lse_ptr,
         cu_q_ptr, offsets_q_ptr, seqlens_q_ptr, cu_k_ptr, offsets_k_ptr, seqlens_k_ptr,
@@ -340,9 +369,10 @@ if GLUON_AVAILABLE:
         num_heads_q, group, full_len_q, full_len_k, qk_scale,
         HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
         NUM_STAGES: gl.constexpr, SEQ_MODE_Q: gl.constexpr, SEQ_MODE_K: gl.constexpr,
-        IS_CAUSAL: gl.constexpr, BOTTOM_RIGHT: gl.constexpr,
+        IS_CAUSAL: gl.constexpr, BOTTOM_RIGHT: gl.constexpr, CONSUMER_REGS: gl.constexpr,
     ):  # fmt: skip
-        """One program: BLOCK_M query rows of one (sequence, query head)."""
+        """One program: BLOCK_M query rows of one (sequence, query head), 64 per consumer
+        warpgroup; CONSUMER_REGS: registers of each worker consumer (`REGISTERS`)."""
         # Query blocks vary fastest (neighbours share one head's K/V in L2); causal launches start
         # the last query blocks, which see the most keys, first.
         num_m = gl.cdiv(full_len_q, BLOCK_M)
@@ -367,8 +397,8 @@ if GLUON_AVAILABLE:
         if BOTTOM_RIGHT:
             diag = len_k - len_q
         # Keys [0, hi) are visible to some row; blocks from `first_masked` on need the mask.
-        # Both warpgroups run the same blocks (the ping-pong needs equal turns): the rows of the
-        # upper one mask what they cannot see.
+        # Every warpgroup runs the same blocks (the ping-pong needs equal turns): the rows of the
+        # upper ones mask what they cannot see.
         hi = len_k
         full = len_k
         if IS_CAUSAL:
@@ -390,25 +420,26 @@ if GLUON_AVAILABLE:
         lse_base = lse_base + start_q.to(gl.int64) * stride_ls
 
         dtype: gl.constexpr = q_desc.dtype
-        q_smem = gl.allocate_shared_memory(dtype, [2, WG_ROWS, HEAD_DIM], q_desc.layout)
+        NUM_WG: gl.constexpr = BLOCK_M // WG_ROWS
+        q_smem = gl.allocate_shared_memory(dtype, [NUM_WG, WG_ROWS, HEAD_DIM], q_desc.layout)
         k_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
         v_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
         bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
-        q_bars = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
-        turn = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
+        q_bars = gl.allocate_shared_memory(gl.int64, [NUM_WG, 1], bar_layout)
+        turn = gl.allocate_shared_memory(gl.int64, [NUM_WG, 1], bar_layout)
         k_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], bar_layout)
         k_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], bar_layout)
         v_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], bar_layout)
         v_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], bar_layout)
-        for i in gl.static_range(2):
+        for i in gl.static_range(NUM_WG):
             mbarrier.init(q_bars.index(i), count=1)
             mbarrier.init(turn.index(i), count=1)
         for i in gl.static_range(NUM_STAGES):
             mbarrier.init(k_ready.index(i), count=1)
             mbarrier.init(v_ready.index(i), count=1)
-            # A stage is free again once both warpgroups have released it.
-            mbarrier.init(k_empty.index(i), count=2)
-            mbarrier.init(v_empty.index(i), count=2)
+            # A stage is free again once every consumer warpgroup has released it.
+            mbarrier.init(k_empty.index(i), count=NUM_WG)
+            mbarrier.init(v_empty.index(i), count=NUM_WG)
         fence_async_shared()
 
         args = (
@@ -418,16 +449,23 @@ if GLUON_AVAILABLE:
             start_m, len_q, len_k, diag, num_blocks, first_masked, qk_scale,
             out_ptr, lse_ptr, o_base, lse_base, stride_os, stride_ls,
         )  # fmt: skip
-        gl.warp_specialize(
-            [(_consumer_0, args), (_consumer_1, args), (_producer, args)],
-            # Warpgroup 1, and the producer as a whole warpgroup. Registers move per warpgroup:
-            # with a one-warp producer the compiler budgeted the default partition as if the
-            # producer's three idle warps held none, and left it at 256 (256 + 240 + 24 > the
-            # 3 x 168 a thread of each warpgroup has at launch: `setmaxnreg.inc` could wait
-            # forever). With four warps the budget is exact and the default drops to 240.
-            [4, 4],
-            [240, 24],  # the default partition gets the rest: 3 x 168 - 240 - 24 = 240
-        )
+        # The worker consumers, and the producer as a whole warpgroup. Registers move per
+        # warpgroup: with a one-warp producer the compiler budgeted the default partition as if
+        # the producer's three idle warps held none, and left it at 256 (256 + 240 + 24 > the
+        # 3 x 168 a thread of each warpgroup has at launch: `setmaxnreg.inc` could wait
+        # forever). With four warps the budget is exact (`REGISTERS`).
+        if NUM_WG == 2:
+            gl.warp_specialize(
+                [(_consumer_0, args), (_consumer_1, args), (_producer, args)],
+                [4, 4],
+                [CONSUMER_REGS, 24],
+            )
+        else:
+            gl.warp_specialize(
+                [(_consumer_0, args), (_consumer_1, args), (_consumer_2, args), (_producer, args)],
+                [4, 4, 4],
+                [CONSUMER_REGS, CONSUMER_REGS, 24],
+            )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -492,7 +530,7 @@ def plan_views(q, k, v, varlen: bool):
         return None
     block_n = TILES[d][0]
     views = (
-        tma_view(q, varlen, BLOCK_M),
+        tma_view(q, varlen, WARPGROUP_ROWS * CONSUMERS[d]),
         tma_view(k, varlen, block_n),
         tma_view(v, varlen, block_n),
     )
@@ -510,7 +548,10 @@ def forward_sm90(q, k, v, out, lse, views, geom, *, softmax_scale, causal, botto
     sq, sk, sv = (strides4(t, geom.varlen) for t in (q, k, v))
     so = strides4(out, geom.varlen)
     num_heads_q, num_heads_kv = q.shape[-2], k.shape[-2]
-    grid = (cdiv(geom.q.max_len, BLOCK_M) * geom.batch * num_heads_q,)
+    consumers = CONSUMERS[d]
+    block_m = WARPGROUP_ROWS * consumers
+    max_registers, worker_registers = REGISTERS[consumers]
+    grid = (cdiv(geom.q.max_len, block_m) * geom.batch * num_heads_q,)
     if grid[0] == 0:
         return
     _attn_fwd_sm90[grid](
@@ -521,9 +562,10 @@ def forward_sm90(q, k, v, out, lse, views, geom, *, softmax_scale, causal, botto
         *lse_strides(lse, geom.varlen),
         num_heads_q, num_heads_q // num_heads_kv, geom.q.max_len, geom.k.max_len,
         float(softmax_scale) * LOG2E,
-        HEAD_DIM=d, BLOCK_M=BLOCK_M, BLOCK_N=block_n, NUM_STAGES=stages,
+        HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n, NUM_STAGES=stages,
         SEQ_MODE_Q=geom.q.mode, SEQ_MODE_K=geom.k.mode, IS_CAUSAL=bool(causal),
-        BOTTOM_RIGHT=bool(bottom_right), num_warps=CONSUMER_WARPS, maxnreg=MAX_REGISTERS,
+        BOTTOM_RIGHT=bool(bottom_right), CONSUMER_REGS=worker_registers[0],
+        num_warps=CONSUMER_WARPS, maxnreg=max_registers,
     )  # fmt: skip
 
 
