@@ -92,7 +92,7 @@ MAX_REGISTERS = 168
 # (FlashAttention-3's choice); at d = 64, [64, 128] tiles spilled. Shared memory: K, V, P^T, two
 # dS^T tiles, the dQ staging tiles and NUM_STAGES x (Q, dO): 210 KiB at d = 128 (no room for a
 # third stage), 146 KiB at d = 64 (3 or 4 stages measured within 3% of 2 on the H100).
-TILES = {128: (64, 2), 64: (64, 3)}
+TILES = {128: (64, 2), 64: (64, 2)}
 SUPPORTED_HEAD_DIMS = tuple(TILES)
 
 
@@ -222,55 +222,8 @@ if GLUON_AVAILABLE:
             return step >= 0
 
     @gluon.jit
-    def _probabilities(s_t, lse_row, qk_scale, masked, key0, m0, len_q, len_k, diag):
-        """P^T = exp2(S^T * scale * log2e - LSE * log2e), invisible pairs 0 (`_visible_keys`)."""
-        # Rows that saw no key carry LSE -inf; their P is masked to 0, and any finite stand-in
-        # keeps exp2 from producing NaN first. log2(e) is folded into qk_scale: one FMA a score.
-        lse2 = gl.where(lse_row == float("-inf"), 0.0, lse_row) * LOG2E
-        p_t = gl.exp2(s_t * qk_scale - gl.expand_dims(lse2, 0))
-        if masked:
-            p_t = _visible_keys(p_t, key0, m0, len_q, len_k, diag)
-        return p_t
-
-    @gluon.jit
-    def _score_grads(p_t, dp_t, delta_row, masked, key0, m0, len_q, len_k, diag, dtype):
-        """dS^T = P^T (dP^T - delta), rounded to the input dtype, invisible pairs 0."""
-        ds_t = p_t * (dp_t - gl.expand_dims(delta_row, 0))
-        if masked:
-            # Delta past a sequence's end may be anything (never written): 0 x NaN.
-            ds_t = _visible_keys(ds_t, key0, m0, len_q, len_k, diag)
-        return ds_t.to(dtype)
-
-    @gluon.jit
-    def _publish(tile, values, ready_bar):
-        """Store this warpgroup's rows of a tile that products (and, through `ready_bar`, the
-        other warpgroup) read: generic-proxy stores read by wgmma, so fence first."""
-        tile.store(values)
-        fence_async_shared()
-        _partition_barrier()
-        mbarrier.arrive(ready_bar, count=1)
-
-    @gluon.jit
-    def _publish_zeros(tile):
-        """Zero a [rows, cols] tile in shared memory that this warpgroup's products read next."""
-        layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-        rows: gl.constexpr = tile.type.shape[0]
-        cols: gl.constexpr = tile.type.shape[1]
-        tile.store(gl.zeros([rows, cols], tile.dtype, layout))
-        fence_async_shared()
-        _partition_barrier()
-
-    @gluon.jit
-    def _step_origin(it, m_lo, m_count, BLOCK_M: gl.constexpr):
-        """(group head g, first query row m0) of step `it`: heads outer, query blocks inner."""
-        g = it // m_count
-        return g, m_lo + (it - g * m_count) * BLOCK_M
-
-    @gluon.jit
-    def _consumer(
-        descs, smem, bars, seq, strides, ptrs, scales, WG: gl.constexpr, PIPELINE: gl.constexpr
-    ):
-        """One warpgroup: dK and dV of its 64 keys, and its share of each step's dQ."""
+    def _consumer(descs, smem, bars, seq, strides, ptrs, scales, WG: gl.constexpr):
+        """One warpgroup: dK and dV of its 64 keys, and its half of each step's dQ share."""
         q_smem, k_smem, v_smem, do_smem, lse_smem, delta_smem, ds_smem, p_smem, dq_smem = smem
         kv_bar, ready, empty, ds_ready = bars
         z, h_kv, group, start_q, start_k, start_n, len_q, len_k, diag, m_lo, m_count, total = seq
@@ -285,14 +238,11 @@ if GLUON_AVAILABLE:
         HEAD_DIM: gl.constexpr = q_smem.type.shape[2]
         BLOCK_N: gl.constexpr = k_smem.type.shape[1]
         KEYS: gl.constexpr = BLOCK_N // 2
-        # PIPELINE (`PIPELINED`): the next step's S^T and dP^T are issued before this step's
-        # dQ product, and that product is waited for only in the next step, after its P^T: the
-        # tensor cores work on one step while the warpgroup's exp2 runs for the next.
-        # Each step's dQ share dS K is [BLOCK_M = 64, d]. Each warpgroup computes half of the
-        # columns (at d = 128 its accumulator beside dK and dV must stay at 32 registers), or,
-        # at d = 64 without the pipeline, the warpgroups take turns computing all of it.
-        DQ_COLS: gl.constexpr = dq_smem.type.shape[2]
-        ALTERNATE: gl.constexpr = DQ_COLS == HEAD_DIM
+        # Each step's dQ share dS K is [BLOCK_M = 64, d]. d = 128: each warpgroup computes 64
+        # of the columns (its accumulator beside dK and dV must stay at 32 registers); d = 64:
+        # the warpgroups take turns computing all of it, one step each.
+        DQ_COLS: gl.constexpr = 64
+        ALTERNATE: gl.constexpr = HEAD_DIM == DQ_COLS
         dq_col0: gl.constexpr = 0 if ALTERNATE else WG * DQ_COLS
         dtype: gl.constexpr = q_smem.dtype
 
@@ -318,182 +268,98 @@ if GLUON_AVAILABLE:
         # diagonal row.
         key_edge = start_n + BLOCK_N > len_k
         diag_rows = start_n + BLOCK_N - 1 - diag
-        key0 = start_n + WG * KEYS
         z64 = z.to(gl.int64)
 
         mbarrier.wait(kv_bar, 0)
         _zero_rows_from(k_smem.index(0), len_k - start_n)
         _zero_rows_from(v_smem.index(0), len_k - start_n)
         dq_wg = dq_smem.index(WG)
-        if PIPELINE:
-            # Per step: its S^T and dP^T, then the previous step's dK and dQ products (their
-            # operands wait in shared memory), so the tensor cores run those three while the
-            # warpgroup computes this step's P^T; then its dV, its dS^T, the previous step's dQ
-            # share reduced. Every product has landed at the step's end: ptxas serializes all
-            # wgmma of a loop that carries one in flight across its back edge.
-            # Step 0's "previous" dK product reads this warpgroup's dS^T rows of buffer 1,
-            # zeroed here, and step 0's Q (finite once its rows past len_q are zeroed): it adds
-            # exact zeros. Its dQ product's result is dropped.
-            _publish_zeros(ds_smem.index(1).slice(WG * KEYS, KEYS))
-            for it in range(total):
-                # Addresses through an opaque 0: see the other loop.
-                res = _opaque_zero(it)
-                k_res = k_smem.index(res)
-                k_wg = k_res.slice(WG * KEYS, KEYS)
-                v_wg = v_smem.index(res).slice(WG * KEYS, KEYS)
-                p_wg = p_smem.index(res).slice(WG * KEYS, KEYS)
-                stage = it % NUM_STAGES
-                prev_stage = gl.where(it > 0, (it + NUM_STAGES - 1) % NUM_STAGES, 0)
-                g, m0 = _step_origin(it, m_lo, m_count, BLOCK_M)
-                mbarrier.wait(ready.index(stage), (it // NUM_STAGES) & 1)
-                q_t = q_smem.index(stage)
-                do_t = do_smem.index(stage)
-                _zero_rows_from(q_t, len_q - m0)
-                _zero_rows_from(do_t, len_q - m0)
-                s_tok = warpgroup_mma(
-                    k_wg, q_t.permute((1, 0)), zero_s, use_acc=False, is_async=True
-                )
-                dp_tok = warpgroup_mma(
-                    v_wg, do_t.permute((1, 0)), zero_s, use_acc=False, is_async=True
-                )
-                prev_buf = ds_smem.index((it + 1) % 2)
-                dk_tok = warpgroup_mma(
-                    prev_buf.slice(WG * KEYS, KEYS), q_smem.index(prev_stage), dk, is_async=True
-                )
-                if it > 0:
-                    mbarrier.wait(ds_ready.index((it + 1) % 2), ((it - 1) // 2) & 1)
-                dq_tok = warpgroup_mma(
-                    prev_buf.permute((1, 0)), k_res.slice(dq_col0, DQ_COLS, dim=1), zero_dq,
-                    use_acc=False, is_async=True,
-                )  # fmt: skip
-                masked = key_edge | (m0 + BLOCK_M > len_q) | (m0 < diag_rows)
-                lse = lse_smem.index(stage).load(q_vec)
-                # In flight, in issue order (wgmma groups retire in order): S^T, dP^T, dK, dQ.
-                s_t = warpgroup_mma_wait(3, deps=[s_tok])
-                p_t = _probabilities(s_t, lse, qk_scale, masked, key0, m0, len_q, len_k, diag)
-                # The previous step's dV product, the last reader of P^T, landed in that step.
-                p_wg.store(p_t.to(dtype))
-                fence_async_shared()
-                _partition_barrier()
-                dv_tok = warpgroup_mma(p_wg, do_t, dv, is_async=True)
-                delta = delta_smem.index(stage).load(q_vec)
-                dp_t = warpgroup_mma_wait(3, deps=[dp_tok])
-                ds_t = _score_grads(p_t, dp_t, delta, masked, key0, m0, len_q, len_k, diag, dtype)
-                # The previous step's dK and dQ: its Q and dO stage is free, and its dQ share
-                # goes to the accumulator. Both land before this step's dS^T is published: the
-                # other warpgroup overwrites the buffer they read once past this step's barrier.
-                dk, dq = warpgroup_mma_wait(1, deps=[dk_tok, dq_tok])
-                if it > 0:
-                    _release(empty.index(prev_stage))
-                    g_prev, m_prev = _step_origin(it - 1, m_lo, m_count, BLOCK_M)
-                    dq_row, dq_col = _tile_origin(
-                        z, h_kv * group + g_prev, start_q + m_prev, stride_dqb, stride_dqh,
-                        stride_dqs,
-                    )  # fmt: skip
-                    tma.store_wait(0)  # the reduce before it has read `dq_wg`
-                    _reduce_dq(dq, dq_wg, dq_desc, dq_row, dq_col + dq_col0)
-                buf = it % 2
-                _publish(ds_smem.index(buf).slice(WG * KEYS, KEYS), ds_t, ds_ready.index(buf))
-                dv = warpgroup_mma_wait(0, deps=[dv_tok])
-            if total > 0:
-                # The last step's dK and dQ.
-                last = total - 1
-                buf = last % 2
-                mbarrier.wait(ds_ready.index(buf), (last // 2) & 1)
-                k_res = k_smem.index(0)
-                dk_tok = warpgroup_mma(
-                    ds_smem.index(buf).slice(WG * KEYS, KEYS), q_smem.index(last % NUM_STAGES),
-                    dk, is_async=True,
-                )  # fmt: skip
-                dq_tok = warpgroup_mma(
-                    ds_smem.index(buf).permute((1, 0)), k_res.slice(dq_col0, DQ_COLS, dim=1),
-                    zero_dq, use_acc=False, is_async=True,
-                )  # fmt: skip
-                dk, dq = warpgroup_mma_wait(0, deps=[dk_tok, dq_tok])
-                _release(empty.index(last % NUM_STAGES))
-                g_last, m_last = _step_origin(last, m_lo, m_count, BLOCK_M)
-                dq_row, dq_col = _tile_origin(
-                    z, h_kv * group + g_last, start_q + m_last, stride_dqb, stride_dqh, stride_dqs
-                )
-                tma.store_wait(0)
-                _reduce_dq(dq, dq_wg, dq_desc, dq_row, dq_col + dq_col0)
-        else:
-            for it in range(total):
-                # Shared-memory addresses through an index the compiler cannot see is 0: else it
-                # hoists every wgmma descriptor of the resident tiles out of the loop (dozens of
-                # 64-bit values) and spills them.
-                res = _opaque_zero(it)
-                k_res = k_smem.index(res)
-                v_res = v_smem.index(res)
-                k_wg = k_res.slice(WG * KEYS, KEYS)
-                v_wg = v_res.slice(WG * KEYS, KEYS)
-                # P^T and dS^T reach the dV, dK and dQ products through shared memory, not
-                # registers: the dK and dV accumulators already take 2 x HEAD_DIM / 2 a thread.
-                p_wg = p_smem.index(res).slice(WG * KEYS, KEYS)
-                if ALTERNATE:
-                    k_dq = k_res
-                else:
-                    k_dq = k_res.slice(WG * DQ_COLS, DQ_COLS, dim=1)
-                stage = it % NUM_STAGES
-                g, m0 = _step_origin(it, m_lo, m_count, BLOCK_M)
-                mbarrier.wait(ready.index(stage), (it // NUM_STAGES) & 1)
-                q_t = q_smem.index(stage)
-                do_t = do_smem.index(stage)
-                _zero_rows_from(q_t, len_q - m0)
-                _zero_rows_from(do_t, len_q - m0)
-                s_tok = warpgroup_mma(
-                    k_wg, q_t.permute((1, 0)), zero_s, use_acc=False, is_async=True
-                )
-                dp_tok = warpgroup_mma(
-                    v_wg, do_t.permute((1, 0)), zero_s, use_acc=False, is_async=True
-                )
-                # The previous step's dQ reduce has read `dq_wg` before it is stored into again
-                # (at this step's end, after the P^T barrier below orders every thread after
-                # this).
-                tma.store_wait(0)
-                lse = lse_smem.index(stage).load(q_vec)
-                s_t = warpgroup_mma_wait(1, deps=[s_tok])
-                masked = key_edge | (m0 + BLOCK_M > len_q) | (m0 < diag_rows)
-                p_t = _probabilities(s_t, lse, qk_scale, masked, key0, m0, len_q, len_k, diag)
-                p_wg.store(p_t.to(dtype))
-                fence_async_shared()
-                _partition_barrier()
-                dv_tok = warpgroup_mma(p_wg, do_t, dv, is_async=True)
-                delta = delta_smem.index(stage).load(q_vec)
-                # wgmma groups retire in issue order: one outstanding (dV) means dP^T has landed.
-                dp_t = warpgroup_mma_wait(1, deps=[dp_tok])
-                ds_t = _score_grads(p_t, dp_t, delta, masked, key0, m0, len_q, len_k, diag, dtype)
+        for it in range(total):
+            # Shared-memory addresses through an index the compiler cannot see is 0: else it
+            # hoists every wgmma descriptor of the resident tiles out of the loop (dozens of
+            # 64-bit values) and spills them.
+            res = _opaque_zero(it)
+            k_res = k_smem.index(res)
+            v_res = v_smem.index(res)
+            k_wg = k_res.slice(WG * KEYS, KEYS)
+            v_wg = v_res.slice(WG * KEYS, KEYS)
+            # P^T and dS^T reach the dV, dK and dQ products through shared memory, not
+            # registers: the dK and dV accumulators already take 2 x HEAD_DIM / 2 a thread.
+            p_wg = p_smem.index(res).slice(WG * KEYS, KEYS)
+            if ALTERNATE:
+                k_dq = k_res
+            else:
+                k_dq = k_res.slice(WG * DQ_COLS, DQ_COLS, dim=1)
+            stage = it % NUM_STAGES
+            g = it // m_count
+            m0 = m_lo + (it - g * m_count) * BLOCK_M
+            mbarrier.wait(ready.index(stage), (it // NUM_STAGES) & 1)
+            q_t = q_smem.index(stage)
+            do_t = do_smem.index(stage)
+            _zero_rows_from(q_t, len_q - m0)
+            _zero_rows_from(do_t, len_q - m0)
+            s_tok = warpgroup_mma(k_wg, q_t.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+            dp_tok = warpgroup_mma(v_wg, do_t.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+            # The previous step's dQ reduce has read `dq_wg` before it is stored into again
+            # (at this step's end, after the P^T barrier below orders every thread after this).
+            tma.store_wait(0)
+            # Rows that saw no key carry LSE -inf; their P is masked to 0, and any finite
+            # stand-in keeps exp2 from producing NaN first.
+            lse = lse_smem.index(stage).load(q_vec)
+            lse2 = gl.where(lse == float("-inf"), 0.0, lse) * LOG2E
+            s_t = warpgroup_mma_wait(1, deps=[s_tok])
+            # exp2 with log2(e) folded into qk_scale and the LSE: one FMA per score.
+            p_t = gl.exp2(s_t * qk_scale - gl.expand_dims(lse2, 0))
+            masked = key_edge | (m0 + BLOCK_M > len_q) | (m0 < diag_rows)
+            if masked:
+                p_t = _visible_keys(p_t, start_n + WG * KEYS, m0, len_q, len_k, diag)
+            p_wg.store(p_t.to(dtype))
+            fence_async_shared()
+            _partition_barrier()
+            dv_tok = warpgroup_mma(p_wg, do_t, dv, is_async=True)
+            delta = delta_smem.index(stage).load(q_vec)
+            # wgmma groups retire in issue order: one outstanding (dV) means dP^T has landed.
+            dp_t = warpgroup_mma_wait(1, deps=[dp_tok])
+            ds_t = p_t * (dp_t - gl.expand_dims(delta, 0))
+            if masked:
+                # Delta past a sequence's end may be anything (never written): 0 x NaN.
+                ds_t = _visible_keys(ds_t, start_n + WG * KEYS, m0, len_q, len_k, diag)
+            ds_t = ds_t.to(dtype)
 
-                # dS^T into this warpgroup's rows of the shared tile: the dK product reads them,
-                # the dQ product both warpgroups' rows, so each waits for the other's.
-                buf = it % 2
-                ds_buf = ds_smem.index(buf)
-                ds_wg = ds_buf.slice(WG * KEYS, KEYS)
-                _publish(ds_wg, ds_t, ds_ready.index(buf))
-                dk_tok = warpgroup_mma(ds_wg, q_t, dk, is_async=True)
-                # dV and dK landing frees the stage's Q and dO and this warpgroup's P^T rows.
-                # The other warpgroup overwrites this dS^T buffer only two steps on, after it
-                # has passed the next step's barrier, which the warpgroup reading it here
-                # reaches only after its dQ product landed.
-                if _owns_dq(it, WG, ALTERNATE):
-                    mbarrier.wait(ds_ready.index(buf), (it // 2) & 1)
-                    dq_tok = warpgroup_mma(
-                        ds_buf.permute((1, 0)), k_dq, zero_dq, use_acc=False, is_async=True
-                    )
-                    dv, dk = warpgroup_mma_wait(1, deps=[dv_tok, dk_tok])
-                    _release(empty.index(stage))
-                    dq = warpgroup_mma_wait(0, deps=[dq_tok])
-                    dq_row, dq_col = _tile_origin(
-                        z, h_kv * group + g, start_q + m0, stride_dqb, stride_dqh, stride_dqs
-                    )
-                    _reduce_dq(dq, dq_wg, dq_desc, dq_row, dq_col + dq_col0)
-                else:
-                    dv, dk = warpgroup_mma_wait(0, deps=[dv_tok, dk_tok])
-                    _release(empty.index(stage))
+            # dS^T into this warpgroup's rows of the shared tile: the dK product reads them, the
+            # dQ product both warpgroups' rows, so each waits for the other's (generic-proxy
+            # stores read by wgmma: fence first).
+            buf = it % 2
+            ds_buf = ds_smem.index(buf)
+            ds_wg = ds_buf.slice(WG * KEYS, KEYS)
+            ds_wg.store(ds_t)
+            fence_async_shared()
+            _partition_barrier()
+            mbarrier.arrive(ds_ready.index(buf), count=1)
+            dk_tok = warpgroup_mma(ds_wg, q_t, dk, is_async=True)
+            # dV and dK landing frees the stage's Q and dO and this warpgroup's P^T rows. The
+            # other warpgroup overwrites this dS^T buffer only two steps on, after it has passed
+            # the next step's barrier, which the warpgroup reading it here reaches only after
+            # its dQ product landed.
+            if _owns_dq(it, WG, ALTERNATE):
+                mbarrier.wait(ds_ready.index(buf), (it // 2) & 1)
+                dq_tok = warpgroup_mma(
+                    ds_buf.permute((1, 0)), k_dq, zero_dq, use_acc=False, is_async=True
+                )
+                dv, dk = warpgroup_mma_wait(1, deps=[dv_tok, dk_tok])
+                _release(empty.index(stage))
+                dq = warpgroup_mma_wait(0, deps=[dq_tok])
+                dq_row, dq_col = _tile_origin(
+                    z, h_kv * group + g, start_q + m0, stride_dqb, stride_dqh, stride_dqs
+                )
+                _reduce_dq(dq, dq_wg, dq_desc, dq_row, dq_col + dq_col0)
+            else:
+                dv, dk = warpgroup_mma_wait(0, deps=[dv_tok, dk_tok])
+                _release(empty.index(stage))
         tma.store_wait(0)  # the last reduce's read of shared memory, before the program ends
 
         # Epilogue: this warpgroup's dK (times the softmax scale) and dV rows.
-        out_r = key0 + gl.arange(0, KEYS, layout=gl.SliceLayout(1, acc_layout))
+        out_r = start_n + WG * KEYS + gl.arange(0, KEYS, layout=gl.SliceLayout(1, acc_layout))
         out_c = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, acc_layout))
         out_mask = gl.expand_dims(out_r < len_k, 1) & gl.expand_dims(out_c < HEAD_DIM, 0)
         row_at = (start_k + out_r).to(gl.int64)
@@ -504,23 +370,14 @@ if GLUON_AVAILABLE:
         dv_ptrs = dv_ptr + dv_base + gl.expand_dims(row_at * stride_dvs, 1)
         gl.store(dv_ptrs + gl.expand_dims(out_c, 0), dv.to(dtype), mask=out_mask)
 
-    # The three partitions take one argument list (worker partitions must share a signature),
-    # and constexprs reach them only through their own code.
+    # The three partitions take one argument list (worker partitions must share a signature).
     @gluon.jit
     def _consumer_0(descs, smem, bars, seq, strides, ptrs, scales):
-        _consumer(descs, smem, bars, seq, strides, ptrs, scales, 0, False)
+        _consumer(descs, smem, bars, seq, strides, ptrs, scales, 0)
 
     @gluon.jit
     def _consumer_1(descs, smem, bars, seq, strides, ptrs, scales):
-        _consumer(descs, smem, bars, seq, strides, ptrs, scales, 1, False)
-
-    @gluon.jit
-    def _pipelined_0(descs, smem, bars, seq, strides, ptrs, scales):
-        _consumer(descs, smem, bars, seq, strides, ptrs, scales, 0, True)
-
-    @gluon.jit
-    def _pipelined_1(descs, smem, bars, seq, strides, ptrs, scales):
-        _consumer(descs, smem, bars, seq, strides, ptrs, scales, 1, True)
+        _consumer(descs, smem, bars, seq, strides, ptrs, scales, 1)
 
     @gluon.jit
     def _attn_bwd_sm90(
@@ -533,7 +390,7 @@ if GLUON_AVAILABLE:
         num_heads_kv, group, full_len_q, full_len_k, qk_scale, sm_scale,
         HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
         NUM_STAGES: gl.constexpr, SEQ_MODE_Q: gl.constexpr, SEQ_MODE_K: gl.constexpr,
-        IS_CAUSAL: gl.constexpr, BOTTOM_RIGHT: gl.constexpr, PIPELINE: gl.constexpr,
+        IS_CAUSAL: gl.constexpr, BOTTOM_RIGHT: gl.constexpr,
     ):  # fmt: skip
         """One program: BLOCK_N keys of one (sequence, KV head), over its GQA group's queries."""
         # Key blocks vary fastest (neighbours share the group's Q and dO in L2); under a causal
@@ -575,8 +432,7 @@ if GLUON_AVAILABLE:
         ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], ds_layout)
         p_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_N, BLOCK_M], ds_layout)  # P^T
         # Each consumer warpgroup's dQ share on its way to the TMA reduce (`_reduce_dq`).
-        dq_box: gl.constexpr = dq_desc.block_type.shape
-        dq_smem = gl.allocate_shared_memory(gl.float32, [2] + dq_box, dq_desc.layout)
+        dq_smem = gl.allocate_shared_memory(gl.float32, [2, 64, 64], dq_desc.layout)
         rows_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
         lse_smem = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, BLOCK_M], rows_layout)
         delta_smem = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, BLOCK_M], rows_layout)
@@ -604,16 +460,11 @@ if GLUON_AVAILABLE:
              (stride_dkb, stride_dkh, stride_dks), (stride_dvb, stride_dvh, stride_dvs)),
             (lse_ptr, delta_ptr, dk_ptr, dv_ptr), (qk_scale, sm_scale),
         )  # fmt: skip
-        # Warps: consumer warpgroup 1, and the producer as a whole warpgroup (as the forward's).
-        # Registers: the default partition gets the rest, 3 x 168 - 240 - 24 = 240.
-        if PIPELINE:
-            gl.warp_specialize(
-                [(_pipelined_0, args), (_pipelined_1, args), (_producer, args)], [4, 4], [240, 24]
-            )
-        else:
-            gl.warp_specialize(
-                [(_consumer_0, args), (_consumer_1, args), (_producer, args)], [4, 4], [240, 24]
-            )
+        gl.warp_specialize(
+            [(_consumer_0, args), (_consumer_1, args), (_producer, args)],
+            [4, 4],  # consumer warpgroup 1, and the producer as a whole warpgroup (forward)
+            [240, 24],  # the default partition gets the rest: 3 x 168 - 240 - 24 = 240
+        )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -621,19 +472,8 @@ if GLUON_AVAILABLE:
 # --------------------------------------------------------------------------------------------------
 
 
-# Per head dim, whether the consumers run the pipelined step (`_consumer`'s PIPELINE: the next
-# step's score products in flight across this step's dQ product and the next step's softmax).
-# At d = 128 the dQ share in flight beside the dK and dV accumulators and two score tiles does
-# not fit in a consumer's 240 registers.
-PIPELINED = {64: True, 128: False}
-# Rows of a warpgroup's dQ share per step (BLOCK_M); its columns are `_dq_box`'s.
-DQ_ROWS = 64
-
-
-def _dq_box(d: int) -> tuple[int, int]:
-    """[rows, columns] of fp32 a consumer warpgroup adds into dQ per TMA reduce: half of the
-    columns each (d = 128, or the pipelined step), else all 64 of them every other step."""
-    return (DQ_ROWS, d // 2 if PIPELINED[d] or d > 64 else d)
+# Each consumer warpgroup's dQ share per step: [64 query rows, 64 columns] of fp32.
+DQ_BOX = (64, 64)
 
 
 @functools.cache
@@ -652,7 +492,7 @@ def dq_accumulator(q):
     """
     row_elems = q.shape[-1] * q.shape[-2]
     rows = q.numel() // row_elems if row_elems else 0
-    storage = torch.zeros(max(rows, DQ_ROWS) * row_elems, dtype=torch.float32, device=q.device)
+    storage = torch.zeros(max(rows, DQ_BOX[0]) * row_elems, dtype=torch.float32, device=q.device)
     return storage[: q.numel()].view(q.shape)
 
 
@@ -685,8 +525,8 @@ def backward_sm90(
     v_desc = _descriptor(v, views[2], [BLOCK_N, d])
     do_desc = _descriptor(dout, views[3], [block_m, d])
     dq_acc = dq_accumulator(q)
-    dq_view = tma_view(dq_acc, varlen=geom.varlen, block_rows=DQ_ROWS)
-    dq_desc = TensorDescriptor(dq_acc, *dq_view, list(_dq_box(d)), _dq_layout())
+    dq_view = tma_view(dq_acc, varlen=geom.varlen, block_rows=DQ_BOX[0])
+    dq_desc = TensorDescriptor(dq_acc, *dq_view, list(DQ_BOX), _dq_layout())
     sq, sk, sv, sdo = (strides4(t, geom.varlen) for t in (q, k, v, dout))
     sdq, sdk, sdv = (strides4(t, geom.varlen) for t in (dq_acc, dk, dv))
     h_q, h_kv = q.shape[-2], k.shape[-2]
@@ -703,8 +543,7 @@ def backward_sm90(
         float(softmax_scale) * LOG2E, float(softmax_scale),
         HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=BLOCK_N, NUM_STAGES=stages,
         SEQ_MODE_Q=geom.q.mode, SEQ_MODE_K=geom.k.mode, IS_CAUSAL=bool(causal),
-        BOTTOM_RIGHT=bool(bottom_right), PIPELINE=PIPELINED[d], num_warps=CONSUMER_WARPS,
-        maxnreg=MAX_REGISTERS,
+        BOTTOM_RIGHT=bool(bottom_right), num_warps=CONSUMER_WARPS, maxnreg=MAX_REGISTERS,
     )  # fmt: skip
     return dq_acc
 

@@ -25,8 +25,10 @@ _path = "auto"
 # None: "auto" never does (set_forward_path("sm90") still can). Measured on the H100 through
 # flash_attn_func (bf16, b*s = 16k tokens; docs/performance.md, "The sm_90 forward"): d=128 runs
 # 1.16-1.24x the portable kernel's TFLOP/s from s = 2k on; at 1k the two swap places from run to
-# run (host-bound). d=64 does not beat the portable kernel (0.91-1.04x), so it stays there.
-SM90_MIN_KEYS = {128: 2048, 64: None}
+# run (host-bound). d=64, with three consumer warpgroups (`sm90.CONSUMERS`): 1.04-1.11x the
+# portable kernel at s = 4k and 16k, causal and not, but 0.66-0.92x at 1k
+# (examples/perf/ab_sm90_variants.py).
+SM90_MIN_KEYS = {128: 2048, 64: 4096}
 
 
 def set_forward_path(path: str) -> str:

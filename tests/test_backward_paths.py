@@ -78,7 +78,7 @@ def test_set_backward_path_names_bad_values():
     ids=["dense-short", "dense-long", "varlen-short", "varlen-long", "empty"],
 )
 def test_dq_accumulator_has_a_whole_tma_box_behind_it(shape):
-    # The TMA reduce-add writes whole boxes of DQ_ROWS rows wherever the grid allows, and
+    # The TMA reduce-add writes whole boxes of DQ_BOX[0] rows wherever the grid allows, and
     # `tma_view` claims at least that many rows: the storage must really have them.
     q = torch.randn(shape, dtype=torch.float16)
     acc = _flash_bwd_sm90.dq_accumulator(q)
@@ -87,7 +87,7 @@ def test_dq_accumulator_has_a_whole_tma_box_behind_it(shape):
     row = q.shape[-1] * q.shape[-2]
     storage_rows = acc.untyped_storage().nbytes() // (4 * row)
     rows = q.numel() // row
-    assert storage_rows >= max(rows, _flash_bwd_sm90.DQ_ROWS)
-    view = _flash_fwd_sm90.tma_view(acc, len(shape) == 3, _flash_bwd_sm90.DQ_ROWS)
+    assert storage_rows >= max(rows, _flash_bwd_sm90.DQ_BOX[0])
+    view = _flash_fwd_sm90.tma_view(acc, len(shape) == 3, _flash_bwd_sm90.DQ_BOX[0])
     if rows:
         assert view is not None and view[0][0] <= storage_rows

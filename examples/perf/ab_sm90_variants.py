@@ -2,14 +2,12 @@
 
     python examples/perf/ab_sm90_variants.py --pass fwd --dims 64 [--seqlens 1024,4096,16384]
         [--rounds 3] [--json PATH]
-    python examples/perf/ab_sm90_variants.py --pass bwd --dims 64 ...
 
-The variants are what the kernels' tables select per head dim, flipped in this process:
-- `--pass fwd`: the sm_90 forward with two and with three consumer warpgroups
-  (`_flash_fwd_sm90.CONSUMERS`), timed as a training step calls it (inputs need gradients);
-- `--pass bwd`: the sm_90 backward with and without the pipelined step
-  (`_flash_bwd_sm90.PIPELINED`), the backward alone (autograd.grad of a retained graph) and
-  forward+backward.
+The variants are what the kernels' tables select per head dim, flipped in this process. `--pass
+fwd`: the sm_90 forward with two and with three consumer warpgroups (`_flash_fwd_sm90.CONSUMERS`),
+timed as a training step calls it (inputs need gradients). A backward variant goes beside it the
+same way (its table flipped in `variants`, the backward alone timed by autograd.grad of a
+retained graph, and forward+backward).
 
 bf16, b = 16384 / s, h = 2048 / d, causal and not. Each variant's result is first checked
 against the portable kernels' (relative error under 1e-2, else the row says WRONG and nothing
@@ -28,12 +26,7 @@ import statistics
 import torch
 import torch.nn.functional as F
 import triton
-from fusedlayers.kernels import (
-    _flash_bwd_sm90,
-    _flash_fwd_sm90,
-    set_backward_path,
-    set_forward_path,
-)
+from fusedlayers.kernels import _flash_fwd_sm90, set_backward_path, set_forward_path
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from fusedlayers import flash_attn_func
@@ -57,25 +50,10 @@ def variants(pass_: str, d: int) -> dict:
 
         return select
 
-    def bwd(path, pipelined=None):
-        def select():
-            set_forward_path("auto")
-            set_backward_path(path)
-            if pipelined is not None:
-                _flash_bwd_sm90.PIPELINED[d] = pipelined
-
-        return select
-
-    if pass_ == "fwd":
-        return {
-            "sm90-2wg": fwd("sm90", 2),
-            "sm90-3wg": fwd("sm90", 3),
-            "portable": fwd("portable"),
-        }
     return {
-        "sm90-plain": bwd("sm90", False),
-        "sm90-pipelined": bwd("sm90", True),
-        "portable": bwd("portable"),
+        "sm90-2wg": fwd("sm90", 2),
+        "sm90-3wg": fwd("sm90", 3),
+        "portable": fwd("portable"),
     }
 
 
@@ -149,7 +127,7 @@ def measure(pass_: str, d: int, s: int, causal: bool, rounds: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--pass", dest="pass_", choices=("fwd", "bwd"), required=True)
+    parser.add_argument("--pass", dest="pass_", choices=("fwd",), default="fwd")
     parser.add_argument("--dims", default="64")
     parser.add_argument("--seqlens", default="1024,4096,16384")
     parser.add_argument("--rounds", type=int, default=3)
@@ -159,7 +137,7 @@ def main() -> None:
         torch.cuda.get_device_name(), torch.__version__, triton.__version__,
         f"cuDNN {torch.backends.cudnn.version()}", flush=True,
     )  # fmt: skip
-    saved = (dict(_flash_fwd_sm90.CONSUMERS), dict(_flash_bwd_sm90.PIPELINED))
+    saved = dict(_flash_fwd_sm90.CONSUMERS)
     rows = []
     try:
         for d in (int(x) for x in args.dims.split(",")):
@@ -179,8 +157,7 @@ def main() -> None:
                         + f" | err vs portable: {errors}{wrong}", flush=True,
                     )  # fmt: skip
     finally:
-        _flash_fwd_sm90.CONSUMERS.update(saved[0])
-        _flash_bwd_sm90.PIPELINED.update(saved[1])
+        _flash_fwd_sm90.CONSUMERS.update(saved)
         set_forward_path("auto")
         set_backward_path("auto")
     if args.json:
