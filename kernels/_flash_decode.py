@@ -31,6 +31,7 @@ Rows with no visible key get output 0 and LSE -inf. Statistics and accumulation 
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -89,6 +90,9 @@ def check_page_size(page_size: int) -> None:
         )
 
 
+# Cached: decode calls repeat a handful of (tiles, capacity) pairs, and the search below is ~30
+# Python calls (a few microseconds of the eager decode entry's host time).
+@functools.lru_cache(maxsize=4096)
 def num_splits_heuristic(tiles: int, max_len_k: int, device: torch.device) -> int:
     """Splits per (sequence, KV head, row block) for `tiles` such programs over up to
     `max_len_k` keys (the cache's capacity: the lengths stay on the device).
