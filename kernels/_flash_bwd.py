@@ -33,8 +33,10 @@ import triton.language as tl
 from . import _flash_bwd_sm90 as sm90
 from ._backward_paths import sm90_backward_plan
 from ._common import (
+    causal_order_heads,
     cdiv,
     dim_mask,
+    head_row_bytes,
     launch_geometry,
     load_tile,
     lse_strides,
@@ -308,6 +310,9 @@ def flash_attention_backward(
         q, k, v, dout, lse, delta, dq, bias_args[0], dbias_args[0], alibi_args[0], *seq_ptrs,
         *strides, *strides4(dq, geo.varlen)[:3], *bias_args[1], *dbias_args[1],
         *alibi_args[1], *scalars,
+        causal_order_heads(
+            geo.k.max_len, head_row_bytes(k, v), h_q // k.shape[-2], geo.batch * h_q
+        ),
         BLOCK_M=cfg["BLOCK_M2"], BLOCK_N=cfg["BLOCK_N2"], WRITE_DBIAS=dbias is not None, **opts,
         num_warps=cfg["WARPS2"], num_stages=cfg["STAGES2"], signature=signature,
     )  # fmt: skip
@@ -376,6 +381,11 @@ def _launch_dkdv(
         *_split_strides4(dv_out, splits, geo.varlen)[:3], *bias_args[1], *alibi_args[1],
         *dq_args[1], _split_stride(dk_out, splits), _split_stride(dv_out, splits), h_q, h_kv,
         splits, *scalars[2:],
+        # A (sequence, KV head, share) triple streams its share of the group's q and dO rows.
+        causal_order_heads(
+            geo.q.max_len, head_row_bytes(q, dout) * cdiv(h_q // h_kv, splits), 1,
+            geo.batch * h_kv * splits,
+        ),
         BLOCK_M=cfg["BLOCK_M1"], BLOCK_N=cfg["BLOCK_N1"], ATOMIC_DQ=dq_acc is not None, **opts,
         num_warps=cfg["WARPS1"], num_stages=cfg["STAGES1"],
         signature=None if signature is None else (signature, splits),

@@ -26,6 +26,7 @@ from ._common import (
     diagonal_offset,
     dim_mask,
     dropout_keep,
+    interleaved_tile,
     load_bias_tile,
     load_tile,
     query_block_range,
@@ -179,7 +180,8 @@ def _dkdv_head(
     return dk, dv
 
 
-@triton.jit
+# ORDER_PAIRS only orders the programs: one compiled kernel for every value.
+@triton.jit(do_not_specialize=["ORDER_PAIRS"])
 def _flash_bwd_dkdv_kernel(
     Q, K, V, DO, LSE, DELTA, DK, DV, BIAS, ALIBI, DQ_ACC,
     CU_Q, CU_K, OFF_Q, OFF_K, LENS_Q, LENS_K,
@@ -190,7 +192,7 @@ def _flash_bwd_dkdv_kernel(
     stride_bb, stride_bh, stride_bm, stride_bn, stride_ab, stride_ah,
     stride_dqb, stride_dqs, stride_dqh, stride_dk_split, stride_dv_split,
     H_Q, H_KV, GROUP_SPLITS, MAX_Q, MAX_K, D_QK, D_V,
-    sm_scale, softcap, window_left, window_right, dropout_p, seed, offset,
+    sm_scale, softcap, window_left, window_right, dropout_p, seed, offset, ORDER_PAIRS,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM_QK: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     PAD_QK: tl.constexpr, PAD_V: tl.constexpr,
@@ -210,10 +212,17 @@ def _flash_bwd_dkdv_kernel(
     """
     # A 1-D grid, key blocks fastest: batch * heads may pass the 65535 limit of grid axis 1, and
     # neighbouring programs share one group's q/dO in L2. Under causal-like windows the first key
-    # blocks see the most queries, so they also start first.
+    # blocks see the most queries, so they also start first, interleaved over ORDER_PAIRS
+    # (sequence, KV head, share) triples (`_common.interleaved_tile`).
     num_n = tl.cdiv(MAX_K, BLOCK_N)
-    pid_rest = tl.program_id(0) // num_n
-    start_n = (tl.program_id(0) % num_n) * BLOCK_N
+    if HAS_RIGHT:
+        pid_rest, n_idx = interleaved_tile(
+            tl.program_id(0), num_n, tl.num_programs(0) // num_n, ORDER_PAIRS
+        )
+    else:
+        pid_rest = tl.program_id(0) // num_n
+        n_idx = tl.program_id(0) % num_n
+    start_n = n_idx * BLOCK_N
     split = pid_rest % GROUP_SPLITS
     pid_zh = pid_rest // GROUP_SPLITS
     # Lengths and positions within a sequence stay int32 (the loops and masks run on them);

@@ -13,6 +13,7 @@ from ._common import (
     diagonal_offset,
     dim_mask,
     dropout_keep,
+    interleaved_tile,
     key_block_range,
     load_bias_tile,
     load_tile,
@@ -143,7 +144,8 @@ def _dq_rows(
     return dq
 
 
-@triton.jit
+# ORDER_PAIRS only orders the programs: one compiled kernel for every value.
+@triton.jit(do_not_specialize=["ORDER_PAIRS"])
 def _flash_bwd_dq_kernel(
     Q, K, V, DO, LSE, DELTA, DQ, BIAS, DBIAS, ALIBI,
     CU_Q, CU_K, OFF_Q, OFF_K, LENS_Q, LENS_K,
@@ -153,7 +155,7 @@ def _flash_bwd_dq_kernel(
     stride_bb, stride_bh, stride_bm, stride_bn,
     stride_dbb, stride_dbh, stride_dbm, stride_dbn, stride_ab, stride_ah,
     H_Q, H_KV, MAX_Q, MAX_K, D_QK, D_V,
-    sm_scale, softcap, window_left, window_right, dropout_p, seed, offset,
+    sm_scale, softcap, window_left, window_right, dropout_p, seed, offset, ORDER_PAIRS,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM_QK: tl.constexpr, HEAD_DIM_V: tl.constexpr, PAD_QK: tl.constexpr, PAD_V: tl.constexpr,
     SEQ_MODE_Q: tl.constexpr, SEQ_MODE_K: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
@@ -168,11 +170,16 @@ def _flash_bwd_dq_kernel(
     # A 1-D grid, query blocks fastest: batch * heads may pass the 65535 limit of grid axis 1, and
     # neighbouring programs share one head's K/V in L2.
     num_m = tl.cdiv(MAX_Q, BLOCK_M)
-    pid_zh = tl.program_id(0) // num_m
-    m_idx = tl.program_id(0) % num_m
     if HAS_RIGHT:
-        # Causal-like windows: the last query blocks see the most keys; start them first.
-        m_idx = num_m - 1 - m_idx
+        # Causal-like windows: the last query blocks see the most keys; start them first,
+        # interleaved over ORDER_PAIRS (sequence, head) pairs (`_common.interleaved_tile`).
+        pid_zh, i = interleaved_tile(
+            tl.program_id(0), num_m, tl.num_programs(0) // num_m, ORDER_PAIRS
+        )
+        m_idx = num_m - 1 - i
+    else:
+        pid_zh = tl.program_id(0) // num_m
+        m_idx = tl.program_id(0) % num_m
     start_m = m_idx * BLOCK_M
     # Lengths and positions within a sequence stay int32 (the loops and masks run on them);
     # batch, head and row offsets into memory are int64: b * s * h * d can pass 2^31 elements.

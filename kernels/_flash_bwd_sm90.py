@@ -47,12 +47,13 @@ import functools
 
 import torch
 
-from ._common import LOG2E, cdiv, lse_strides, strides4
+from ._common import LOG2E, causal_order_heads, cdiv, head_row_bytes, lse_strides, strides4
 from ._flash_fwd_sm90 import GLUON_AVAILABLE, _descriptor, tma_view
 
 if GLUON_AVAILABLE:
     from ._flash_fwd_sm90 import (
         TensorDescriptor,
+        _interleaved_tile,
         _partition_barrier,
         _release,
         _seq_bounds,
@@ -387,18 +388,23 @@ if GLUON_AVAILABLE:
         stride_vb, stride_vs, stride_vh, stride_dob, stride_dos, stride_doh,
         stride_lb, stride_lh, stride_ls, stride_dqb, stride_dqs, stride_dqh,
         stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh,
-        num_heads_kv, group, full_len_q, full_len_k, qk_scale, sm_scale,
+        num_heads_kv, group, full_len_q, full_len_k, qk_scale, sm_scale, order_pairs,
         HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
         NUM_STAGES: gl.constexpr, SEQ_MODE_Q: gl.constexpr, SEQ_MODE_K: gl.constexpr,
         IS_CAUSAL: gl.constexpr, BOTTOM_RIGHT: gl.constexpr,
     ):  # fmt: skip
-        """One program: BLOCK_N keys of one (sequence, KV head), over its GQA group's queries."""
+        """One program: BLOCK_N keys of one (sequence, KV head), over its GQA group's queries;
+        order_pairs: the causal launch order's interleave (`_interleaved_tile`)."""
         # Key blocks vary fastest (neighbours share the group's Q and dO in L2); under a causal
         # mask the first key blocks see the most queries, and they start first.
         num_n = gl.cdiv(full_len_k, BLOCK_N)
         pid = gl.program_id(0)
-        start_n = (pid % num_n) * BLOCK_N
-        bh = pid // num_n
+        if IS_CAUSAL:
+            bh, n_idx = _interleaved_tile(pid, num_n, gl.num_programs(0) // num_n, order_pairs)
+        else:
+            bh = pid // num_n
+            n_idx = pid % num_n
+        start_n = n_idx * BLOCK_N
         z = bh // num_heads_kv
         h_kv = bh % num_heads_kv
         start_k, len_k = _seq_bounds(
@@ -541,6 +547,10 @@ def backward_sm90(
         *sdq[:3], *sdk[:3], *sdv[:3],
         h_kv, h_q // h_kv, geom.q.max_len, geom.k.max_len,
         float(softmax_scale) * LOG2E, float(softmax_scale),
+        # A (sequence, KV head) pair streams its group's q and dO rows.
+        causal_order_heads(
+            geom.q.max_len, head_row_bytes(q, dout) * (h_q // h_kv), 1, geom.batch * h_kv
+        ),
         HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=BLOCK_N, NUM_STAGES=stages,
         SEQ_MODE_Q=geom.q.mode, SEQ_MODE_K=geom.k.mode, IS_CAUSAL=bool(causal),
         BOTTOM_RIGHT=bool(bottom_right), num_warps=CONSUMER_WARPS, maxnreg=MAX_REGISTERS,

@@ -30,9 +30,12 @@ import triton.language as tl
 from ._common import (
     LN2,
     LOG2E,
+    causal_order_heads,
     cdiv,
     diagonal_offset,
     dropout_keep,
+    head_row_bytes,
+    interleaved_tile,
     key_block_range,
     launch_geometry,
     load_bias_tile,
@@ -187,19 +190,20 @@ def _fwd_inner(
 
 
 @triton.jit
-def _program_tile(full_len_q, BLOCK_M: tl.constexpr, REVERSE_M: tl.constexpr):
+def _program_tile(full_len_q, order_pairs, BLOCK_M: tl.constexpr, REVERSE_M: tl.constexpr):
     """(batch * head index, first query row) of this program on the 1-D grid.
 
     Query blocks vary fastest: b * h may pass the 65535 limit of grid axis 1, and neighbouring
     programs share one head's K/V in L2. REVERSE_M (causal-like windows) starts the last query
-    blocks, which see the most keys, first.
+    blocks, which see the most keys, first, interleaved over `order_pairs` consecutive (sequence,
+    head) pairs (`_common.causal_order_heads` says why).
     """
     num_m = tl.cdiv(full_len_q, BLOCK_M)
     pid = tl.program_id(0)
-    m_idx = pid % num_m
     if REVERSE_M:
-        m_idx = num_m - 1 - m_idx
-    return pid // num_m, m_idx * BLOCK_M
+        bh, i = interleaved_tile(pid, num_m, tl.num_programs(0) // num_m, order_pairs)
+        return bh, (num_m - 1 - i) * BLOCK_M
+    return pid // num_m, (pid % num_m) * BLOCK_M
 
 
 @triton.jit
@@ -230,7 +234,9 @@ def _normalize(acc, l_i, m_i, dropout_p, HAS_DROPOUT: tl.constexpr):
     ],  # fmt: skip
     prune_configs_by={"early_config_prune": _prune_configs},
 )
-@triton.jit
+# order_pairs only orders the programs: no specialization on its value (1 or a multiple of 16),
+# so one compiled kernel serves every order.
+@triton.jit(do_not_specialize=["order_pairs"])
 def _attn_fwd(
     q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, bias_ptr, alibi_ptr,
     cu_q_ptr, offsets_q_ptr, seqlens_q_ptr, cu_k_ptr, offsets_k_ptr, seqlens_k_ptr,
@@ -241,7 +247,7 @@ def _attn_fwd(
     stride_lb, stride_lh, stride_ls,
     stride_bb, stride_bh, stride_bm, stride_bn,
     stride_ab, stride_ah,
-    num_heads_q, group, full_len_q, full_len_k, SEQ_BUCKET,
+    num_heads_q, group, full_len_q, full_len_k, SEQ_BUCKET, order_pairs,
     sm_scale, softcap, window_left, window_right, dropout_p, seed, offset,
     HEAD_DIM_QK: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
@@ -252,10 +258,11 @@ def _attn_fwd(
 ):  # fmt: skip
     """One program: BLOCK_M query rows of one (sequence, query head); writes out and lse rows.
 
-    SEQ_BUCKET (`seq_bucket`) only keys the autotuner; the kernel never reads it.
+    SEQ_BUCKET (`seq_bucket`) only keys the autotuner; the kernel never reads it. order_pairs:
+    the launch order of causal-like windows (`_program_tile`).
     """
     tl.static_assert(BLOCK_D >= HEAD_DIM_QK and BLOCK_DV >= HEAD_DIM_V)
-    bh, start_m = _program_tile(full_len_q, BLOCK_M, HAS_RIGHT)
+    bh, start_m = _program_tile(full_len_q, order_pairs, BLOCK_M, HAS_RIGHT)
     z = bh // num_heads_q
     h = bh % num_heads_q
     start_q, len_q = seq_bounds(z, cu_q_ptr, offsets_q_ptr, seqlens_q_ptr, full_len_q, SEQ_MODE_Q)
@@ -373,6 +380,10 @@ def forward_launch(
         *bias_strides, *alibi_strides,
         num_heads_q, num_heads_q // num_heads_kv, geom.q.max_len, geom.k.max_len,
         seq_bucket(geom.q.max_len, geom.k.max_len),
+        causal_order_heads(
+            geom.k.max_len, head_row_bytes(k, v), num_heads_q // num_heads_kv,
+            geom.batch * num_heads_q,
+        ),
         float(softmax_scale), float(softcap), int(window_left), int(window_right),
         float(dropout_p), seed, offset,
     )  # fmt: skip

@@ -43,7 +43,15 @@ import functools
 
 import torch
 
-from ._common import LN2, LOG2E, cdiv, lse_strides, strides4
+from ._common import (
+    LN2,
+    LOG2E,
+    causal_order_heads,
+    cdiv,
+    head_row_bytes,
+    lse_strides,
+    strides4,
+)
 
 try:  # Gluon ships with Triton 3.5+; its Hopper module is what this path needs.
     from triton.experimental import gluon
@@ -113,6 +121,15 @@ if GLUON_AVAILABLE:
             else:
                 start = cu_lo
         return start, length
+
+    @gluon.jit
+    def _interleaved_tile(pid, num_blocks, num_pairs, order_pairs):
+        """`_common.interleaved_tile` in Gluon (a Gluon kernel calls only Gluon functions)."""
+        per_group = num_blocks * order_pairs
+        first = (pid // per_group) * order_pairs
+        pairs = gl.minimum(order_pairs, num_pairs - first)  # the last group may be smaller
+        r = pid % per_group
+        return first + r % pairs, r // pairs
 
     @gluon.jit
     def _tile_origin(z, h, start, stride_b, stride_h, stride_s):
@@ -366,21 +383,24 @@ if GLUON_AVAILABLE:
         stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
         stride_vb, stride_vs, stride_vh, stride_ob, stride_os, stride_oh,
         stride_lb, stride_lh, stride_ls,
-        num_heads_q, group, full_len_q, full_len_k, qk_scale,
+        num_heads_q, group, full_len_q, full_len_k, qk_scale, order_pairs,
         HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
         NUM_STAGES: gl.constexpr, SEQ_MODE_Q: gl.constexpr, SEQ_MODE_K: gl.constexpr,
         IS_CAUSAL: gl.constexpr, BOTTOM_RIGHT: gl.constexpr, CONSUMER_REGS: gl.constexpr,
     ):  # fmt: skip
         """One program: BLOCK_M query rows of one (sequence, query head), 64 per consumer
-        warpgroup; CONSUMER_REGS: registers of each worker consumer (`REGISTERS`)."""
+        warpgroup; CONSUMER_REGS: registers of each worker consumer (`REGISTERS`);
+        order_pairs: the causal launch order's interleave (`_interleaved_tile`)."""
         # Query blocks vary fastest (neighbours share one head's K/V in L2); causal launches start
         # the last query blocks, which see the most keys, first.
         num_m = gl.cdiv(full_len_q, BLOCK_M)
         pid = gl.program_id(0)
-        m_idx = pid % num_m
         if IS_CAUSAL:
-            m_idx = num_m - 1 - m_idx
-        bh = pid // num_m
+            bh, i = _interleaved_tile(pid, num_m, gl.num_programs(0) // num_m, order_pairs)
+            m_idx = num_m - 1 - i
+        else:
+            bh = pid // num_m
+            m_idx = pid % num_m
         z = bh // num_heads_q
         h = bh % num_heads_q
         h_kv = h // group
@@ -554,6 +574,10 @@ def forward_sm90(q, k, v, out, lse, views, geom, *, softmax_scale, causal, botto
     grid = (cdiv(geom.q.max_len, block_m) * geom.batch * num_heads_q,)
     if grid[0] == 0:
         return
+    order_pairs = causal_order_heads(
+        geom.k.max_len, head_row_bytes(k, v), num_heads_q // num_heads_kv,
+        geom.batch * num_heads_q,
+    )  # fmt: skip
     _attn_fwd_sm90[grid](
         q_desc, k_desc, v_desc, out, lse,
         geom.q.cu_seqlens, geom.q.seq_offsets, geom.q.seqlens,
@@ -561,7 +585,7 @@ def forward_sm90(q, k, v, out, lse, views, geom, *, softmax_scale, causal, botto
         sq[0], sq[1], sq[2], sk[0], sk[1], sk[2], sv[0], sv[1], sv[2], so[0], so[1], so[2],
         *lse_strides(lse, geom.varlen),
         num_heads_q, num_heads_q // num_heads_kv, geom.q.max_len, geom.k.max_len,
-        float(softmax_scale) * LOG2E,
+        float(softmax_scale) * LOG2E, order_pairs,
         HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n, NUM_STAGES=stages,
         SEQ_MODE_Q=geom.q.mode, SEQ_MODE_K=geom.k.mode, IS_CAUSAL=bool(causal),
         BOTTOM_RIGHT=bool(bottom_right), CONSUMER_REGS=worker_registers[0],

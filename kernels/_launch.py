@@ -13,7 +13,8 @@ with the same specialization call the compiled kernel's launcher directly
 The key is at least as fine as Triton's specialization, so one key never maps to two compiled
 kernels: constexpr values as given, launch options (num_warps, ...), and per runtime argument
 what Triton specializes on: a tensor's dtype and 16-byte alignment, an int's being 1, being a
-multiple of 16 and fitting 32 bits, None, a bool's value. Anything else (a TMA descriptor, a
+multiple of 16 and fitting 32 bits (only the last for an int the kernel marks
+`do_not_specialize`), None, a bool's value. Anything else (a TMA descriptor, a
 profiler's launch hook, the CPU interpreter, a Triton whose compiled kernel lacks the launcher)
 takes `kernel[grid]` every time, which is always correct.
 
@@ -84,8 +85,10 @@ def int_signature(value: int) -> tuple:
     return _runtime_key(value)
 
 
-def _runtime_key(value):
+def _runtime_key(value, specialized: bool = True):
     cls = value.__class__
+    if cls is int and not specialized:  # `do_not_specialize`: only its width is in the type
+        return _MIN_INT32 <= value <= _MAX_INT32
     if cls is int:
         return (value == 1, value % 16 == 0, _MIN_INT32 <= value <= _MAX_INT32)
     if cls is float:
@@ -105,6 +108,7 @@ class _KernelLaunches:
         self.names = [p.name for p in params]
         self.known = set(self.names)
         self.constexpr = [p.is_constexpr for p in params]
+        self.specialized = [not getattr(p, "do_not_specialize", False) for p in params]
         self.defaults = {p.name: p.default for p in params if p.has_default}
         self.compiled: dict[tuple, object] = {}
         self.by_signature: dict[tuple, object] = {}
@@ -119,8 +123,8 @@ class _KernelLaunches:
 
     def key(self, values: list, kwargs: dict, device: int) -> tuple:
         spec = tuple(
-            value if is_constexpr else _runtime_key(value)
-            for value, is_constexpr in zip(values, self.constexpr)
+            value if is_constexpr else _runtime_key(value, specialized)
+            for value, is_constexpr, specialized in zip(values, self.constexpr, self.specialized)
         )
         options = tuple(sorted((k, v) for k, v in kwargs.items() if k not in self.known))
         return device, spec, options

@@ -18,7 +18,7 @@ from __future__ import annotations
 import pytest
 import torch
 from attention_testing import KernelSpy
-from fusedlayers.kernels import _flash_bwd, dropout_keep_mask
+from fusedlayers.kernels import _common, _flash_bwd, dropout_keep_mask
 from fusedlayers.kernels._flash_bwd import flash_attention_backward
 
 from fusedlayers.attention.reference import attention_reference
@@ -118,6 +118,19 @@ def test_dense_gradients(case):
     tensors = _dense(s_q * 7 + d, b, s_q, s_k, h, h_kv, d, d_v, dtype)
     ref, kern = _mask_kwargs(d**-0.5, window, bottom_right)
     _check(tensors, dtype, ref, kern)
+
+
+@pytest.mark.parametrize("order_pairs", [1, 4, 9])
+def test_causal_launch_order_covers_every_block(monkeypatch, order_pairs):
+    """Causal launches of both passes interleave (sequence, head) pairs longest-first
+    (`_common.causal_order_heads`): one pair at a time, 4 of 9 (a smaller last group) and all 9.
+    dq, dk and dv are allocated uninitialized, so a block the order skipped fails the rule."""
+    tensors = _dense(order_pairs, 3, 40, 40, 3, 3, 16, dtype=F16)
+    # q/dO rows stream in the dK/dV pass, k/v rows in the dQ pass: 64 bytes a row either way.
+    monkeypatch.setattr(_common, "CAUSAL_ORDER_L2_BYTES", order_pairs * 40 * 64)
+    assert _common.causal_order_heads(40, 64, 1, 9) == order_pairs
+    ref, kern = _mask_kwargs(0.25, (-1, 0), False)
+    _check(tensors, F16, ref, kern)
 
 
 def test_softcap_alibi_and_scale():

@@ -16,6 +16,7 @@ import pytest
 import torch
 import triton
 import triton.language as tl
+from fusedlayers.kernels import _common
 from fusedlayers.kernels._common import key_block_range, query_block_range
 from fusedlayers.kernels._dropout import dropout_keep_mask
 from fusedlayers.kernels._flash_fwd import flash_attention_forward
@@ -152,6 +153,40 @@ def test_windows_and_alignment(window, bottom_right, s_q, s_k, device):
     out, lse, _ = _compare(q, k, v, window=window, bottom_right=bottom_right)
     empty = torch.isinf(lse)
     assert (out.transpose(1, 2)[empty] == 0).all()
+
+
+@pytest.mark.parametrize("order_pairs", [1, 4, 6])
+@pytest.mark.parametrize("h_kv", [3, 1])
+def test_causal_launch_order_covers_every_tile(order_pairs, h_kv, device, monkeypatch):
+    """Causal launches interleave `order_pairs` (sequence, head) pairs longest-first
+    (`causal_order_heads`); 4 of 6 pairs leaves a smaller last group. Every query block of every
+    pair must still be computed once: out is allocated uninitialized, so a block the order
+    skipped fails the comparison."""
+    g = torch.Generator().manual_seed(order_pairs * 10 + h_kv)
+    q = _randn(2, 53, 3, 16, dtype=torch.float16, device=device, gen=g)
+    k = _randn(2, 47, h_kv, 16, dtype=torch.float16, device=device, gen=g)
+    v = _randn(2, 47, h_kv, 16, dtype=torch.float16, device=device, gen=g)
+    row_bytes, group = 2 * 16 * q.element_size(), 3 // h_kv
+    # The L2 budget that fits order_pairs / group KV heads (GQA: a group shares one).
+    budget = max(1, order_pairs // group) * 47 * row_bytes
+    monkeypatch.setattr(_common, "CAUSAL_ORDER_L2_BYTES", budget)
+    expected = min(6, max(1, order_pairs // group) * group)
+    assert _common.causal_order_heads(47, row_bytes, group, 6) == expected
+    _compare(q, k, v, window=(-1, 0), bottom_right=False)
+
+
+def test_causal_order_heads_bounds():
+    """At least one pair, at most all of them, whole GQA groups; 0 bytes: one pair at a time."""
+    assert _common.causal_order_heads(4096, 512, 1, 64) == 8  # 16 MiB / 2 MiB
+    assert _common.causal_order_heads(4096, 512, 4, 64) == 32  # 8 KV heads x 4 query heads
+    assert _common.causal_order_heads(1 << 20, 512, 2, 64) == 2  # one KV head over budget
+    assert _common.causal_order_heads(16, 64, 1, 5) == 5
+    saved = _common.CAUSAL_ORDER_L2_BYTES
+    try:
+        _common.CAUSAL_ORDER_L2_BYTES = 0
+        assert _common.causal_order_heads(16, 64, 4, 64) == 1
+    finally:
+        _common.CAUSAL_ORDER_L2_BYTES = saved
 
 
 def _varlen_meta(lens_q, lens_k, padded, device):

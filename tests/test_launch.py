@@ -31,8 +31,8 @@ class Compiled:
 class ToyKernel(triton.runtime.jit.JITFunction):
     """A real JITFunction (parameters and all) whose `run` records instead of compiling."""
 
-    def __init__(self):
-        super().__init__(_toy)
+    def __init__(self, **options):
+        super().__init__(_toy, **options)
         self.log, self.compiles = [], 0
 
     def run(self, *args, grid, warmup, **kwargs):
@@ -99,6 +99,17 @@ def test_values_triton_does_not_specialize_on_share_a_kernel(kernel):
         _launch.launch(kernel, (1,), _x(), n, scale, True, BLOCK=16)
     assert kernel.compiles == 1
     assert [entry[2][10] for entry in kernel.log[1:]] == [64, 112]  # the new n reaches the kernel
+
+
+def test_an_int_marked_do_not_specialize_shares_a_kernel_until_it_needs_64_bits(kernel):
+    """Triton compiles one kernel for every value of a `do_not_specialize` int (the launch
+    order's `order_pairs`), except that its type widens past 32 bits."""
+    plain = ToyKernel(do_not_specialize=["n"])
+    for n in (1, 7, 32, 2**40):
+        _launch.launch(plain, (1,), _x(), n, 0.5, True, BLOCK=16)
+    assert plain.compiles == 2
+    assert [entry[0] for entry in plain.log] == ["triton", "direct", "direct", "triton"]
+    assert plain.log[2][2][10] == 32  # the value reaches the kernel
 
 
 def test_unkeyable_argument_always_takes_tritons_path(kernel):

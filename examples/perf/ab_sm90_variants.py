@@ -1,18 +1,23 @@
-"""Same-process A/B of the sm_90 forward's variants, beside the portable kernel and cuDNN.
+"""Same-process A/B of kernel variants beside cuDNN: sm_90 kernel tables, causal launch order.
 
-    python examples/perf/ab_sm90_variants.py --dims 64 [--seqlens 1024,4096,16384] [--rounds 3]
-        [--json PATH]
+    python examples/perf/ab_sm90_variants.py --set consumers --dims 64 [--seqlens 1024,4096,16384]
+    python examples/perf/ab_sm90_variants.py --set order --causal 1 --passes fwd,fwdbwd
+        [--dims 64,128] [--seqlens 1024,2048,4096,16384] [--rounds 3] [--json PATH]
 
-The variants are what the kernel's tables select per head dim, flipped in this process: the sm_90
-forward with two and with three consumer warpgroups (`_flash_fwd_sm90.CONSUMERS`), timed as a
-training step calls it (inputs need gradients). To compare another variant, add its table flip
-to `variants`.
+A variant set flips module settings in this process (`variants`):
+- `consumers`: the sm_90 forward with two and with three consumer warpgroups
+  (`_flash_fwd_sm90.CONSUMERS`), and the portable forward.
+- `order`: causal launches interleaving (sequence, head) pairs longest-first (the default,
+  `_common.CAUSAL_ORDER_L2_BYTES`) against one pair at a time (0), on the sm_90 kernels and on
+  the portable ones (forward and backward paths pinned alike).
+To compare another variant, add its flip to `variants`.
 
-bf16, b = 16384 / s, h = 2048 / d, causal and not. Each variant's output is first checked
-against the portable kernel's (relative error under 1e-2, else the row says WRONG and it is not
-timed). The providers then run in `--rounds` interleaved rounds (`triton.testing.do_bench`
-medians), so a drift of the GPU's clock over the run reaches every provider alike; the table
-gives the median of the rounds. TFLOP/s count 4 b h s^2 d, halved when causal.
+bf16, b = 16384 / s, h = 2048 / d, inputs needing gradients as a training step has them. Each
+variant's output (and, with `fwdbwd`, its gradients) is first checked against the first
+variant's (relative error under 1e-2, else the row says WRONG and it is not timed). The providers
+then run in `--rounds` interleaved rounds (`triton.testing.do_bench` medians), so a drift of the
+GPU's clock reaches every provider alike; the table gives the median of the rounds. TFLOP/s
+count 4 b h s^2 d forward and 2.5x that forward+backward, halved when causal.
 """
 
 from __future__ import annotations
@@ -24,46 +29,70 @@ import statistics
 import torch
 import torch.nn.functional as F
 import triton
-from fusedlayers.kernels import _flash_fwd_sm90, set_forward_path
+from fusedlayers.kernels import (
+    _common,
+    _flash_fwd_sm90,
+    set_backward_path,
+    set_forward_path,
+)
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from fusedlayers import flash_attn_func
 
 TOKENS, HIDDEN = 16384, 2048
+SAVED = {"consumers": dict(_flash_fwd_sm90.CONSUMERS), "order": _common.CAUSAL_ORDER_L2_BYTES}
 
 
-def timed(fn) -> float:
-    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+def timed(fn, grads=None) -> float:
+    return triton.testing.do_bench(fn, warmup=25, rep=100, grad_to_none=grads, return_mode="median")
 
 
-def variants(d: int) -> dict:
-    """name -> a function that selects that variant (path and table) before a call."""
+def restore() -> None:
+    _flash_fwd_sm90.CONSUMERS.update(SAVED["consumers"])
+    _common.CAUSAL_ORDER_L2_BYTES = SAVED["order"]
+    set_forward_path("auto")
+    set_backward_path("auto")
 
-    def fwd(path, consumers=None):
-        def select():
+
+def variants(which: str, d: int) -> dict:
+    """name -> a function that selects that variant before a call; the first is the reference."""
+
+    def select(path, consumers=None, order=None):
+        def apply():
+            restore()
             set_forward_path(path)
+            set_backward_path(path)
             if consumers is not None:
                 _flash_fwd_sm90.CONSUMERS[d] = consumers
+            if order is not None:
+                _common.CAUSAL_ORDER_L2_BYTES = order
 
-        return select
+        return apply
 
+    if which == "consumers":
+        return {
+            "portable": select("portable"),
+            "sm90-2wg": select("sm90", consumers=2),
+            "sm90-3wg": select("sm90", consumers=3),
+        }
     return {
-        "sm90-2wg": fwd("sm90", 2),
-        "sm90-3wg": fwd("sm90", 3),
-        "portable": fwd("portable"),
+        "portable-pairwise": select("portable", order=0),
+        "portable": select("portable"),
+        "sm90-pairwise": select("sm90", order=0),
+        "sm90": select("sm90"),
     }
 
 
-def measure(d: int, s: int, causal: bool, rounds: int) -> dict:
+def measure(which: str, d: int, s: int, causal: bool, passes: list[str], rounds: int) -> dict:
     b, h = TOKENS // s, HIDDEN // d
     gen = torch.Generator(device="cuda").manual_seed(0)
     q, k, v = (
-        torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_(
-            True
-        )
+        torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
         for _ in range(3)
     )
+    dout = torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16, generator=gen)
     qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+    grads = [q, k, v]
 
     def cudnn():
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
@@ -72,53 +101,66 @@ def measure(d: int, s: int, causal: bool, rounds: int) -> dict:
     def ours():
         return flash_attn_func(q, k, v, causal=causal)
 
-    chosen = variants(d)
+    def both(fn):
+        return lambda: fn().backward(dout)
 
-    def result(select):
-        select()
-        return ours().detach().float()
+    chosen = variants(which, d)
+    backward = "fwdbwd" in passes
 
-    reference = result(chosen["portable"])
-    errors, wrong = {}, set()
-    for name, select in chosen.items():
-        errors[name] = ((result(select) - reference).norm() / reference.norm()).item()
+    def result(apply):
+        apply()
+        out = ours()
+        if not backward:
+            return [out.detach().float()]
+        return [t.float() for t in (out.detach(), *torch.autograd.grad(out, grads, dout))]
+
+    errors, wrong, reference = {}, set(), None
+    for name, apply in chosen.items():
+        got = result(apply)
+        reference = reference or got
+        errors[name] = max(((g - r).norm() / r.norm()).item() for g, r in zip(got, reference))
         if not errors[name] < 1e-2:
             wrong.add(name)
 
-    providers = {name: (sel, ours) for name, sel in chosen.items() if name not in wrong}
-    providers["cudnn"] = (None, cudnn)
-    runs: dict[str, list[float]] = {name: [] for name in providers}
+    providers = {name: (apply, ours) for name, apply in chosen.items() if name not in wrong}
+    providers["cudnn"] = (restore, cudnn)
+    runs = {(name, p): [] for name in providers for p in passes}
     for _ in range(rounds):
-        for name, (select, fn) in providers.items():
-            if select is not None:
-                select()
-            runs[name].append(timed(fn))
+        for name, (apply, fn) in providers.items():
+            apply()
+            for p in passes:
+                runs[(name, p)].append(timed(fn if p == "fwd" else both(fn), grads))
+    restore()
     flops = 4 * b * h * s * s * d / (2 if causal else 1)
     row = {"d": d, "s": s, "causal": int(causal), "errors": errors, "wrong": sorted(wrong)}
-    for name, rs in runs.items():
+    for (name, p), rs in runs.items():
         ms = statistics.median(rs)
-        row[f"{name}/fwd"] = {"ms": ms, "tflops": flops / ms / 1e9, "rounds_ms": rs}
+        work = flops * (2.5 if p == "fwdbwd" else 1.0)
+        row[f"{name}/{p}"] = {"ms": ms, "tflops": work / ms / 1e9, "rounds_ms": rs}
     return row
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--set", choices=("consumers", "order"), default="consumers")
     parser.add_argument("--dims", default="64")
     parser.add_argument("--seqlens", default="1024,4096,16384")
+    parser.add_argument("--causal", default="0,1", help="which of 0 (no mask) and 1 to run")
+    parser.add_argument("--passes", default="fwd", help="fwd, fwdbwd or both")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
+    passes = args.passes.split(",")
     print(
         torch.cuda.get_device_name(), torch.__version__, triton.__version__,
-        f"cuDNN {torch.backends.cudnn.version()}", flush=True,
+        f"cuDNN {torch.backends.cudnn.version()}", f"variants: {args.set}", flush=True,
     )  # fmt: skip
-    saved = dict(_flash_fwd_sm90.CONSUMERS)
     rows = []
     try:
         for d in (int(x) for x in args.dims.split(",")):
             for s in (int(x) for x in args.seqlens.split(",")):
-                for causal in (False, True):
-                    row = measure(d, s, causal, args.rounds)
+                for causal in (bool(int(x)) for x in args.causal.split(",")):
+                    row = measure(args.set, d, s, causal, passes, args.rounds)
                     rows.append(row)
                     cells = [
                         f"{key} {val['tflops']:.0f}"
@@ -129,11 +171,10 @@ def main() -> None:
                     wrong = f" WRONG: {row['wrong']}" if row["wrong"] else ""
                     print(
                         f"d={d} s={s} causal={int(causal)} | " + " | ".join(cells)
-                        + f" | err vs portable: {errors}{wrong}", flush=True,
+                        + f" | err vs first: {errors}{wrong}", flush=True,
                     )  # fmt: skip
     finally:
-        _flash_fwd_sm90.CONSUMERS.update(saved)
-        set_forward_path("auto")
+        restore()
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import pytest
 import torch
 from attention_testing import Case, check_case, make_inputs, run_kernel
-from fusedlayers.kernels import _backward_paths, _flash_bwd_sm90, flash_attention
+from fusedlayers.kernels import _backward_paths, _common, _flash_bwd_sm90, flash_attention
 from test_kernels_gpu import recorded
 
 pytestmark = pytest.mark.gpu
@@ -85,6 +85,22 @@ def test_sm90_backward_matches_reference(case, sm90_spy, request):
     with recorded(request, case.label()) as entry:
         entry["errors"] = check_case(case, DEV, high_dtype=torch.float32)
     assert sm90_spy, "the sm_90 backward did not run"
+
+
+@needs_sm90
+@pytest.mark.parametrize("kv_heads_in_l2", [0, 2, 5])
+@pytest.mark.parametrize("d", [64, 128])
+def test_sm90_causal_launch_orders(kv_heads_in_l2, d, sm90_spy, monkeypatch):
+    """Causal launches interleave (sequence, KV head) pairs longest-first
+    (`_common.causal_order_heads`): one pair at a time (budget 0), two, and five of the six (a
+    smaller last group). Every key block must still run exactly once (dK and dV are allocated
+    uninitialized)."""
+    case = Case(b=3, s_q=1000, s_k=1000, h=4, h_kv=2, d=d, dtype=torch.bfloat16, window=(-1, 0))
+    # A pair streams its GQA group's q and dO rows: 2 query heads x 2 tensors x d x 2 bytes.
+    budget = kv_heads_in_l2 * case.s_q * 2 * 2 * d * 2
+    monkeypatch.setattr(_common, "CAUSAL_ORDER_L2_BYTES", budget)
+    check_case(case, DEV, high_dtype=torch.float32)
+    assert sm90_spy, "the sm_90 kernel did not run"
 
 
 @needs_sm90

@@ -17,7 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 from attention_testing import Case, check_case, make_inputs, run_kernel
-from fusedlayers.kernels import _flash_fwd_sm90, _forward_paths, flash_attention
+from fusedlayers.kernels import _common, _flash_fwd_sm90, _forward_paths, flash_attention
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
@@ -74,6 +74,20 @@ CASES = [
 @needs_sm90
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.label())
 def test_sm90_matches_reference(case, sm90_spy):
+    check_case(case, DEV, high_dtype=torch.float32)
+    assert sm90_spy, "the sm_90 kernel did not run"
+
+
+@needs_sm90
+@pytest.mark.parametrize("kv_heads_in_l2", [0, 1, 5])
+@pytest.mark.parametrize("d", [64, 128])
+def test_sm90_causal_launch_orders(kv_heads_in_l2, d, sm90_spy, monkeypatch):
+    """Causal launches interleave (sequence, head) pairs longest-first (`causal_order_heads`):
+    one pair at a time (budget 0), one KV head's two query heads, and five KV heads' ten of
+    the twelve pairs (a smaller last group). Every query block must still run exactly once."""
+    case = Case(b=3, s_q=1000, s_k=1000, h=4, h_kv=2, d=d, dtype=torch.bfloat16, window=(-1, 0))
+    budget = kv_heads_in_l2 * case.s_k * 2 * d * 2
+    monkeypatch.setattr(_common, "CAUSAL_ORDER_L2_BYTES", budget)
     check_case(case, DEV, high_dtype=torch.float32)
     assert sm90_spy, "the sm_90 kernel did not run"
 
