@@ -398,6 +398,16 @@ def launch_geometry(
     )
 
 
+def remember(table: dict, key, value, limit: int):
+    """`table[key] = value`, emptying the table first when it holds `limit` entries; returns
+    `value`. Per-signature tables stay bounded through a long run of new shapes, and the common
+    case, a few signatures repeated every step, refills them at once."""
+    if len(table) >= limit:
+        table.clear()
+    table[key] = value
+    return value
+
+
 def seed_offset(seed, offset) -> tuple[int, int]:
     """Python ints from ints or 0-d/1-element tensors (the rng_state's two halves)."""
     return int(seed), int(offset)
