@@ -36,6 +36,7 @@ import triton.language as tl
 from . import _flash_bwd_sm90 as sm90
 from ._backward_paths import backward_path, sm90_backward_plan
 from ._common import (
+    attention_signature,
     cdiv,
     dim_mask,
     launch_geometry,
@@ -49,7 +50,7 @@ from ._common import (
 )
 from ._flash_bwd_dkdv import _flash_bwd_dkdv_kernel
 from ._flash_bwd_dq import _flash_bwd_dq_kernel
-from ._launch import call_signature, int_signature, launch
+from ._launch import call_signature, launch
 
 
 @triton.jit
@@ -264,6 +265,7 @@ def flash_attention_backward(
     dq: torch.Tensor | None = None,
     dk: torch.Tensor | None = None,
     dv: torch.Tensor | None = None,
+    forward_signature: tuple | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Gradients of flash attention with respect to q, k, v and, optionally, the bias.
 
@@ -284,16 +286,18 @@ def flash_attention_backward(
     `dq`, `dk`, `dv`: optional preallocated outputs with the shapes and dtypes of q/k/v and any
     strides with stride(-1) == 1 (e.g. views of one packed gradient buffer); the kernels write
     into them (zeroing rows no sequence owns) and they are returned in place of new ones.
+
+    `forward_signature`: the forward's `_common.attention_signature` of these inputs and
+    arguments, when the caller kept it (the eager route does); computed here otherwise.
     """
-    # What every launch below specializes on (`_launch.call_signature`), computed once; the
+    if forward_signature is None:
+        forward_signature = attention_signature(**locals())
+    # What every launch below specializes on (`_launch.call_signature`), computed once: the
+    # forward's inputs and arguments, plus the tensors and switches only the backward has. The
     # plan is keyed by it and by the settings `_make_plan` reads.
     signature = call_signature(
-        (dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seq_offsets_q, seq_offsets_k,
-         seqlens_q, seqlens_k, bias, alibi_slopes, dq, dk, dv),
-        (max_seqlen_q, max_seqlen_k, softmax_scale, window_left, window_right, bottom_right,
-         bias_requires_grad, softcap, dropout_p, int_signature(seed), int_signature(offset),
-         deterministic),
-    )  # fmt: skip
+        (dout, out, lse, dq, dk, dv), (forward_signature, bias_requires_grad, deterministic)
+    )
     key = (signature, ATOMIC_DQ_DEVICES, GROUP_SPLITS_OVERRIDE, backward_path())
     seq_args = dict(
         cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seq_offsets_q=seq_offsets_q,

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from fusedlayers.kernels import _common, _flash_bwd
+from fusedlayers.kernels import _common, _flash_bwd, _flash_fwd
 from test_kernels_backward_unit import _check, _dense, _mask_kwargs
+from test_kernels_forward_unit import NO_SEQ, _compare
 
 F16, F32 = torch.float16, torch.float32
 
@@ -110,3 +111,110 @@ def test_remember_bounds_a_table():
     for i in range(10):
         assert _common.remember(table, i, str(i), 4) == str(i)
         assert len(table) <= 4 and table[i] == str(i)
+
+
+@pytest.fixture
+def fwd_plans(monkeypatch):
+    """An empty forward plan table, and the list `_make_plan` appends to per plan made."""
+    monkeypatch.setattr(_flash_fwd, "_PLANS", {})
+    made = []
+    real = _flash_fwd._make_plan
+
+    def counting(*args, **kwargs):
+        made.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(_flash_fwd, "_make_plan", counting)
+    return made
+
+
+def _qkv(seed, b=2, s_q=20, s_k=35, h=4, h_kv=2, d=16, dtype=F16):
+    g = torch.Generator().manual_seed(seed)
+    shapes = ((b, s_q, h, d), (b, s_k, h_kv, d), (b, s_k, h_kv, d))
+    return [torch.randn(shape, generator=g).to(dtype) for shape in shapes]
+
+
+def test_forward_plan_is_made_once_and_computes_on_new_data(fwd_plans):
+    for seed in range(3):
+        _compare(*_qkv(seed), window=(-1, 0))
+    assert len(fwd_plans) == 1
+
+
+@pytest.mark.parametrize(
+    "change", ["stride", "length", "dtype", "heads", "window", "scale", "seqlens", "varlen"]
+)
+def test_forward_any_change_makes_a_new_plan(fwd_plans, change):
+    q, k, v = _qkv(0)
+    _compare(q, k, v, window=(-1, 0))
+    kw = dict(window=(-1, 0))
+    q, k, v = _qkv(1)
+    if change == "stride":  # k read through a transposed (non-contiguous) view
+        k = k.transpose(1, 2).contiguous().transpose(1, 2)
+    elif change == "length":
+        q, k, v = _qkv(1, s_k=40)
+    elif change == "dtype":
+        q, k, v = _qkv(1, dtype=F32)
+    elif change == "heads":
+        q, k, v = _qkv(1, h=6, h_kv=3)
+    elif change == "window":
+        kw["window"] = (4, 2)
+    elif change == "scale":
+        kw["scale"] = 0.5
+    elif change == "seqlens":  # right-padded: rows past a length are 0 with LSE -inf
+        kw["seq"] = dict(seqlens_q=torch.tensor([20, 7], dtype=torch.int32))
+    if change == "varlen":
+        lens_q, lens_k = [20, 13], [35, 22]
+        cu = [torch.tensor([0, a, a + b], dtype=torch.int32) for a, b in (lens_q, lens_k)]
+        seq = dict(cu_seqlens_q=cu[0], cu_seqlens_k=cu[1], max_seqlen_q=20, max_seqlen_k=35)
+        q, k, v = (t.reshape(-1, *t.shape[2:])[:n] for t, n in zip((q, k, v), (33, 57, 57)))
+        _compare(q, k, v, seq=seq, **kw)
+    else:
+        _compare(q, k, v, **kw)
+    assert len(fwd_plans) == 2
+
+
+def test_forward_launch_hands_out_constexprs_of_its_own():
+    """Tools change the constexprs forward_launch returns (one explicit config); the plan the
+    next call reuses must not see that."""
+    q, k, v = _qkv(0)
+    args = dict(NO_SEQ, softmax_scale=0.25, window_left=-1, window_right=-1, bottom_right=True,
+                bias=None, alibi_slopes=None, softcap=0.0, dropout_p=0.0, seed=0,
+                offset=0)  # fmt: skip
+    consts = _flash_fwd.forward_launch(q, k, v, **args)[4]
+    consts.update(BLOCK_M=-1, HEAD_DIM_QK=-1)
+    assert _flash_fwd.forward_launch(q, k, v, **args)[4]["HEAD_DIM_QK"] == 16
+    _compare(q, k, v, scale=0.25)
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["separate", "packed-qkv"])
+def test_eager_backward_starts_from_the_forward_signature(
+    bwd_plans, fwd_plans, packed, monkeypatch
+):
+    """Through the eager autograd route the backward signs only what the forward did not see
+    (dout, out, lse, the gradient buffers): one forward and one backward plan for three steps
+    on new data, gradients as the reference's; separate and packed q/k/v differ in their
+    gradient buffers' strides, so each gets its own backward plan."""
+    from fusedlayers.kernels import flash_attention
+
+    from fusedlayers.attention.reference import attention_reference
+
+    def leaves(seed):
+        q, k, v = _qkv(seed, s_k=20, h=2, h_kv=2)
+        if not packed:
+            return [t.requires_grad_() for t in (q, k, v)], None
+        qkv = torch.stack((q, k, v), dim=2).requires_grad_()  # [b, s, 3, h, d]
+        return list(qkv.unbind(2)), qkv
+
+    signed_again = []
+    monkeypatch.setattr(_flash_bwd, "attention_signature", lambda **kw: signed_again.append(1))
+    for seed in range(3):
+        (q, k, v), qkv = leaves(seed)
+        out, _ = flash_attention(q, k, v, softmax_scale=0.25, window_size=(-1, 0))
+        dout = torch.randn_like(out)
+        got = torch.autograd.grad(out, qkv if packed else (q, k, v), dout)
+        got = torch.cat(got[0].unbind(2) if packed else got)
+        ref = [t.detach().double().requires_grad_() for t in (q, k, v)]
+        ref_out = attention_reference(*ref, softmax_scale=0.25, window_size=(-1, 0))
+        want = torch.cat(torch.autograd.grad(ref_out, ref, dout.double()))
+        torch.testing.assert_close(got.double(), want, atol=2e-2, rtol=0)
+    assert len(fwd_plans) == 1 and len(bwd_plans) == 1 and not signed_again
