@@ -8,9 +8,13 @@ Shapes: dense q/dout [b, s_q, h, d], k/v [b, s_k, h_kv, d]; varlen [t, h, d].
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
-from fusedlayers.kernels import _common, _flash_bwd, _flash_fwd
+from attention_testing import check_close
+from fusedlayers.kernels import _common, _flash_bwd, _flash_decode, _flash_fwd
+from kvcache_testing import KVCase, call_kernel, check_kv_case, make_kv_inputs, reference
 from test_kernels_backward_unit import _check, _dense, _mask_kwargs
 from test_kernels_forward_unit import NO_SEQ, _compare
 
@@ -218,3 +222,60 @@ def test_eager_backward_starts_from_the_forward_signature(
         want = torch.cat(torch.autograd.grad(ref_out, ref, dout.double()))
         torch.testing.assert_close(got.double(), want, atol=2e-2, rtol=0)
     assert len(fwd_plans) == 1 and len(bwd_plans) == 1 and not signed_again
+
+
+@pytest.fixture
+def decode_plans(monkeypatch):
+    """An empty decode plan table, and the list `_make_plan` appends to per plan made."""
+    monkeypatch.setattr(_flash_decode, "_PLANS", {})
+    made = []
+    real = _flash_decode._make_plan
+
+    def counting(*args, **kwargs):
+        made.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(_flash_decode, "_make_plan", counting)
+    return made
+
+
+def test_decode_plan_is_made_once_and_computes_on_new_data(decode_plans):
+    """Three steps with new queries, cache contents and lengths (device values, not in the
+    signature): one plan, every step against the fp64 oracle, split partials in one buffer."""
+    for seed in range(3):
+        check_kv_case(KVCase(seed=seed, s_cache=96, num_splits=3), "cpu")
+    assert len(decode_plans) == 1
+
+
+@pytest.mark.parametrize(
+    "change", ["capacity", "cache stride", "splits", "window", "paged", "row blocks", "dtype"]
+)
+def test_decode_any_change_makes_a_new_plan(decode_plans, monkeypatch, change):
+    base = KVCase(num_splits=3)
+    if change == "row blocks":  # 6 query heads per KV head x 3 queries = 18 packed rows
+        base = KVCase(h=6, hk=1, s_q=3, s_new=3, causal=True, num_splits=3)
+    check_kv_case(base, "cpu")
+    case = dataclasses.replace(base, seed=1)
+    if change == "capacity":
+        case = dataclasses.replace(case, s_cache=80)
+    elif change == "splits":
+        case = dataclasses.replace(case, num_splits=2)
+    elif change == "window":
+        case = dataclasses.replace(case, window=(5, 0))
+    elif change == "paged":
+        case = dataclasses.replace(case, page_size=16)
+    elif change == "dtype":
+        case = dataclasses.replace(case, dtype=F32)
+    elif change == "row blocks":  # same signature, but the tile height (a setting) changes
+        monkeypatch.setattr(_flash_decode, "MAX_BLOCK_M", 16)
+    if change == "cache stride":  # the same cache read through [b, h_k, s, d] storage
+        inputs = make_kv_inputs(case, "cpu")
+        for name in ("k_cache", "v_cache"):
+            inputs[name] = inputs[name].transpose(1, 2).contiguous().transpose(1, 2)
+        out, lse = call_kernel(case, inputs)
+        high, _ = reference(case, inputs, torch.float64)
+        low, _ = reference(case, inputs, case.dtype)
+        check_close("out", out, high, low, factor=2.0)
+    else:
+        check_kv_case(case, "cpu")
+    assert len(decode_plans) == 2
