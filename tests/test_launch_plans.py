@@ -21,19 +21,24 @@ from test_kernels_forward_unit import NO_SEQ, _compare
 F16, F32 = torch.float16, torch.float32
 
 
-@pytest.fixture
-def bwd_plans(monkeypatch):
-    """An empty backward plan table, and the list of signatures `_make_plan` was called for."""
-    monkeypatch.setattr(_flash_bwd, "_PLANS", {})
+def _count_plans(monkeypatch, module) -> list:
+    """Empty `module`'s plan table; returns the list its `_make_plan` appends to per plan."""
+    monkeypatch.setattr(module, "_PLANS", {})
     made = []
-    real = _flash_bwd._make_plan
+    real = module._make_plan
 
     def counting(*args, **kwargs):
         made.append(1)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(_flash_bwd, "_make_plan", counting)
+    monkeypatch.setattr(module, "_make_plan", counting)
     return made
+
+
+@pytest.fixture
+def bwd_plans(monkeypatch):
+    """The backward plans made during a test (`_count_plans`)."""
+    return _count_plans(monkeypatch, _flash_bwd)
 
 
 def _bwd(seed, s_q=24, s_k=33, h=4, h_kv=2, d=16, dtype=F16, window=(-1, 0), **kern_extra):
@@ -119,17 +124,8 @@ def test_remember_bounds_a_table():
 
 @pytest.fixture
 def fwd_plans(monkeypatch):
-    """An empty forward plan table, and the list `_make_plan` appends to per plan made."""
-    monkeypatch.setattr(_flash_fwd, "_PLANS", {})
-    made = []
-    real = _flash_fwd._make_plan
-
-    def counting(*args, **kwargs):
-        made.append(1)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(_flash_fwd, "_make_plan", counting)
-    return made
+    """The forward plans made during a test (`_count_plans`)."""
+    return _count_plans(monkeypatch, _flash_fwd)
 
 
 def _qkv(seed, b=2, s_q=20, s_k=35, h=4, h_kv=2, d=16, dtype=F16):
@@ -226,17 +222,8 @@ def test_eager_backward_starts_from_the_forward_signature(
 
 @pytest.fixture
 def decode_plans(monkeypatch):
-    """An empty decode plan table, and the list `_make_plan` appends to per plan made."""
-    monkeypatch.setattr(_flash_decode, "_PLANS", {})
-    made = []
-    real = _flash_decode._make_plan
-
-    def counting(*args, **kwargs):
-        made.append(1)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(_flash_decode, "_make_plan", counting)
-    return made
+    """The decode plans made during a test (`_count_plans`)."""
+    return _count_plans(monkeypatch, _flash_decode)
 
 
 def test_decode_plan_is_made_once_and_computes_on_new_data(decode_plans):
