@@ -18,11 +18,14 @@ softmax numerator; the LSE is converted back to natural log when stored.
 from __future__ import annotations
 
 import functools
+import operator
 from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
+
+from ._launch import call_signature, int_signature
 
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
@@ -409,6 +412,42 @@ def launch_geometry(
         q=_seq_args(q, cu_seqlens_q, seq_offsets_q, max_seqlen_q, seqlens_q),
         k=_seq_args(k, cu_seqlens_k, seq_offsets_k, max_seqlen_k, seqlens_k),
     )
+
+
+def attention_signature(
+    q, k, v, *, cu_seqlens_q, cu_seqlens_k, seq_offsets_q, seq_offsets_k, max_seqlen_q,
+    max_seqlen_k, seqlens_q, seqlens_k, softmax_scale, window_left, window_right, bottom_right,
+    bias, alibi_slopes, softcap, dropout_p, seed, offset, **_unused,
+) -> tuple:  # fmt: skip
+    """The `_launch.call_signature` of an attention call's inputs and arguments: what the
+    forward's plan and launch specialize on, and the part of the backward's signature the two
+    share (the eager route computes it once per forward+backward). Other keywords are ignored."""
+    return call_signature(
+        (q, k, v, cu_seqlens_q, cu_seqlens_k, seq_offsets_q, seq_offsets_k, seqlens_q, seqlens_k,
+         bias, alibi_slopes),
+        (max_seqlen_q, max_seqlen_k, softmax_scale, window_left, window_right, bottom_right,
+         softcap, dropout_p, int_signature(seed), int_signature(offset)),
+    )  # fmt: skip
+
+
+def seq_pointers(geom: LaunchGeometry, order: tuple[int, ...]) -> operator.itemgetter:
+    """For a plan: a getter that takes a call's (cu_seqlens_q, cu_seqlens_k, seq_offsets_q,
+    seq_offsets_k, seqlens_q, seqlens_k, stand-in) and returns, at the positions `order` names,
+    each tensor `geom` uses, the stand-in for the others. Which ones it uses follows from which
+    are given (`launch_geometry`), so the getter holds for every call of one signature."""
+    used = (geom.q.cu_seqlens, geom.k.cu_seqlens, geom.q.seq_offsets, geom.k.seq_offsets,
+            geom.q.seqlens, geom.k.seqlens)  # fmt: skip
+    return operator.itemgetter(*(i if used[i] is not None else len(used) for i in order))
+
+
+def remember(table: dict, key, value, limit: int):
+    """`table[key] = value`, emptying the table first when it holds `limit` entries; returns
+    `value`. Per-signature tables stay bounded through a long run of new shapes, and the common
+    case, a few signatures repeated every step, refills them at once."""
+    if len(table) >= limit:
+        table.clear()
+    table[key] = value
+    return value
 
 
 def seed_offset(seed, offset) -> tuple[int, int]:

@@ -26,13 +26,18 @@ and dV after the same preprocess, dQ summed with atomics as in the atomic-dQ sch
 
 from __future__ import annotations
 
+import operator
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
 
+from . import _common
 from . import _flash_bwd_sm90 as sm90
-from ._backward_paths import sm90_backward_plan
+from ._backward_paths import backward_path, sm90_backward_plan
 from ._common import (
+    attention_signature,
     causal_order_heads,
     cdiv,
     dim_mask,
@@ -42,12 +47,13 @@ from ._common import (
     lse_strides,
     multiprocessors,
     next_pow2_dim,
+    remember,
     seq_bounds,
     strides4,
 )
 from ._flash_bwd_dkdv import _flash_bwd_dkdv_kernel
 from ._flash_bwd_dq import _flash_bwd_dq_kernel
-from ._launch import call_signature, int_signature, launch
+from ._launch import call_signature, launch
 
 
 @triton.jit
@@ -200,6 +206,37 @@ def _new_grad(
     return given if owns_all_rows else given.zero_()
 
 
+class _Launch(NamedTuple):
+    """One launch of a plan: its grid, the host-side ints and floats that follow its tensor
+    arguments (up to the per-call seed and offset, where it takes them) and its keywords."""
+
+    grid: tuple[int]
+    ints: tuple
+    kwargs: dict
+
+
+class BackwardPlan(NamedTuple):
+    """What the backward's launches derive from a call's signature (`_launch.call_signature`
+    plus the settings below), computed once per signature by `_make_plan`. Per call there is
+    left: allocating, and handing the tensors, seed and offset to the launches."""
+
+    sm90: bool  # the sm_90 kernel takes the call (its TMA views are per-tensor: made per call)
+    pointers: operator.itemgetter  # (cu_q, cu_k, off_q, off_k, lens_q, lens_k, stand-in) -> 6
+    owns_q: bool  # every row of q / k belongs to a sequence (else gradients start at 0)
+    owns_k: bool
+    atomic: bool  # dQ summed with atomics in the dK/dV pass (`use_atomic_dq`)
+    splits: int  # programs per GQA group in the dK/dV pass (`group_splits`)
+    dbias_shape: tuple[int, ...] | None
+    preprocess: _Launch
+    dkdv: _Launch
+    dq: _Launch
+
+
+# Plans by (signature, settings); bounded by `remember`.
+_PLANS: dict[tuple, BackwardPlan] = {}
+_MAX_PLANS = 1024
+
+
 def flash_attention_backward(
     dout: torch.Tensor,
     q: torch.Tensor,
@@ -231,6 +268,7 @@ def flash_attention_backward(
     dq: torch.Tensor | None = None,
     dk: torch.Tensor | None = None,
     dv: torch.Tensor | None = None,
+    forward_signature: tuple | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Gradients of flash attention with respect to q, k, v and, optionally, the bias.
 
@@ -251,43 +289,53 @@ def flash_attention_backward(
     `dq`, `dk`, `dv`: optional preallocated outputs with the shapes and dtypes of q/k/v and any
     strides with stride(-1) == 1 (e.g. views of one packed gradient buffer); the kernels write
     into them (zeroing rows no sequence owns) and they are returned in place of new ones.
+
+    `forward_signature`: the forward's `_common.attention_signature` of these inputs and
+    arguments, when the caller kept it (the eager route does); computed here otherwise.
     """
-    geo = launch_geometry(
-        q, k, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seq_offsets_q=seq_offsets_q,
+    if forward_signature is None:
+        forward_signature = attention_signature(**locals())
+    # What every launch below specializes on (`_launch.call_signature`), computed once: the
+    # forward's inputs and arguments, plus the tensors and switches only the backward has. The
+    # plan is keyed by it and by the settings `_make_plan` reads.
+    signature = call_signature(
+        (dout, out, lse, dq, dk, dv), (forward_signature, bias_requires_grad, deterministic)
+    )
+    key = (
+        signature, ATOMIC_DQ_DEVICES, GROUP_SPLITS_OVERRIDE, backward_path(),
+        _common.CAUSAL_ORDER_L2_BYTES,
+    )  # fmt: skip
+    seq_args = dict(
+        cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seq_offsets_q=seq_offsets_q,
         seq_offsets_k=seq_offsets_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
         seqlens_q=seqlens_q, seqlens_k=seqlens_k,
     )  # fmt: skip
-    h_q = q.shape[-2]
-    # What every launch below specializes on (`_launch.call_signature`), computed once.
-    signature = call_signature(
-        (dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seq_offsets_q, seq_offsets_k,
-         seqlens_q, seqlens_k, bias, alibi_slopes, dq, dk, dv),
-        (max_seqlen_q, max_seqlen_k, softmax_scale, window_left, window_right, bottom_right,
-         bias_requires_grad, softcap, dropout_p, int_signature(seed), int_signature(offset),
-         deterministic),
+    mask_args = dict(
+        window_left=window_left, window_right=window_right, bias=bias,
+        alibi_slopes=alibi_slopes, softcap=softcap, dropout_p=dropout_p,
     )  # fmt: skip
     lse = lse.contiguous()
-    dk = _new_grad(k, geo.k.owns_all_rows, dk)
-    dv = _new_grad(v, geo.k.owns_all_rows, dv)
-    dbias = _new_dbias(bias, geo, h_q) if bias is not None and bias_requires_grad else None
-    seq_ptrs = _seq_pointers(geo, q)
-    delta = _preprocess(out, dout, lse, geo, seq_ptrs, signature)
-    strides = _strides(q, k, v, dout, lse, geo.varlen)
-    scalars = (h_q, k.shape[-2], geo.q.max_len, geo.k.max_len, q.shape[-1], v.shape[-1],
-               softmax_scale, softcap if softcap > 0 else 1.0, window_left, window_right,
-               dropout_p, seed, offset)  # fmt: skip
-    bias_args = (bias, bias.stride()) if bias is not None else (q, (0, 0, 0, 0))
-    alibi_args = (alibi_slopes, alibi_slopes.stride()) if alibi_slopes is not None else (q, (0, 0))
-    opts = _bwd_options(q, v, geo, bias, alibi_slopes, window_left, window_right, bottom_right,
-                        softcap, dropout_p)  # fmt: skip
-    head_dim = max(q.shape[-1], v.shape[-1])
-    shared = (q, k, v, dout, lse, delta, dk, dv, bias_args, alibi_args, seq_ptrs, strides,
-              scalars, geo, opts)  # fmt: skip
-    sm90_plan = sm90_backward_plan(
-        q, k, v, dout, lse, geo, window_left=window_left, window_right=window_right,
-        bias=bias, alibi_slopes=alibi_slopes, softcap=softcap, dropout_p=dropout_p,
-        deterministic=deterministic,
-    )  # fmt: skip
+    plan = _PLANS.get(key)
+    if plan is None:
+        geo = launch_geometry(q, k, **seq_args)
+        plan = _make_plan(
+            dout, q, k, v, out, lse, dq, dk, dv, geo, softmax_scale=softmax_scale,
+            bottom_right=bottom_right, bias_requires_grad=bias_requires_grad,
+            deterministic=deterministic, **mask_args,
+        )  # fmt: skip
+        remember(_PLANS, key, plan, _MAX_PLANS)
+    sm90_plan = None
+    if plan.sm90:  # the TMA views are made per call; the plan only says the kernel applies
+        geo = launch_geometry(q, k, **seq_args)
+        sm90_plan = sm90_backward_plan(
+            q, k, v, dout, lse, geo, deterministic=deterministic, **mask_args
+        )
+    dk = _new_grad(k, plan.owns_k, dk)
+    dv = _new_grad(v, plan.owns_k, dv)
+    seq_ptrs = plan.pointers(
+        (cu_seqlens_q, cu_seqlens_k, seq_offsets_q, seq_offsets_k, seqlens_q, seqlens_k, q)
+    )
+    delta = _preprocess(plan.preprocess, out, dout, lse, seq_ptrs, signature)
     if sm90_plan is not None:
         # One launch for dQ, dK and dV on Hopper (`_backward_paths`); dQ sums by TMA reduce-adds.
         views, causal = sm90_plan
@@ -296,25 +344,25 @@ def flash_attention_backward(
             softmax_scale=softmax_scale, causal=causal, bottom_right=bottom_right,
         )  # fmt: skip
         return _scaled_dq(dq_acc, dq, q.dtype, softmax_scale), dk, dv, None
-    if use_atomic_dq(q, deterministic, dbias is not None):
+    # Without a bias, ALiBi or dQ accumulator the kernels never read that pointer: q stands in.
+    bias_ptr = bias if bias is not None else q
+    alibi_ptr = alibi_slopes if alibi_slopes is not None else q
+    tail = (seed, offset)
+    if plan.atomic:
         dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        _launch_dkdv(*shared, dq_acc, bwd_atomic_config(head_dim, q.is_cuda), signature)
+        _launch_dkdv(plan, (q, k, v, dout, lse, delta), dk, dv, (bias_ptr, alibi_ptr, dq_acc),
+                     seq_ptrs, tail, signature)  # fmt: skip
         return _scaled_dq(dq_acc, dq, q.dtype, softmax_scale), dk, dv, None
-    cfg = bwd_config(
-        head_dim, q.is_cuda, max(geo.q.max_len, geo.k.max_len), causal=opts["HAS_RIGHT"]
-    )
-    _launch_dkdv(*shared, None, cfg, signature)
-    dq = _new_grad(q, geo.q.owns_all_rows, dq)
-    dbias_args = (dbias, dbias.stride()) if dbias is not None else (q, (0, 0, 0, 0))
-    launch(_flash_bwd_dq_kernel, (cdiv(geo.q.max_len, cfg["BLOCK_M2"]) * geo.batch * h_q,),
-        q, k, v, dout, lse, delta, dq, bias_args[0], dbias_args[0], alibi_args[0], *seq_ptrs,
-        *strides, *strides4(dq, geo.varlen)[:3], *bias_args[1], *dbias_args[1],
-        *alibi_args[1], *scalars,
-        causal_order_heads(
-            geo.k.max_len, head_row_bytes(k, v), h_q // k.shape[-2], geo.batch * h_q
-        ),
-        BLOCK_M=cfg["BLOCK_M2"], BLOCK_N=cfg["BLOCK_N2"], WRITE_DBIAS=dbias is not None, **opts,
-        num_warps=cfg["WARPS2"], num_stages=cfg["STAGES2"], signature=signature,
+    _launch_dkdv(plan, (q, k, v, dout, lse, delta), dk, dv, (bias_ptr, alibi_ptr, q), seq_ptrs,
+                 tail, signature)  # fmt: skip
+    dq = _new_grad(q, plan.owns_q, dq)
+    dbias = None
+    if plan.dbias_shape is not None:
+        # Zeros: the dQ pass writes dBias only on the key blocks some query of each block sees.
+        dbias = torch.zeros(plan.dbias_shape, dtype=bias.dtype, device=bias.device)
+    launch(_flash_bwd_dq_kernel, plan.dq.grid,
+        q, k, v, dout, lse, delta, dq, bias_ptr, dbias if dbias is not None else q, alibi_ptr,
+        *seq_ptrs, *plan.dq.ints, *tail, **plan.dq.kwargs, signature=signature,
     )  # fmt: skip
     return dq, dk, dv, dbias
 
@@ -353,42 +401,110 @@ def group_splits(programs: int, group: int, device: torch.device, causal: bool) 
     return cdiv(group, cdiv(group, wanted))
 
 
-def _launch_dkdv(
-    q, k, v, dout, lse, delta, dk, dv, bias_args, alibi_args, seq_ptrs, strides, scalars, geo,
-    opts, dq_acc: torch.Tensor | None, cfg: dict[str, int], signature: tuple | None = None,
-) -> None:  # fmt: skip
-    """The dK/dV kernel; with an fp32 `dq_acc` it also adds the unscaled dQ into it (atomics).
-
-    `cfg` needs BLOCK_M1, BLOCK_N1, WARPS1, STAGES1 (both config tables provide them). When
-    `group_splits` deals the GQA group out over several programs, they write fp32 partial sums
-    `[splits, *k.shape]` that are then added into dk / dv. `signature`: the backward's
-    `call_signature` (the split count, which settings can change, is added to it here).
-    """
-    # Without an accumulator the kernel never touches DQ_ACC; q stands in for the pointer.
-    dq_args = (dq_acc, strides4(dq_acc, geo.varlen)[:3]) if dq_acc is not None else (q, (0, 0, 0))
-    h_q, h_kv = q.shape[-2], k.shape[-2]
-    programs = cdiv(geo.k.max_len, cfg["BLOCK_N1"]) * geo.batch * h_kv
+def _make_plan(
+    dout, q, k, v, out, lse, dq, dk, dv, geo, *, softmax_scale, window_left, window_right,
+    bottom_right, bias, bias_requires_grad, alibi_slopes, softcap, dropout_p, deterministic,
+) -> BackwardPlan:  # fmt: skip
+    """The backward's plan for this call's signature: which kernels run, and every grid, stride,
+    scalar and constexpr of their launches. Reads shapes, strides, dtypes and devices only;
+    buffers the launcher allocates are stood in for by meta tensors with their strides."""
+    varlen, h_q, h_kv = geo.varlen, q.shape[-2], k.shape[-2]
+    max_q, max_k = geo.q.max_len, geo.k.max_len
+    sm90_here = sm90_backward_plan(
+        q, k, v, dout, lse, geo, window_left=window_left, window_right=window_right, bias=bias,
+        alibi_slopes=alibi_slopes, softcap=softcap, dropout_p=dropout_p,
+        deterministic=deterministic,
+    ) is not None  # fmt: skip
+    dq, dk, dv = (g if g is not None else _meta(t.shape) for g, t in ((dq, q), (dk, k), (dv, v)))
+    dbias_shape = None
+    if bias is not None and bias_requires_grad:
+        dbias_shape = (geo.batch, h_q, max_q, max_k)
+    opts = _bwd_options(q, v, geo, bias, alibi_slopes, window_left, window_right, bottom_right,
+                        softcap, dropout_p)  # fmt: skip
+    strides = _strides(q, k, v, dout, lse, varlen)
+    ints = (h_q, h_kv, max_q, max_k, q.shape[-1], v.shape[-1], softmax_scale,
+            softcap if softcap > 0 else 1.0, window_left, window_right, dropout_p)  # fmt: skip
+    bias_strides = tuple(bias.stride()) if bias is not None else (0, 0, 0, 0)
+    alibi_strides = tuple(alibi_slopes.stride()) if alibi_slopes is not None else (0, 0)
+    d_v = v.shape[-1]
+    preprocess = _Launch(
+        (cdiv(max_q, PREPROCESS_BLOCK_M) * geo.batch * h_q,),
+        (*strides4(out, varlen)[:3], *strides4(dout, varlen)[:3], *lse_strides(lse, varlen),
+         h_q, max_q, d_v),
+        dict(BLOCK_M=PREPROCESS_BLOCK_M, HEAD_DIM_V=next_pow2_dim(d_v),
+             PAD_V=next_pow2_dim(d_v) != d_v, SEQ_MODE_Q=geo.q.mode),
+    )  # fmt: skip
+    head_dim = max(q.shape[-1], d_v)
+    atomic = use_atomic_dq(q, deterministic, dbias_shape is not None)
+    if atomic:
+        cfg = bwd_atomic_config(head_dim, q.is_cuda)
+    else:
+        cfg = bwd_config(head_dim, q.is_cuda, max(max_q, max_k), causal=opts["HAS_RIGHT"])
+    programs = cdiv(max_k, cfg["BLOCK_N1"]) * geo.batch * h_kv
     splits = group_splits(programs, h_q // h_kv, q.device, causal=opts["HAS_RIGHT"])
+    # With splits, the dK/dV pass writes fp32 partial sums [splits, *k.shape] (one share each).
+    dk_out, dv_out = (_meta((splits, *t.shape)) if splits > 1 else t for t in (dk, dv))
+    dq_acc_strides = strides4(_meta(q.shape), varlen)[:3] if atomic else (0, 0, 0)
+    dkdv = _Launch(
+        (programs * splits,),
+        (*strides, *_split_strides4(dk_out, splits, varlen)[:3],
+         *_split_strides4(dv_out, splits, varlen)[:3], *bias_strides, *alibi_strides,
+         *dq_acc_strides, _split_stride(dk_out, splits), _split_stride(dv_out, splits),
+         # A (sequence, KV head, share) triple streams its share of the group's q and dO rows.
+         causal_order_heads(
+             max_q, head_row_bytes(q, dout) * cdiv(h_q // h_kv, splits), 1,
+             geo.batch * h_kv * splits,
+         ),
+         h_q, h_kv, splits, *ints[2:]),
+        dict(BLOCK_M=cfg["BLOCK_M1"], BLOCK_N=cfg["BLOCK_N1"], ATOMIC_DQ=atomic, **opts,
+             num_warps=cfg["WARPS1"], num_stages=cfg["STAGES1"]),
+    )  # fmt: skip
+    dq_launch = _Launch((), (), {})  # the atomic scheme has no dQ pass
+    if not atomic:
+        dbias_strides = _meta(dbias_shape).stride() if dbias_shape is not None else (0, 0, 0, 0)
+        dq_launch = _Launch(
+            (cdiv(max_q, cfg["BLOCK_M2"]) * geo.batch * h_q,),
+            (*strides, *strides4(dq, varlen)[:3], *bias_strides, *dbias_strides, *alibi_strides,
+             causal_order_heads(max_k, head_row_bytes(k, v), h_q // h_kv, geo.batch * h_q),
+             *ints),
+            dict(BLOCK_M=cfg["BLOCK_M2"], BLOCK_N=cfg["BLOCK_N2"],
+                 WRITE_DBIAS=dbias_shape is not None, **opts, num_warps=cfg["WARPS2"],
+                 num_stages=cfg["STAGES2"]),
+        )  # fmt: skip
+    seq_tensors = (geo.q.cu_seqlens, geo.k.cu_seqlens, geo.q.seq_offsets, geo.k.seq_offsets,
+                   geo.q.seqlens, geo.k.seqlens)  # fmt: skip
+    # Absent tensors still need a pointer argument (index 6, q); the kernels never read it.
+    pointers = operator.itemgetter(*(i if t is not None else 6 for i, t in enumerate(seq_tensors)))
+    return BackwardPlan(
+        sm90=sm90_here, pointers=pointers, owns_q=geo.q.owns_all_rows,
+        owns_k=geo.k.owns_all_rows, atomic=atomic, splits=splits, dbias_shape=dbias_shape,
+        preprocess=preprocess, dkdv=dkdv, dq=dq_launch,
+    )  # fmt: skip
+
+
+def _meta(shape: tuple[int, ...]) -> torch.Tensor:
+    """A contiguous stand-in (no storage) for a buffer the launcher allocates: its strides."""
+    return torch.empty(shape, device="meta")
+
+
+def _launch_dkdv(plan, inputs, dk, dv, pointers, seq_ptrs, tail, signature) -> None:
+    """The dK/dV kernel; `pointers` = (bias, ALiBi, dQ accumulator), with q standing in for
+    absent ones. With a dQ accumulator (the atomic scheme) it also adds the unscaled dQ into it.
+
+    When `group_splits` dealt the GQA group out over several programs (`plan.splits`), they write
+    fp32 partial sums `[splits, *k.shape]` that are then added into dk / dv. The launch
+    signature adds the split count (a runtime int) to the backward's `signature`.
+    """
+    splits = plan.splits
     dk_out, dv_out = dk, dv
     if splits > 1:
         # Rows no program writes (past a sequence's end) must add up to 0.
-        new = torch.empty if geo.k.owns_all_rows else torch.zeros
+        new = torch.empty if plan.owns_k else torch.zeros
         dk_out = new((splits, *dk.shape), dtype=torch.float32, device=dk.device)
         dv_out = new((splits, *dv.shape), dtype=torch.float32, device=dv.device)
-    launch(_flash_bwd_dkdv_kernel, (programs * splits,),
-        q, k, v, dout, lse, delta, dk_out, dv_out, bias_args[0], alibi_args[0], dq_args[0],
-        *seq_ptrs, *strides, *_split_strides4(dk_out, splits, geo.varlen)[:3],
-        *_split_strides4(dv_out, splits, geo.varlen)[:3], *bias_args[1], *alibi_args[1],
-        *dq_args[1], _split_stride(dk_out, splits), _split_stride(dv_out, splits), h_q, h_kv,
-        splits, *scalars[2:],
-        # A (sequence, KV head, share) triple streams its share of the group's q and dO rows.
-        causal_order_heads(
-            geo.q.max_len, head_row_bytes(q, dout) * cdiv(h_q // h_kv, splits), 1,
-            geo.batch * h_kv * splits,
-        ),
-        BLOCK_M=cfg["BLOCK_M1"], BLOCK_N=cfg["BLOCK_N1"], ATOMIC_DQ=dq_acc is not None, **opts,
-        num_warps=cfg["WARPS1"], num_stages=cfg["STAGES1"],
-        signature=None if signature is None else (signature, splits),
+    launch(_flash_bwd_dkdv_kernel, plan.dkdv.grid,
+        *inputs, dk_out, dv_out, *pointers, *seq_ptrs, *plan.dkdv.ints, *tail,
+        **plan.dkdv.kwargs, signature=(signature, splits),
     )  # fmt: skip
     if splits > 1:
         # A fixed-order reduction over the shares: bitwise reproducible run to run.
@@ -405,42 +521,18 @@ def _split_stride(t: torch.Tensor, splits: int) -> int:
     return t.stride(0) if splits > 1 else 0
 
 
-def _new_dbias(bias: torch.Tensor, geo, h_q: int) -> torch.Tensor:
-    """Full [b, h_q, s_q, s_k] bias gradient; the caller's expand() backward reduces it.
-
-    Zeros: the dQ pass writes dBias only on the key blocks some query of each block can see.
-    """
-    shape = (geo.batch, h_q, geo.q.max_len, geo.k.max_len)
-    return torch.zeros(shape, dtype=bias.dtype, device=bias.device)
-
-
-def _seq_pointers(geo, dummy: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """(cu_seqlens_q, cu_seqlens_k, seq_offsets_q, seq_offsets_k, seqlens_q, seqlens_k).
-
-    Absent tensors still need a pointer argument; the kernels never dereference it.
-    """
-    tensors = (geo.q.cu_seqlens, geo.k.cu_seqlens, geo.q.seq_offsets, geo.k.seq_offsets,
-               geo.q.seqlens, geo.k.seqlens)  # fmt: skip
-    return tuple(t if t is not None else dummy for t in tensors)
-
-
 def _strides(q, k, v, dout, lse, varlen: bool) -> tuple[int, ...]:
     """(batch, row, head) strides of q, k, v, dout, then (batch, head, row) of the LSE/delta."""
     per_operand = [strides4(t, varlen)[:3] for t in (q, k, v, dout)]
     return (*[s for triple in per_operand for s in triple], *lse_strides(lse, varlen))
 
 
-def _preprocess(out, dout, lse, geo, seq_ptrs, signature: tuple | None = None) -> torch.Tensor:
+def _preprocess(launch_plan: _Launch, out, dout, lse, seq_ptrs, signature) -> torch.Tensor:
     """delta = rowsum(dout * out) in fp32, shaped and strided like the (contiguous) LSE."""
     delta = torch.empty_like(lse)
-    h_q, d_v = out.shape[-2], out.shape[-1]
-    grid = (cdiv(geo.q.max_len, PREPROCESS_BLOCK_M) * geo.batch * h_q,)
-    launch(_flash_bwd_preprocess_kernel, grid,
-        out, dout, delta, seq_ptrs[0], seq_ptrs[2], seq_ptrs[4],
-        *strides4(out, geo.varlen)[:3], *strides4(dout, geo.varlen)[:3],
-        *lse_strides(delta, geo.varlen), h_q, geo.q.max_len, d_v,
-        BLOCK_M=PREPROCESS_BLOCK_M, HEAD_DIM_V=next_pow2_dim(d_v), PAD_V=next_pow2_dim(d_v) != d_v,
-        SEQ_MODE_Q=geo.q.mode, signature=signature,
+    launch(_flash_bwd_preprocess_kernel, launch_plan.grid,
+        out, dout, delta, seq_ptrs[0], seq_ptrs[2], seq_ptrs[4], *launch_plan.ints,
+        **launch_plan.kwargs, signature=signature,
     )  # fmt: skip
     return delta
 

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import functools
 import os
+from typing import NamedTuple
 
 import torch
 import triton
@@ -47,6 +48,7 @@ from ._common import (
     multiprocessors,
     next_pow2,
     next_pow2_dim,
+    remember,
     scores_log2,
     smem_per_block,
     visible_tile,
@@ -362,6 +364,30 @@ _decode_fwd_tuned = triton.autotune(
 # --------------------------------------------------------------------------------------------------
 
 
+class DecodePlan(NamedTuple):
+    """What `decode_attention`'s launches derive from a call's signature (shapes, strides,
+    dtypes, devices of every input, the scalar arguments and `MAX_BLOCK_M`), made once per
+    signature by `_make_plan`. Per call there is left: three allocations and the launches."""
+
+    out_shape: tuple[int, ...]
+    lse_shape: tuple[int, ...]
+    num_splits: int  # after the heuristic (`num_splits_heuristic`) and the caps
+    workspace: int  # fp32 elements of the split partials: o_part, then lse_part (0: no split)
+    lse_part_at: int  # where lse_part starts in the workspace
+    grid: tuple[int, int]
+    ints: tuple  # the main launch's arguments after its tensors
+    constexprs: dict
+    tuning: tuple  # the key of the autotuner's pick in `_PICKED`
+    combine_grid: tuple[int]
+    combine_ints: tuple  # the combine pass's arguments after its tensors
+    combine_kwargs: dict
+
+
+# Plans by (signature, MAX_BLOCK_M); bounded by `remember`.
+_PLANS: dict[tuple, DecodePlan] = {}
+_MAX_PLANS = 1024
+
+
 def decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -389,25 +415,76 @@ def decode_attention(
     window: bottom-right aligned, -1 = unbounded (causal is right = 0). alibi_slopes fp32 [b, h_q]
     view (stride_b may be 0). num_splits: 0 = heuristic, 1 = no combine pass.
     Returns out [b, s_q, h_q, d] in q's dtype and lse fp32 [b, h_q, s_q]. No host sync.
+    Everything the launches derive from the call's signature is planned once (`DecodePlan`).
     """
-    b, s_q, h_q, d = q.shape
-    h_kv = k_cache.shape[2]
-    group = h_q // h_kv
     # The kernel indexes these with unit strides; copies only when a caller passed strided views.
     q = q if q.stride(-1) == 1 else q.contiguous()
     seqlens_k, cache_batch_idx, cache_leftpad, block_table = (
         t if t is None else t.contiguous()
         for t in (seqlens_k, cache_batch_idx, cache_leftpad, block_table)
     )
+    # What both launches specialize on (`_launch.call_signature`); the partials follow from it.
+    signature = call_signature(
+        (q, k_cache, v_cache, seqlens_k, cache_batch_idx, cache_leftpad, block_table,
+         alibi_slopes),
+        (softmax_scale, softcap, window_left, window_right, num_splits),
+    )  # fmt: skip
+    key = (signature, MAX_BLOCK_M)
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = _make_plan(
+            q, k_cache, v_cache, seqlens_k, block_table, cache_batch_idx, cache_leftpad,
+            alibi_slopes, softmax_scale=softmax_scale, window_left=window_left,
+            window_right=window_right, softcap=softcap, num_splits=num_splits,
+        )  # fmt: skip
+        remember(_PLANS, key, plan, _MAX_PLANS)
+    out = torch.empty(plan.out_shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty(plan.lse_shape, dtype=torch.float32, device=q.device)
+    if out.numel() == 0:
+        return out, lse.fill_(float("-inf"))
+    if plan.workspace:
+        # One fp32 buffer for both partials (one allocation, not two): the kernels take their
+        # pointers and the plan's strides, so lse_part needs no shape, only its start.
+        o_part = torch.empty(plan.workspace, dtype=torch.float32, device=q.device)
+        lse_part = o_part[plan.lse_part_at :]
+    else:
+        o_part = lse_part = lse  # unused placeholders
+    dummy = seqlens_k
+    args = (
+        q, k_cache, v_cache, out, lse, o_part, lse_part, seqlens_k,
+        cache_batch_idx if cache_batch_idx is not None else dummy,
+        cache_leftpad if cache_leftpad is not None else dummy,
+        block_table if block_table is not None else dummy,
+        alibi_slopes if alibi_slopes is not None else dummy,
+        *plan.ints,
+    )  # fmt: skip
+    # The resolved split count joins the signature: a runtime int the launches specialize on.
+    signature = (signature, plan.num_splits)
+    _launch(plan.grid, args, plan.constexprs, signature, plan.tuning)
+    if plan.workspace:
+        launch(_decode_combine, plan.combine_grid,
+            out, lse, o_part, lse_part, *plan.combine_ints,
+            **plan.combine_kwargs, signature=signature,
+        )  # fmt: skip
+    return out, lse
+
+
+def _make_plan(
+    q, k_cache, v_cache, seqlens_k, block_table, cache_batch_idx, cache_leftpad, alibi_slopes, *,
+    softmax_scale, window_left, window_right, softcap, num_splits,
+) -> DecodePlan:  # fmt: skip
+    """The decode launches' plan for this call's signature; reads shapes, strides, dtypes and
+    devices only (the outputs and partials are stood in for by meta tensors)."""
+    b, s_q, h_q, d = q.shape
+    h_kv = k_cache.shape[2]
+    group = h_q // h_kv
     paged = block_table is not None
     page_size = k_cache.shape[1] if paged else 0
     if paged:
         check_page_size(page_size)
     capacity = block_table.shape[1] * page_size if paged else k_cache.shape[1]
-    out = torch.empty((b, s_q, h_q, d), dtype=q.dtype, device=q.device)
-    lse = torch.empty((b, h_q, s_q), dtype=torch.float32, device=q.device)
-    if out.numel() == 0:
-        return out, lse.fill_(float("-inf"))
+    out = torch.empty((b, s_q, h_q, d), device="meta")
+    lse = torch.empty((b, h_q, s_q), device="meta")
     n_rows = s_q * group
     block_m = max(16, min(next_pow2(n_rows), MAX_BLOCK_M))
     num_m = cdiv(n_rows, block_m)
@@ -417,28 +494,22 @@ def decode_attention(
     num_splits = max(1, min(int(num_splits), MAX_SPLITS, cdiv(max(capacity, 1), PAGE_MULTIPLE)))
     block_d = next_pow2_dim(d)
     split = num_splits > 1
+    workspace = lse_part_at = 0
+    part_strides = (0,) * 7
     if split:
-        o_part = torch.empty((b, s_q, h_q, num_splits, block_d), dtype=torch.float32,
-                             device=q.device)  # fmt: skip
-        lse_part = torch.empty((b, s_q, h_q, num_splits), dtype=torch.float32, device=q.device)
+        o_part = torch.empty((b, s_q, h_q, num_splits, block_d), device="meta")
+        lse_part = torch.empty((b, s_q, h_q, num_splits), device="meta")
         part_strides = (*o_part.stride()[:4], *lse_part.stride()[:3])
-    else:
-        o_part = lse_part = lse  # unused placeholders
-        part_strides = (0,) * 7
-    dummy = seqlens_k
+        # o_part's size is a multiple of block_d >= 16 elements: lse_part starts 64-byte aligned.
+        lse_part_at = o_part.numel()
+        workspace = lse_part_at + lse_part.numel()
     alibi_strides = tuple(alibi_slopes.stride()) if alibi_slopes is not None else (0, 0)
-    args = (
-        q, k_cache, v_cache, out, lse, o_part, lse_part,
-        seqlens_k,
-        cache_batch_idx if cache_batch_idx is not None else dummy,
-        cache_leftpad if cache_leftpad is not None else dummy,
-        block_table if paged else dummy,
-        alibi_slopes if alibi_slopes is not None else dummy,
+    bucket = min(max(next_pow2(max(capacity, 1)), 1024), 131072)
+    ints = (
         *q.stride()[:3], *k_cache.stride()[:3], *v_cache.stride()[:3],
         *out.stride()[:3], *lse.stride(), *part_strides,
         block_table.stride(0) if paged else 0, *alibi_strides,
-        s_q, group, h_kv, num_m, num_splits, page_size,
-        min(max(next_pow2(max(capacity, 1)), 1024), 131072),
+        s_q, group, h_kv, num_m, num_splits, page_size, bucket,
         float(softmax_scale), float(softcap), int(window_left), int(window_right),
     )  # fmt: skip
     constexprs = dict(
@@ -449,36 +520,32 @@ def decode_attention(
         HAS_ALIBI=alibi_slopes is not None, SPLIT=split,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
     )  # fmt: skip
-    # What both launches specialize on (`_launch.call_signature`); o_part/lse_part follow from it.
-    signature = call_signature(
-        (q, k_cache, v_cache, seqlens_k, cache_batch_idx, cache_leftpad, block_table,
-         alibi_slopes),
-        (softmax_scale, softcap, window_left, window_right, num_splits),
+    # The autotuner's key, finer: every constexpr, the dtypes of the tensor arguments in order
+    # (out has q's, lse and the partials fp32; seqlens_k stands in for absent ones) and its
+    # runtime keys (page_size, num_splits, the cache bucket).
+    dtypes = (q.dtype, k_cache.dtype, v_cache.dtype, q.dtype, torch.float32, torch.float32,
+              torch.float32, *(t.dtype if t is not None else seqlens_k.dtype for t in
+                               (seqlens_k, cache_batch_idx, cache_leftpad, block_table,
+                                alibi_slopes)))  # fmt: skip
+    block_s = next_pow2(num_splits)
+    return DecodePlan(
+        out_shape=tuple(out.shape), lse_shape=tuple(lse.shape), num_splits=num_splits,
+        workspace=workspace, lse_part_at=lse_part_at, grid=(tiles, num_splits), ints=ints,
+        constexprs=constexprs,
+        tuning=(tuple(constexprs.values()), dtypes, (page_size, num_splits, bucket)),
+        combine_grid=(b * s_q * h_q,),
+        combine_ints=(*out.stride()[:3], *lse.stride(), *part_strides, s_q, h_q, num_splits),
+        combine_kwargs=dict(HEAD_DIM=d, BLOCK_D=block_d, BLOCK_S=block_s,
+                            num_warps=4 if block_s * block_d <= 4096 else 8),
     )  # fmt: skip
-    _launch((tiles, num_splits), args, constexprs, signature)
-    if split:
-        launch(_decode_combine, (b * s_q * h_q,),
-            out, lse, o_part, lse_part,
-            *out.stride()[:3], *lse.stride(), *part_strides,
-            s_q, h_q, num_splits,
-            HEAD_DIM=d, BLOCK_D=block_d, BLOCK_S=next_pow2(num_splits),
-            num_warps=4 if next_pow2(num_splits) * block_d <= 4096 else 8, signature=signature,
-        )  # fmt: skip
-    return out, lse
 
 
-# The autotuner's pick per launch signature, so later launches skip `Autotuner.run`'s host time
+# The autotuner's pick per tuning key, so later launches skip `Autotuner.run`'s host time
 # (the pattern of `_flash_fwd._launch`).
 _PICKED: dict[tuple, triton.Config] = {}
-_KEY_ARGS = [_decode_fwd.arg_names.index(n) for n in ("page_size", "num_splits", "CACHE_BUCKET")]
 
 
-def _launch(grid, args, constexprs, signature: tuple | None = None) -> None:
-    tuning = (
-        tuple(constexprs.values()),
-        tuple(a.dtype for a in args if isinstance(a, torch.Tensor)),
-        tuple(args[i] for i in _KEY_ARGS),
-    )
+def _launch(grid, args, constexprs, signature: tuple | None, tuning: tuple) -> None:
     config = _PICKED.get(tuning)
     if config is None:
         _decode_fwd_tuned[grid](*args, **constexprs)

@@ -21,15 +21,20 @@ rather than tf32 (about 5e-4), so fp32 results match PyTorch's fp32 attention cl
 
 from __future__ import annotations
 
+import operator
 import os
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
+from . import _common
 from ._common import (
     LN2,
     LOG2E,
+    attention_signature,
     causal_order_heads,
     cdiv,
     diagonal_offset,
@@ -43,15 +48,17 @@ from ._common import (
     lse_strides,
     next_pow2,
     next_pow2_dim,
+    remember,
     scores_log2,
     seed_offset,
     seq_bounds,
+    seq_pointers,
     smem_per_block,
     strides4,
     visible_tile,
 )
-from ._forward_paths import run_sm90, sm90_plan
-from ._launch import call_signature, int_signature, launch
+from ._forward_paths import forward_path, run_sm90, sm90_plan
+from ._launch import launch
 
 # --------------------------------------------------------------------------------------------------
 # Autotune configs and their prune predicate
@@ -327,65 +334,67 @@ def _attn_fwd(
 # --------------------------------------------------------------------------------------------------
 
 
-def _alloc_outputs(q, v, geom):
-    """out [.., h_q, d_v] in q's dtype and lse fp32 (dense [b, h_q, s_q] / varlen [h_q, t_q]).
+class ForwardPlan(NamedTuple):
+    """What the portable forward's launch derives from a call's signature
+    (`_common.attention_signature`, and the forward path setting), made once per signature by
+    `_make_plan`. Per call there is left: allocating out and lse, and the argument tuple."""
 
-    Rows no sequence owns are never written: zero-fill out and -inf-fill lse when they can exist.
-    """
+    sm90: bool  # the sm_90 kernel takes the call (its TMA views are per-tensor: made per call)
+    pointers: operator.itemgetter  # `seq_pointers` in the kernel's order, None for absent ones
+    out_shape: tuple[int, ...]
+    lse_shape: tuple[int, ...]
+    owns_all_rows: bool  # else out starts at 0 and lse at -inf (rows no sequence owns)
+    grid: Callable[[dict], tuple[int]]
+    launches: bool  # some query rows exist: an empty grid is no valid launch
+    ints: tuple  # the launch's arguments between its tensors and (seed, offset)
+    constexprs: dict
+    tuning: tuple  # the key of the autotuner's pick in `_PICKED`
+
+
+# Plans by (signature, forward path, causal order budget); bounded by `remember`.
+_PLANS: dict[tuple, ForwardPlan] = {}
+_MAX_PLANS = 1024
+
+
+def _make_plan(
+    q, k, v, *, cu_seqlens_q, cu_seqlens_k, seq_offsets_q, seq_offsets_k, max_seqlen_q,
+    max_seqlen_k, seqlens_q, seqlens_k, softmax_scale, window_left, window_right, bottom_right,
+    bias, alibi_slopes, softcap, dropout_p, **_unused,
+) -> ForwardPlan:  # fmt: skip
+    """The forward's plan for this call's signature; reads shapes, strides, dtypes and devices
+    only (out and lse, which the launcher allocates, are stood in for by meta tensors)."""
+    geom = launch_geometry(
+        q, k, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seq_offsets_q=seq_offsets_q,
+        seq_offsets_k=seq_offsets_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+        seqlens_q=seqlens_q, seqlens_k=seqlens_k,
+    )  # fmt: skip
+    sm90 = sm90_plan(
+        q, k, v, geom, window_left=window_left, window_right=window_right, bias=bias,
+        alibi_slopes=alibi_slopes, softcap=softcap, dropout_p=dropout_p,
+    ) is not None  # fmt: skip
     out_shape = (*q.shape[:-1], v.shape[-1])
     lse_shape = (q.shape[1], q.shape[0]) if geom.varlen else (q.shape[0], q.shape[2], q.shape[1])
-    if geom.q.owns_all_rows:
-        out = torch.empty(out_shape, dtype=q.dtype, device=q.device)
-        lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
-    else:
-        out = torch.zeros(out_shape, dtype=q.dtype, device=q.device)
-        lse = torch.full(lse_shape, float("-inf"), dtype=torch.float32, device=q.device)
-    return out, lse
-
-
-def forward_launch(
-    q, k, v, *,
-    cu_seqlens_q, cu_seqlens_k, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k,
-    seqlens_q, seqlens_k, softmax_scale, window_left, window_right, bottom_right,
-    bias, alibi_slopes, softcap, dropout_p, seed, offset, geom=None,
-):  # fmt: skip
-    """Everything `_attn_fwd` needs: (out, lse, grid, args, constexprs), outputs allocated.
-
-    Split from the launch so tools can run one explicit config (`_attn_fwd.fn[grid](...)`).
-    `geom`: the call's `launch_geometry` when the caller has it already (it is computed from the
-    same arguments otherwise).
-    """
-    if geom is None:
-        geom = launch_geometry(
-            q, k, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-            seq_offsets_q=seq_offsets_q, seq_offsets_k=seq_offsets_k, max_seqlen_q=max_seqlen_q,
-            max_seqlen_k=max_seqlen_k, seqlens_q=seqlens_q, seqlens_k=seqlens_k,
-        )  # fmt: skip
-    out, lse = _alloc_outputs(q, v, geom)
+    out, lse = (torch.empty(shape, device="meta") for shape in (out_shape, lse_shape))
     num_heads_q, num_heads_kv = q.shape[-2], k.shape[-2]
     d_qk, d_v = q.shape[-1], v.shape[-1]
-    seed, offset = seed_offset(seed, offset)
     bias_strides = tuple(bias.stride()) if bias is not None else (0, 0, 0, 0)
     alibi_strides = tuple(alibi_slopes.stride()) if alibi_slopes is not None else (0, 0)
+    max_q, rows = geom.q.max_len, geom.batch * num_heads_q
+    bucket = seq_bucket(max_q, geom.k.max_len)
 
     def grid(meta):
-        return (cdiv(geom.q.max_len, meta["BLOCK_M"]) * geom.batch * num_heads_q,)
+        return (cdiv(max_q, meta["BLOCK_M"]) * rows,)
 
-    args = (
-        q, k, v, out, lse, bias, alibi_slopes,
-        geom.q.cu_seqlens, geom.q.seq_offsets, geom.q.seqlens,
-        geom.k.cu_seqlens, geom.k.seq_offsets, geom.k.seqlens,
+    ints = (
         *strides4(q, geom.varlen), *strides4(k, geom.varlen), *strides4(v, geom.varlen),
         *strides4(out, geom.varlen), *lse_strides(lse, geom.varlen),
         *bias_strides, *alibi_strides,
-        num_heads_q, num_heads_q // num_heads_kv, geom.q.max_len, geom.k.max_len,
-        seq_bucket(geom.q.max_len, geom.k.max_len),
+        num_heads_q, num_heads_q // num_heads_kv, max_q, geom.k.max_len, bucket,
         causal_order_heads(
-            geom.k.max_len, head_row_bytes(k, v), num_heads_q // num_heads_kv,
-            geom.batch * num_heads_q,
+            geom.k.max_len, head_row_bytes(k, v), num_heads_q // num_heads_kv, rows
         ),
         float(softmax_scale), float(softcap), int(window_left), int(window_right),
-        float(dropout_p), seed, offset,
+        float(dropout_p),
     )  # fmt: skip
     # Tiles at least 64 wide for 16-bit inputs: Triton 3.6 on the H100 hit an illegal address once
     # on an fp16 launch with a 32-wide V tile (d 40 / d_v 24, tiny lengths), not yet isolated
@@ -400,14 +409,73 @@ def forward_launch(
         HAS_BIAS=bias is not None, HAS_ALIBI=alibi_slopes is not None,
         HAS_DROPOUT=dropout_p > 0, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
     )  # fmt: skip
-    return out, lse, grid, args, constexprs
+    # The autotuner's key, finer: every constexpr, every tensor argument's dtype in argument
+    # order (out has q's, lse fp32), and the length bucket (`_launch`).
+    pointers = seq_pointers(geom, (0, 2, 4, 1, 3, 5))
+    seq = pointers((cu_seqlens_q, cu_seqlens_k, seq_offsets_q, seq_offsets_k, seqlens_q,
+                    seqlens_k, None))  # fmt: skip
+    dtypes = (q.dtype, k.dtype, v.dtype, q.dtype, torch.float32,
+              *(t.dtype for t in (bias, alibi_slopes, *seq) if t is not None))  # fmt: skip
+    return ForwardPlan(
+        sm90=sm90, pointers=pointers, out_shape=out_shape, lse_shape=lse_shape,
+        owns_all_rows=geom.q.owns_all_rows, grid=grid, launches=max_q * rows > 0, ints=ints,
+        constexprs=constexprs, tuning=(tuple(constexprs.values()), dtypes, bucket),
+    )  # fmt: skip
+
+
+def _plan(call: dict) -> ForwardPlan:
+    """The plan of a call (`flash_attention_forward`'s parameters by name), made on a miss;
+    fills in `call["signature"]` when the caller gave none."""
+    if call["signature"] is None:
+        call["signature"] = attention_signature(**call)
+    key = (call["signature"], forward_path(), _common.CAUSAL_ORDER_L2_BYTES)
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = remember(_PLANS, key, _make_plan(**call), _MAX_PLANS)
+    return plan
+
+
+def _outputs_and_args(plan: ForwardPlan, call: dict) -> tuple[torch.Tensor, torch.Tensor, tuple]:
+    """(out, lse, the launch's positional arguments) for one call of a plan."""
+    q = call["q"]
+    if plan.owns_all_rows:
+        out = torch.empty(plan.out_shape, dtype=q.dtype, device=q.device)
+        lse = torch.empty(plan.lse_shape, dtype=torch.float32, device=q.device)
+    else:  # rows no sequence owns are never written
+        out = torch.zeros(plan.out_shape, dtype=q.dtype, device=q.device)
+        lse = torch.full(plan.lse_shape, float("-inf"), dtype=torch.float32, device=q.device)
+    seq = plan.pointers(
+        (call["cu_seqlens_q"], call["cu_seqlens_k"], call["seq_offsets_q"],
+         call["seq_offsets_k"], call["seqlens_q"], call["seqlens_k"], None)
+    )  # fmt: skip
+    args = (q, call["k"], call["v"], out, lse, call["bias"], call["alibi_slopes"], *seq,
+            *plan.ints, *seed_offset(call["seed"], call["offset"]))  # fmt: skip
+    return out, lse, args
+
+
+def forward_launch(
+    q, k, v, *,
+    cu_seqlens_q, cu_seqlens_k, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k,
+    seqlens_q, seqlens_k, softmax_scale, window_left, window_right, bottom_right,
+    bias, alibi_slopes, softcap, dropout_p, seed, offset, signature=None,
+):  # fmt: skip
+    """Everything `_attn_fwd` needs: (out, lse, grid, args, constexprs), outputs allocated.
+
+    Split from the launch so tools can run one explicit config (`_attn_fwd.fn[grid](...)`);
+    the constexprs are the caller's to change. `signature`: the call's `attention_signature`
+    when the caller has it already (it is computed from the same arguments otherwise).
+    """
+    call = locals()  # every parameter by name
+    plan = _plan(call)
+    out, lse, args = _outputs_and_args(plan, call)
+    return out, lse, plan.grid, args, dict(plan.constexprs)
 
 
 def flash_attention_forward(
     q, k, v, *,
     cu_seqlens_q, cu_seqlens_k, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k,
     seqlens_q, seqlens_k, softmax_scale, window_left, window_right, bottom_right,
-    bias, alibi_slopes, softcap, dropout_p, seed, offset,
+    bias, alibi_slopes, softcap, dropout_p, seed, offset, signature=None,
 ):  # fmt: skip
     """Attention forward on validated input; returns (out, lse).
 
@@ -419,59 +487,46 @@ def flash_attention_forward(
     sequence), any float dtype. alibi_slopes: [b, h_q] view (stride_b may be 0). softcap > 0 caps.
     dropout_p > 0 drops with the keep-mask of `dropout_keep_mask((seed, offset), ...)`.
     Returns out [.., h_q, d_v] (q's dtype) and lse fp32 (dense [b, h_q, s_q] / varlen [h_q, t_q]).
+    `signature`: the call's `_common.attention_signature` when the caller has it already.
 
     On an sm_90 GPU the calls the warp-specialized Gluon kernel covers run there instead
-    (`_forward_paths`); the outputs are the same either way.
+    (`_forward_paths`); the outputs are the same either way. Everything the launch derives from
+    the call's signature is planned once per signature (`ForwardPlan`).
     """
-    geom = launch_geometry(
-        q, k, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seq_offsets_q=seq_offsets_q,
-        seq_offsets_k=seq_offsets_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
-        seqlens_q=seqlens_q, seqlens_k=seqlens_k,
-    )  # fmt: skip
-    plan = sm90_plan(
-        q, k, v, geom, window_left=window_left, window_right=window_right, bias=bias,
-        alibi_slopes=alibi_slopes, softcap=softcap, dropout_p=dropout_p,
-    )  # fmt: skip
-    if plan is not None:
-        return run_sm90(q, k, v, geom, plan, softmax_scale=softmax_scale, bottom_right=bottom_right)
-    out, lse, grid, args, constexprs = forward_launch(
-        q, k, v,
-        cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seq_offsets_q=seq_offsets_q,
-        seq_offsets_k=seq_offsets_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
-        seqlens_q=seqlens_q, seqlens_k=seqlens_k, softmax_scale=softmax_scale,
-        window_left=window_left, window_right=window_right, bottom_right=bottom_right,
-        bias=bias, alibi_slopes=alibi_slopes, softcap=softcap, dropout_p=dropout_p,
-        seed=seed, offset=offset, geom=geom,
-    )  # fmt: skip
-    signature = call_signature(
-        (q, k, v, cu_seqlens_q, cu_seqlens_k, seq_offsets_q, seq_offsets_k, seqlens_q, seqlens_k,
-         bias, alibi_slopes),
-        (max_seqlen_q, max_seqlen_k, softmax_scale, window_left, window_right, bottom_right,
-         softcap, dropout_p, int_signature(seed), int_signature(offset)),
-    )  # fmt: skip
-    if grid({"BLOCK_M": 1})[0] > 0:  # no query rows anywhere: an empty grid is no valid launch
-        _launch(grid, args, constexprs, signature)
+    call = locals()  # every parameter by name
+    plan = _plan(call)
+    if plan.sm90:  # the plan says the kernel applies; its TMA views are made per call
+        geom = launch_geometry(
+            q, k, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+            seq_offsets_q=seq_offsets_q, seq_offsets_k=seq_offsets_k, max_seqlen_q=max_seqlen_q,
+            max_seqlen_k=max_seqlen_k, seqlens_q=seqlens_q, seqlens_k=seqlens_k,
+        )  # fmt: skip
+        views = sm90_plan(
+            q, k, v, geom, window_left=window_left, window_right=window_right, bias=bias,
+            alibi_slopes=alibi_slopes, softcap=softcap, dropout_p=dropout_p,
+        )  # fmt: skip
+        if views is not None:
+            return run_sm90(
+                q, k, v, geom, views, softmax_scale=softmax_scale, bottom_right=bottom_right
+            )
+    out, lse, args = _outputs_and_args(plan, call)
+    if plan.launches:
+        _launch(plan.grid, args, plan.constexprs, call["signature"], plan.tuning)
     return out, lse
 
 
 # The autotuner's pick per launch signature, remembered here so later launches skip
 # `Autotuner.run`: it rebuilds its key on every call, testing each of ~60 argument names for
 # membership in a list, ~100 us of host time per launch on the H100's host (cProfile, Triton
-# 3.6), more than the kernel itself at s = 1k. The signature (every constexpr and every tensor
-# argument's dtype, and the length bucket) is finer than the autotuner's key, so each entry maps
-# to one of its picks.
+# 3.6), more than the kernel itself at s = 1k. The tuning key (every constexpr, every tensor
+# argument's dtype, and the length bucket; `ForwardPlan.tuning`) is finer than the autotuner's
+# key, so each entry maps to one of its picks.
 _PICKED: dict[tuple, triton.Config] = {}
-_SEQ_BUCKET_ARG = _attn_fwd.arg_names.index("SEQ_BUCKET")
 
 
-def _launch(grid, args, constexprs, signature: tuple | None = None) -> None:
-    """`_attn_fwd[grid](...)`, through the autotuner only the first time per tuning signature.
-    `signature`: the call's `call_signature`, handed to `launch`."""
-    tuning = (
-        tuple(constexprs.values()),
-        tuple(a.dtype for a in args if isinstance(a, torch.Tensor)),
-        args[_SEQ_BUCKET_ARG],
-    )
+def _launch(grid, args, constexprs, signature: tuple | None, tuning: tuple) -> None:
+    """`_attn_fwd[grid](...)`, through the autotuner only the first time per `tuning` key.
+    `signature`: the call's `attention_signature`, handed to `launch`."""
     config = _PICKED.get(tuning)
     if config is None:
         _attn_fwd[grid](*args, **constexprs)

@@ -20,13 +20,15 @@ The LSE is not differentiable (the kernels have no gradient for it).
 
 import functools
 import inspect
+import operator
 
 import torch
 
+from ._common import attention_signature
 from ._flash_bwd import flash_attention_backward
 from ._flash_fwd import flash_attention_forward
 from ._packed import GradGroup, packed_grad_buffers, plan_packed_grads
-from ._routes import eager_function, pick_forward
+from ._routes import pick_forward
 
 Tensor = torch.Tensor
 
@@ -75,32 +77,23 @@ def _forward_impl(
     deterministic: bool,
 ) -> tuple[Tensor, Tensor]:
     """Forward attention: (out, lse). `deterministic` only travels to the backward."""
+    out, lse, _ = _launch_forward(**locals())  # every parameter above, by name
+    return out, lse
+
+
+def _launch_forward(
+    q: Tensor, k: Tensor, v: Tensor, *, rng_state: Tensor | None, deterministic: bool, **options
+) -> tuple[Tensor, Tensor, tuple]:
+    """The forward launch shared by the op and the eager route: (out, lse, the call's
+    `attention_signature`), which the eager route hands to its backward so the launch plans
+    there start from it. `options` are `_forward_impl`'s remaining arguments."""
     seed, offset = _seed_offset(rng_state)
+    signature = attention_signature(q, k, v, **options, seed=seed, offset=offset)
     out, lse = flash_attention_forward(
-        q,
-        k,
-        v,
-        cu_seqlens_q=cu_seqlens_q,
-        cu_seqlens_k=cu_seqlens_k,
-        seq_offsets_q=seq_offsets_q,
-        seq_offsets_k=seq_offsets_k,
-        max_seqlen_q=max_seqlen_q,
-        max_seqlen_k=max_seqlen_k,
-        seqlens_q=seqlens_q,
-        seqlens_k=seqlens_k,
-        softmax_scale=softmax_scale,
-        window_left=window_left,
-        window_right=window_right,
-        bottom_right=bottom_right,
-        bias=bias,
-        alibi_slopes=alibi_slopes,
-        softcap=softcap,
-        dropout_p=dropout_p,
-        seed=seed,
-        offset=offset,
+        q, k, v, **options, seed=seed, offset=offset, signature=signature
     )
     # A launcher may hand back views of larger buffers; the fake promises contiguous outputs.
-    return out.contiguous(), lse.contiguous()
+    return out.contiguous(), lse.contiguous(), signature
 
 
 flash_attn_fwd = torch.library.custom_op("fusedlayers::flash_attn_fwd", mutates_args=())(
@@ -197,14 +190,24 @@ def _launch_backward(
 
 
 def _backward_packed(
-    plan: tuple[GradGroup, ...], dout: Tensor, q: Tensor, k: Tensor, v: Tensor, *args, **kwargs
+    plan: tuple[GradGroup, ...],
+    forward_signature: tuple,
+    dout: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *args,
+    **kwargs,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """The eager backward: q/k/v that tile one packed buffer (`plan`, from the forward) get
     their gradients as views of one new buffer laid out like it, written by the kernels in
     place, so a split of the packed tensor can hand back its gradient without a copy
-    (`kernels/_packed.py`). The others get new contiguous gradients, as the op's do."""
+    (`kernels/_packed.py`). The others get new contiguous gradients, as the op's do.
+    `forward_signature`: the forward's `attention_signature` (`flash_attention_backward`)."""
     grads = tuple(packed_grad_buffers(plan, q, k, v))
-    return _launch_backward(dout, q, k, v, *args, grads=grads, **kwargs)
+    return _launch_backward(
+        dout, q, k, v, *args, grads=grads, forward_signature=forward_signature, **kwargs
+    )
 
 
 flash_attn_bwd = torch.library.custom_op("fusedlayers::flash_attn_bwd", mutates_args=())(
@@ -250,15 +253,22 @@ _SCALAR_INPUTS = (
 )
 
 
+# Positions in the forward's inputs of what the backward needs, and the gradients it hands back
+# around dq, dk, dv and dbias (None for every other input).
+_SAVED_TENSORS = operator.itemgetter(*(_FWD_ARGS.index(name) for name in _TENSOR_INPUTS))
+_SAVED_SCALARS = operator.itemgetter(*(_FWD_ARGS.index(name) for name in _SCALAR_INPUTS))
+_BIAS = _FWD_ARGS.index("bias")
+_NO_GRADS = ((None,) * (_BIAS - 3), (None,) * (len(_FWD_ARGS) - _BIAS - 1))
+
+
 def _setup_context(ctx, inputs, output) -> None:
-    named = dict(zip(_FWD_ARGS, inputs))
     out, lse = output
     # The kernels have no LSE gradient: marking it non-differentiable makes a loss built on it
     # fail loudly ("does not require grad") instead of silently dropping that term.
     ctx.mark_non_differentiable(lse)
-    ctx.save_for_backward(out, lse, *(named[name] for name in _TENSOR_INPUTS))
-    ctx.scalars = {name: named[name] for name in _SCALAR_INPUTS}
-    bias = named["bias"]
+    ctx.save_for_backward(out, lse, *_SAVED_TENSORS(inputs))
+    ctx.scalars = dict(zip(_SCALAR_INPUTS, _SAVED_SCALARS(inputs)))
+    bias = inputs[_BIAS]
     ctx.bias_requires_grad = bias is not None and bias.requires_grad
 
 
@@ -277,30 +287,33 @@ def _backward(ctx, dout, _dlse, backward_op=flash_attn_bwd):
         **tensors,
         **ctx.scalars,
     )
-    grads = dict(q=dq, k=dk, v=dv, bias=dbias if ctx.bias_requires_grad else None)
-    return tuple(grads.get(name) for name in _FWD_ARGS)
+    dbias = dbias if ctx.bias_requires_grad else None
+    return (dq, dk, dv, *_NO_GRADS[0], dbias, *_NO_GRADS[1])  # one per forward input
 
 
 flash_attn_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
-def _eager_setup_context(ctx, inputs, output) -> None:
-    """`_setup_context` plus the packed-gradient plan, made on the host while q/k/v are at
-    hand (memoized per geometry) so the backward only allocates and views."""
-    _setup_context(ctx, inputs, output)
-    ctx.grad_plan = plan_packed_grads(*inputs[:3])
+class _EagerFlashAttention(torch.autograd.Function):
+    """The eager route (host time: see _routes.py): what `_routes.eager_function` builds,
+    written out because its forward hands the call's `attention_signature` to the backward,
+    where the launch plans start from it instead of signing every input again. Only this route
+    shares one gradient buffer between packed q/k/v; the op keeps fresh outputs."""
 
+    @staticmethod
+    def forward(ctx, *inputs):
+        out, lse, signature = _launch_forward(**dict(zip(_FWD_ARGS, inputs)))
+        _setup_context(ctx, inputs, (out, lse))
+        ctx.signature = signature
+        # The packed-gradient plan, made on the host while q/k/v are at hand (memoized per
+        # geometry) so the backward only allocates and views.
+        ctx.grad_plan = plan_packed_grads(*inputs[:3])
+        return out, lse
 
-def _eager_backward(ctx, dout, dlse):
-    backward_op = functools.partial(_backward_packed, ctx.grad_plan)
-    return _backward(ctx, dout, dlse, backward_op=backward_op)
-
-
-# Eager calls skip the dispatcher and the op's autograd wrapper (host time: see _routes.py).
-# Only they share one gradient buffer between packed q/k/v; the op keeps fresh outputs.
-_EagerFlashAttention = eager_function(
-    "_EagerFlashAttention", _forward_impl, _eager_setup_context, _eager_backward
-)
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        backward_op = functools.partial(_backward_packed, ctx.grad_plan, ctx.signature)
+        return _backward(ctx, dout, dlse, backward_op=backward_op)
 
 
 def flash_attention(

@@ -47,17 +47,47 @@ def host_us_per_call(fn: Callable[[], object], calls: int, repeats: int = 15) ->
 
 
 def _stub_launches() -> None:
-    """Replace every Triton launch of the attention kernels by a no-op."""
-    from fusedlayers.kernels import _flash_bwd, _flash_fwd
+    """Replace every Triton launch of the attention and decode kernels by a no-op."""
+    from fusedlayers.kernels import _flash_bwd, _flash_decode, _flash_fwd
 
     class NoLaunch:
         def __getitem__(self, grid):
             return lambda *args, **kwargs: None
 
     # the forward's (autotuned) launch
-    _flash_fwd._launch = lambda grid, args, constexprs, signature=None: None
+    _flash_fwd._launch = lambda *args: None
     for name in ("_flash_bwd_dkdv_kernel", "_flash_bwd_dq_kernel", "_flash_bwd_preprocess_kernel"):
         setattr(_flash_bwd, name, NoLaunch())
+    # the decode kernel's (autotuned) launch and its combine pass
+    _flash_decode._launch = lambda *args: None
+    _flash_decode._decode_combine = NoLaunch()
+
+
+def decode_rows(device, dtype, calls: int) -> list[tuple[str, float]]:
+    """One eager decode step's attention (b=1, one query, 4 query heads over 2 KV heads, d=64,
+    1,024 cached keys, split-KV with the heuristic's split count): the kernel entry
+    `decode_attention` alone, and `flash_attn_with_kvcache` around it (validation, one host
+    read of the lengths)."""
+    from fusedlayers.kernels import decode_attention
+
+    import fusedlayers
+
+    q = torch.randn(1, 1, 4, 64, device=device, dtype=dtype)
+    k_cache, v_cache = (torch.randn(1, 1024, 2, 64, device=device, dtype=dtype) for _ in range(2))
+    seqlens = torch.full((1,), 700, dtype=torch.int32, device=device)
+
+    def entry():
+        return decode_attention(q, k_cache, v_cache, seqlens, softmax_scale=0.125)
+
+    def api():
+        return fusedlayers.flash_attn_with_kvcache(
+            q, k_cache, v_cache, cache_seqlens=seqlens, causal=True
+        )
+
+    return [
+        ("decode_attention (kernel entry), 1 query, 1k cache", host_us_per_call(entry, calls)),
+        ("flash_attn_with_kvcache, same call", host_us_per_call(api, calls)),
+    ]
 
 
 def backward_breakdown(q, k, v, dout, calls: int) -> list[tuple[str, float]]:
@@ -151,6 +181,7 @@ def main(calls: int = 1000, top: int = 30, stubbed: bool = False) -> None:
         ("fusedlayers fwd, inputs require grad", host_us_per_call(ours_grad, calls)),
         ("fusedlayers fwd+bwd", host_us_per_call(ours_fwdbwd, calls // 2)),
     ]
+    rows += decode_rows(device, dtype, calls)
     if not stubbed:  # the same calls with every launch through `kernel[grid]` (Triton's path)
         previous = set_direct_launch(False)
         rows += [
