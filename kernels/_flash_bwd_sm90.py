@@ -93,6 +93,10 @@ MAX_REGISTERS = 168
 # dS^T tiles, the dQ staging tiles and NUM_STAGES x (Q, dO): 210 KiB at d = 128 (no room for a
 # third stage), 146 KiB at d = 64 (3 or 4 stages measured within 3% of 2 on the H100).
 TILES = {128: (64, 2), 64: (64, 2)}
+# The d = 64 variant with BLOCK_M = 128 query rows per step (FlashAttention-3's d = 64 tile):
+# not the default until measured; select it with `TILES[64] = TILES_M128[64]`
+# (examples/perf/tune_sm90_backward.py --block-m 64,128 times both).
+TILES_M128 = {64: (128, 2)}
 SUPPORTED_HEAD_DIMS = tuple(TILES)
 
 
@@ -238,12 +242,16 @@ if GLUON_AVAILABLE:
         HEAD_DIM: gl.constexpr = q_smem.type.shape[2]
         BLOCK_N: gl.constexpr = k_smem.type.shape[1]
         KEYS: gl.constexpr = BLOCK_N // 2
-        # Each step's dQ share dS K is [BLOCK_M = 64, d]. d = 128: each warpgroup computes 64
-        # of the columns (its accumulator beside dK and dV must stay at 32 registers); d = 64:
-        # the warpgroups take turns computing all of it, one step each.
+        # Each step's dQ share dS K is [BLOCK_M, d]. BLOCK_M = 64, d = 128: each warpgroup
+        # computes 64 of the columns (its accumulator beside dK and dV must stay at 32
+        # registers); BLOCK_M = 64, d = 64: the warpgroups take turns computing all of it, one
+        # step each; BLOCK_M = 128 (d = 64 only): each warpgroup computes 64 of the rows.
         DQ_COLS: gl.constexpr = 64
-        ALTERNATE: gl.constexpr = HEAD_DIM == DQ_COLS
-        dq_col0: gl.constexpr = 0 if ALTERNATE else WG * DQ_COLS
+        SPLIT_ROWS: gl.constexpr = BLOCK_M == 128
+        gl.static_assert(BLOCK_M == 64 or (BLOCK_M == 128 and HEAD_DIM == 64))
+        ALTERNATE: gl.constexpr = HEAD_DIM == DQ_COLS and not SPLIT_ROWS
+        dq_col0: gl.constexpr = WG * DQ_COLS if HEAD_DIM > DQ_COLS else 0
+        dq_row0: gl.constexpr = WG * 64 if SPLIT_ROWS else 0
         dtype: gl.constexpr = q_smem.dtype
 
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(
@@ -286,7 +294,7 @@ if GLUON_AVAILABLE:
             # P^T and dS^T reach the dV, dK and dQ products through shared memory, not
             # registers: the dK and dV accumulators already take 2 x HEAD_DIM / 2 a thread.
             p_wg = p_smem.index(res).slice(WG * KEYS, KEYS)
-            if ALTERNATE:
+            if HEAD_DIM == DQ_COLS:
                 k_dq = k_res
             else:
                 k_dq = k_res.slice(WG * DQ_COLS, DQ_COLS, dim=1)
@@ -343,15 +351,18 @@ if GLUON_AVAILABLE:
             # its dQ product landed.
             if _owns_dq(it, WG, ALTERNATE):
                 mbarrier.wait(ds_ready.index(buf), (it // 2) & 1)
-                dq_tok = warpgroup_mma(
-                    ds_buf.permute((1, 0)), k_dq, zero_dq, use_acc=False, is_async=True
-                )
+                if SPLIT_ROWS:  # dS [this warpgroup's 64 queries, all 128 keys]
+                    ds_dq = ds_buf.slice(dq_row0, 64, dim=1).permute((1, 0))
+                else:
+                    ds_dq = ds_buf.permute((1, 0))
+                dq_tok = warpgroup_mma(ds_dq, k_dq, zero_dq, use_acc=False, is_async=True)
                 dv, dk = warpgroup_mma_wait(1, deps=[dv_tok, dk_tok])
                 _release(empty.index(stage))
                 dq = warpgroup_mma_wait(0, deps=[dq_tok])
                 dq_row, dq_col = _tile_origin(
-                    z, h_kv * group + g, start_q + m0, stride_dqb, stride_dqh, stride_dqs
-                )
+                    z, h_kv * group + g, start_q + m0 + dq_row0, stride_dqb, stride_dqh,
+                    stride_dqs,
+                )  # fmt: skip
                 _reduce_dq(dq, dq_wg, dq_desc, dq_row, dq_col + dq_col0)
             else:
                 dv, dk = warpgroup_mma_wait(0, deps=[dv_tok, dk_tok])

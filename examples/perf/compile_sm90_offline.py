@@ -114,9 +114,23 @@ def compile_forward(d: int, causal: bool):
     return COMPILED[-1]
 
 
-def compile_backward(d: int, causal: bool):
+def compile_backward(d: int, causal: bool, block_m: int | None = None):
+    """The backward at d, with the default tiles or (block_m given) those of `TILES[d]` or
+    `TILES_M128[d]` whose BLOCK_M is block_m."""
     from fusedlayers.kernels import _flash_bwd_sm90 as bwd
     from fusedlayers.kernels._common import launch_geometry
+
+    default = bwd.TILES[d]
+    if block_m is not None and block_m != default[0]:
+        bwd.TILES[d] = bwd.TILES_M128[d]
+        assert bwd.TILES[d][0] == block_m, (d, block_m)
+    try:
+        return _compile_backward(bwd, launch_geometry, d, causal)
+    finally:
+        bwd.TILES[d] = default
+
+
+def _compile_backward(bwd, launch_geometry, d: int, causal: bool):
 
     q, k, v = _inputs(d, 1024)
     geom = launch_geometry(q, k)
@@ -138,24 +152,46 @@ def main() -> None:
     p.add_argument("--kernels", default="fwd,bwd")
     p.add_argument("--dims", default="128,64")
     p.add_argument("--causal", default="0,1")
+    p.add_argument("--bwd-block-m", default="default",
+                   help="backward BLOCK_M values to compile per head dim, e.g. 64,128 (d = 64 "
+                        "has a 128-row variant, _flash_bwd_sm90.TILES_M128); default: TILES")  # fmt: skip
     p.add_argument("--dump", default=None)
     args = p.parse_args()
-    builders = {"fwd": compile_forward, "bwd": compile_backward}
     for name in args.kernels.split(","):
         for d in (int(x) for x in args.dims.split(",")):
             for causal in (bool(int(x)) for x in args.causal.split(",")):
-                kernel = builders[name](d, causal)
-                smem = kernel.metadata.shared
-                print(f"== {name} d={d} causal={int(causal)}: shared {smem} bytes")
-                print(ptxas_report(kernel.asm["ptx"]))
-                if args.dump:
-                    os.makedirs(args.dump, exist_ok=True)
-                    stem = os.path.join(args.dump, f"{name}-d{d}-c{int(causal)}")
-                    for ext in ("ttgir", "ptx"):
-                        with open(f"{stem}.{ext}", "w") as f:
-                            f.write(kernel.asm[ext])
-                    with open(f"{stem}.cubin", "wb") as f:
-                        f.write(kernel.asm["cubin"])
+                for block_m in _block_ms(name, d, args.bwd_block_m):
+                    if name == "fwd":
+                        kernel, tag = compile_forward(d, causal), ""
+                    else:
+                        kernel = compile_backward(d, causal, block_m)
+                        tag = f" block_m={block_m}" if block_m else ""
+                    _report(args, name, d, causal, block_m, kernel, tag)
+
+
+def _block_ms(name: str, d: int, spec: str) -> list:
+    """The backward BLOCK_M values of --bwd-block-m that d has (None: the default tiles)."""
+    if name != "bwd" or spec == "default":
+        return [None]
+    from fusedlayers.kernels import _flash_bwd_sm90 as bwd
+
+    have = {bwd.TILES[d][0]} | ({bwd.TILES_M128[d][0]} if d in bwd.TILES_M128 else set())
+    return [m for m in (int(x) for x in spec.split(",")) if m in have] or [None]
+
+
+def _report(args, name, d, causal, block_m, kernel, tag) -> None:
+    smem = kernel.metadata.shared
+    print(f"== {name} d={d} causal={int(causal)}{tag}: shared {smem} bytes")
+    print(ptxas_report(kernel.asm["ptx"]))
+    if args.dump:
+        os.makedirs(args.dump, exist_ok=True)
+        suffix = f"-m{block_m}" if block_m else ""
+        stem = os.path.join(args.dump, f"{name}-d{d}-c{int(causal)}{suffix}")
+        for ext in ("ttgir", "ptx"):
+            with open(f"{stem}.{ext}", "w") as f:
+                f.write(kernel.asm[ext])
+        with open(f"{stem}.cubin", "wb") as f:
+            f.write(kernel.asm["cubin"])
 
 
 if __name__ == "__main__":
