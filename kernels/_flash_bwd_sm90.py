@@ -527,8 +527,15 @@ if GLUON_AVAILABLE:
         """One program: BLOCK_N keys of one (sequence, KV head), over its GQA group's queries."""
         # Key blocks vary fastest (neighbours share the group's Q and dO in L2); under a causal
         # mask the first key blocks see the most queries, and they start first.
-        num_n = gl.cdiv(full_len_k, BLOCK_N)
         pid = gl.program_id(0)
+        if BLOCK_M == 128 and not IS_CAUSAL:
+            # (d = 64's 128-row variant) Values the partitions would recompute (LLVM sinks
+            # num_n and m_count into each) from inputs kept live through all three of them,
+            # the producer's 24 registers included, spilled there: made opaque, they are
+            # computed once here. Found by reading ptxas' report (with a causal mask the
+            # key length's is not needed, and spills the other way).
+            full_len_k = full_len_k + _opaque_zero(pid)
+        num_n = gl.cdiv(full_len_k, BLOCK_N)
         start_n = (pid % num_n) * BLOCK_N
         bh = pid // num_n
         z = bh // num_heads_kv
@@ -550,6 +557,8 @@ if GLUON_AVAILABLE:
                 diag = len_k - len_q
             m_lo = (gl.maximum(start_n - diag, 0) // BLOCK_M) * BLOCK_M
         m_count = gl.cdiv(gl.maximum(len_q - m_lo, 0), BLOCK_M)
+        if BLOCK_M == 128:
+            m_count = m_count + _opaque_zero(pid)  # as full_len_k above
         total = group * m_count  # may be 0: dK = dV = 0 are still written
 
         dtype: gl.constexpr = q_desc.dtype

@@ -114,35 +114,52 @@ def compile_forward(d: int, causal: bool):
     return COMPILED[-1]
 
 
-def compile_backward(d: int, causal: bool, block_m: int | None = None):
+BWD_LAYOUTS = ("dense", "topleft", "seqlens", "varlen", "varlen_padded")
+
+
+def compile_backward(d: int, causal: bool, block_m: int | None = None, layout: str = "dense"):
     """The backward at d, with the default tiles or (block_m given) those of `TILES[d]` or
-    `TILES_M128[d]` whose BLOCK_M is block_m."""
+    `TILES_M128[d]` whose BLOCK_M is block_m. `layout`: "dense" (a causal mask bottom-right
+    aligned), "topleft" (dense, top-left), "seqlens" (right-padded), "varlen", "varlen_padded"
+    (varlen with gaps): each is a separate specialization of the kernel."""
     from fusedlayers.kernels import _flash_bwd_sm90 as bwd
-    from fusedlayers.kernels._common import launch_geometry
 
     default = bwd.TILES[d]
     if block_m is not None and block_m != default[0]:
         bwd.TILES[d] = bwd.TILES_M128[d]
         assert bwd.TILES[d][0] == block_m, (d, block_m)
     try:
-        return _compile_backward(bwd, launch_geometry, d, causal)
+        return _compile_backward(bwd, d, causal, layout)
     finally:
         bwd.TILES[d] = default
 
 
-def _compile_backward(bwd, launch_geometry, d: int, causal: bool):
+def _compile_backward(bwd, d: int, causal: bool, layout: str):
+    from fusedlayers.kernels._common import launch_geometry
 
     q, k, v = _inputs(d, 1024)
-    geom = launch_geometry(q, k)
+    seq = {}
+    if layout == "seqlens":
+        seq = dict(seqlens_q=torch.tensor([1000, 777], dtype=torch.int32),
+                   seqlens_k=torch.tensor([1000, 777], dtype=torch.int32))  # fmt: skip
+    elif layout.startswith("varlen"):
+        q, k, v = (t.flatten(0, 1) for t in (q, k, v))
+        cu = torch.tensor([0, 1000, 1777], dtype=torch.int32)
+        seq = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=1024, max_seqlen_k=1024)
+        if layout == "varlen_padded":
+            offsets = torch.tensor([0, 1024, 2048], dtype=torch.int32)
+            seq.update(seq_offsets_q=offsets, seq_offsets_k=offsets)
+    geom = launch_geometry(q, k, **seq)
     dout = torch.randn_like(q)
-    lse = torch.randn(q.shape[0], q.shape[2], q.shape[1])
+    lse = torch.randn(q.shape[-2], q.shape[0]) if geom.varlen else torch.randn(
+        q.shape[0], q.shape[2], q.shape[1])  # fmt: skip
     delta = torch.randn_like(lse)
     dk, dv = torch.empty_like(k), torch.empty_like(v)
-    views = bwd.plan_views(q, k, v, dout, False)
+    views = bwd.plan_views(q, k, v, dout, geom.varlen)
     with offline_sm90(bwd._attn_bwd_sm90):
         bwd.backward_sm90(
             q, k, v, dout, lse, delta, dk, dv, views, geom,
-            softmax_scale=d**-0.5, causal=causal, bottom_right=True,
+            softmax_scale=d**-0.5, causal=causal, bottom_right=layout != "topleft",
         )  # fmt: skip
     return COMPILED[-1]
 
@@ -155,18 +172,22 @@ def main() -> None:
     p.add_argument("--bwd-block-m", default="default",
                    help="backward BLOCK_M values to compile per head dim, e.g. 64,128 (d = 64 "
                         "has a 128-row variant, _flash_bwd_sm90.TILES_M128); default: TILES")  # fmt: skip
+    p.add_argument("--bwd-layouts", default="dense",
+                   help=f"backward specializations to compile, from {','.join(BWD_LAYOUTS)}")  # fmt: skip
     p.add_argument("--dump", default=None)
     args = p.parse_args()
     for name in args.kernels.split(","):
         for d in (int(x) for x in args.dims.split(",")):
             for causal in (bool(int(x)) for x in args.causal.split(",")):
+                if name == "fwd":
+                    _report(args, name, d, causal, "", compile_forward(d, causal))
+                    continue
                 for block_m in _block_ms(name, d, args.bwd_block_m):
-                    if name == "fwd":
-                        kernel, tag = compile_forward(d, causal), ""
-                    else:
-                        kernel = compile_backward(d, causal, block_m)
-                        tag = f" block_m={block_m}" if block_m else ""
-                    _report(args, name, d, causal, block_m, kernel, tag)
+                    for layout in args.bwd_layouts.split(","):
+                        kernel = compile_backward(d, causal, block_m, layout)
+                        tag = (f"-m{block_m}" if block_m else "") + (
+                            "" if layout == "dense" else f"-{layout}")  # fmt: skip
+                        _report(args, name, d, causal, tag, kernel)
 
 
 def _block_ms(name: str, d: int, spec: str) -> list:
@@ -179,14 +200,15 @@ def _block_ms(name: str, d: int, spec: str) -> list:
     return [m for m in (int(x) for x in spec.split(",")) if m in have] or [None]
 
 
-def _report(args, name, d, causal, block_m, kernel, tag) -> None:
+def _report(args, name, d, causal, tag, kernel) -> None:
+    """Print ptxas' report on `kernel`; with --dump, write its TTGIR, PTX and cubin as
+    DIR/{name}-d{d}-c{causal}{tag}.*"""
     smem = kernel.metadata.shared
     print(f"== {name} d={d} causal={int(causal)}{tag}: shared {smem} bytes")
     print(ptxas_report(kernel.asm["ptx"]))
     if args.dump:
         os.makedirs(args.dump, exist_ok=True)
-        suffix = f"-m{block_m}" if block_m else ""
-        stem = os.path.join(args.dump, f"{name}-d{d}-c{int(causal)}{suffix}")
+        stem = os.path.join(args.dump, f"{name}-d{d}-c{int(causal)}{tag}")
         for ext in ("ttgir", "ptx"):
             with open(f"{stem}.{ext}", "w") as f:
                 f.write(kernel.asm[ext])
