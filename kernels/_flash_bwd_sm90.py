@@ -21,6 +21,19 @@ of every query head of its GQA group that can see them (FlashAttention-3's backw
   dQ accumulator by one TMA reduce-add per share from shared memory (FlashAttention-3's bulk
   reduction; the consumers issue no atomics). dK and dV sum over the group's heads in
   registers: no atomics, no partial sums.
+- d = 64 has a variant with BLOCK_M = 128 query rows per step (`TILES_M128`, FlashAttention-3's
+  d = 64 tile; not the default until measured): half the per-step fixed costs (the stage's
+  mbarrier wait and release, the dS^T barrier and its cross-warpgroup mbarrier, the dK wait)
+  per query row. Each warpgroup runs the step as two [64 keys, 64 queries] halves on the
+  64-row schedule (`_scores_by_halves`: dV per half, one dK product over the 128 queries) and
+  computes 64 of the step's 128 dQ rows from the whole dS^T tile, one TMA reduce each.
+  Registers (240 a consumer thread): dK and dV 2 x 32, one half's S^T and dP^T 2 x 32, its LSE
+  and delta 16 each, loaded from shared memory where used, the dQ share 32 once both halves'
+  tiles have died: 128 of accumulators at the peak, as at BLOCK_M = 64 ([64, 128] score tiles
+  would take 2 x 64 beside dK and dV, with 32-register query vectors, and spilled). Shared
+  memory: 2 stages x (Q, dO) 64 KiB, K and V 32 KiB, two dS^T tiles [128, 128] 64 KiB, P^T
+  32 KiB, the dQ staging tiles 32 KiB, LSE/delta 2 KiB, barriers: 231,936-231,952 bytes of
+  the 232,448 (227 KiB) a block may have, so no third stage and no room to spare.
 `backward_sm90` allocates the accumulator (`dq_accumulator`); `_flash_bwd` scales and casts it
 afterwards (its atomic-dQ epilogue) and computes delta = rowsum(dO * O) first
 (`_flash_bwd._preprocess`).
@@ -93,9 +106,11 @@ MAX_REGISTERS = 168
 # dS^T tiles, the dQ staging tiles and NUM_STAGES x (Q, dO): 210 KiB at d = 128 (no room for a
 # third stage), 146 KiB at d = 64 (3 or 4 stages measured within 3% of 2 on the H100).
 TILES = {128: (64, 2), 64: (64, 2)}
-# The d = 64 variant with BLOCK_M = 128 query rows per step (FlashAttention-3's d = 64 tile):
-# not the default until measured; select it with `TILES[64] = TILES_M128[64]`
-# (examples/perf/tune_sm90_backward.py --block-m 64,128 times both).
+# The d = 64 variant with BLOCK_M = 128 query rows per step (module docstring; 227 KiB of shared
+# memory, so 2 stages): not the default until measured on the GPU. `TILES[64] = TILES_M128[64]`
+# selects it (examples/perf/tune_sm90_backward.py --block-m 64,128 times both; the GPU tests'
+# --sm90-bwd-block-m 128 runs the suite on it). At d = 128 the dK and dV accumulators leave no
+# registers for it.
 TILES_M128 = {64: (128, 2)}
 SUPPORTED_HEAD_DIMS = tuple(TILES)
 
@@ -177,9 +192,12 @@ if GLUON_AVAILABLE:
         """Zero rows valid.. of a [rows, d] tile in shared memory (no-op when all are valid).
 
         Rows past a sequence's end hold whatever follows it (padding may be NaN), and 0 x NaN
-        in a product is NaN. As `_flash_fwd_sm90._zero_rows_past`, but 16 rows at a time, so
-        the registers it takes (8 a thread) fit beside the dK and dV accumulators. Both
-        warpgroups write the same zeros, so neither sees a partial state.
+        in a product is NaN. As `_flash_fwd_sm90._zero_rows_past`, but CHUNK rows at a time:
+        16 (8 registers a thread) fit beside d = 128's dK and dV accumulators; the 128-row
+        d = 64 variant passes a whole [128, 64] tile in one go (64 registers beside 2 x 32),
+        since eight unrolled 16-row chunks, each keeping its thread-index arithmetic live,
+        made ptxas spill. Both warpgroups write the same zeros, so neither sees a partial
+        state.
         """
         rows: gl.constexpr = tile.type.shape[0]
         cols: gl.constexpr = tile.type.shape[1]
@@ -251,13 +269,15 @@ if GLUON_AVAILABLE:
     def _scores_by_halves(k_wg, v_wg, q_t, do_t, p_wg, ds_wg, rows, dv, qk_scale, masked, bounds):
         """A 128-query step's S^T, dP^T, P^T and dS^T for one warpgroup's 64 keys, as two
         [64 keys, 64 queries] halves; P^T and dS^T go into `p_wg` and `ds_wg` (each
-        [64 keys, 128 queries]), and the dV product (K = 128 queries) is issued. Returns its
-        token; the caller fences and orders the dS^T stores.
+        [64 keys, 128 queries]), and dV += P^T dO is issued per half. Returns the dV token
+        (pending); the caller fences and orders the dS^T stores, then issues dK += dS^T Q over
+        all 128 queries.
 
-        Registers (240 a thread): the four score tiles in flight take 4 x 32, dK and dV 2 x 32.
-        As halves, each query-indexed vector (LSE, delta; 16 a thread per half) is loaded
-        right where it is used and dies with its half: one [64, 128] tile's vector takes 32,
-        and beside the 192 accumulator registers that spilled.
+        Registers (240 a thread): dK and dV take 2 x 32; each half's S^T and dP^T 2 x 32, and
+        its LSE and delta vectors 16 each, loaded where used. Only one half's tiles are live at
+        a time, so the peak is the 64-row step's. Offline compiles (Triton 3.6) of the
+        alternatives: one [64, 128] S^T and dP^T per step (2 x 64 registers, 32-register
+        vectors) spilled 148-456 bytes; both halves' products issued up front, 4-140 bytes.
         """
         lse_rows, delta_rows = rows
         key0, m0, len_q, len_k, diag = bounds
@@ -314,7 +334,9 @@ if GLUON_AVAILABLE:
 
     @gluon.jit
     def _consumer(descs, smem, bars, seq, strides, ptrs, scales, WG: gl.constexpr):
-        """One warpgroup: dK and dV of its 64 keys, and its half of each step's dQ share."""
+        """One warpgroup: dK and dV of its 64 keys, and its half of each step's dQ share (its
+        64 columns at d = 128, every other step's share at d = 64, its 64 rows of each step's
+        at BLOCK_M = 128)."""
         q_smem, k_smem, v_smem, do_smem, lse_smem, delta_smem, ds_smem, p_smem, dq_smem = smem
         kv_bar, ready, empty, ds_ready = bars
         z, h_kv, group, start_q, start_k, start_n, len_q, len_k, diag, m_lo, m_count, total = seq

@@ -169,11 +169,17 @@ def main() -> None:
     p.add_argument("--kernels", default="fwd,bwd")
     p.add_argument("--dims", default="128,64")
     p.add_argument("--causal", default="0,1")
-    p.add_argument("--bwd-block-m", default="default",
-                   help="backward BLOCK_M values to compile per head dim, e.g. 64,128 (d = 64 "
-                        "has a 128-row variant, _flash_bwd_sm90.TILES_M128); default: TILES")  # fmt: skip
-    p.add_argument("--bwd-layouts", default="dense",
-                   help=f"backward specializations to compile, from {','.join(BWD_LAYOUTS)}")  # fmt: skip
+    p.add_argument(
+        "--bwd-block-m",
+        default="default",
+        help="backward BLOCK_M values to compile per head dim, e.g. 64,128 (d = 64 "
+        "has a 128-row variant, _flash_bwd_sm90.TILES_M128); default: TILES",
+    )
+    p.add_argument(
+        "--bwd-layouts",
+        default="dense",
+        help=f"backward specializations to compile, from {','.join(BWD_LAYOUTS)}",
+    )
     p.add_argument("--dump", default=None)
     args = p.parse_args()
     for name in args.kernels.split(","):
