@@ -27,9 +27,10 @@ of every query head of its GQA group that can see them (FlashAttention-3's backw
   per query row. Each warpgroup runs the step as two [64 keys, 64 queries] halves on the
   64-row schedule (`_scores_by_halves`: dV per half, one dK product over the 128 queries) and
   computes 64 of the step's 128 dQ rows from the whole dS^T tile, one TMA reduce each.
-  Registers (240 a consumer thread): dK and dV 2 x 32, one half's S^T and dP^T 2 x 32, its LSE
-  and delta 16 each, loaded from shared memory where used, the dQ share 32 once both halves'
-  tiles have died: 128 of accumulators at the peak, as at BLOCK_M = 64 ([64, 128] score tiles
+  Registers (232 and 240 for the consumers, 32 for the producer, which spilled shared values
+  at 24): dK and dV 2 x 32, one half's S^T and dP^T 2 x 32, its LSE and delta 16 each, loaded
+  from shared memory where used, the dQ share 32 once both halves' tiles have died: 128 of
+  accumulators at the peak, as at BLOCK_M = 64, 198 registers in all ([64, 128] score tiles
   would take 2 x 64 beside dK and dV, with 32-register query vectors, and spilled). Shared
   memory: 2 stages x (Q, dO) 64 KiB, K and V 32 KiB, two dS^T tiles [128, 128] 64 KiB, P^T
   32 KiB, the dQ staging tiles 32 KiB, LSE/delta 2 KiB, barriers: 231,936-231,952 bytes of
@@ -550,13 +551,6 @@ if GLUON_AVAILABLE:
         # Key blocks vary fastest (neighbours share the group's Q and dO in L2); under a causal
         # mask the first key blocks see the most queries, and they start first.
         pid = gl.program_id(0)
-        if BLOCK_M == 128 and not IS_CAUSAL:
-            # (d = 64's 128-row variant) Values the partitions would recompute (LLVM sinks
-            # num_n and m_count into each) from inputs kept live through all three of them,
-            # the producer's 24 registers included, spilled there: made opaque, they are
-            # computed once here. Found by reading ptxas' report (with a causal mask the
-            # key length's is not needed, and spills the other way).
-            full_len_k = full_len_k + _opaque_zero(pid)
         num_n = gl.cdiv(full_len_k, BLOCK_N)
         start_n = (pid % num_n) * BLOCK_N
         bh = pid // num_n
@@ -579,8 +573,6 @@ if GLUON_AVAILABLE:
                 diag = len_k - len_q
             m_lo = (gl.maximum(start_n - diag, 0) // BLOCK_M) * BLOCK_M
         m_count = gl.cdiv(gl.maximum(len_q - m_lo, 0), BLOCK_M)
-        if BLOCK_M == 128:
-            m_count = m_count + _opaque_zero(pid)  # as full_len_k above
         total = group * m_count  # may be 0: dK = dV = 0 are still written
 
         dtype: gl.constexpr = q_desc.dtype
@@ -626,7 +618,11 @@ if GLUON_AVAILABLE:
         gl.warp_specialize(
             [(_consumer_0, args), (_consumer_1, args), (_producer, args)],
             [4, 4],  # consumer warpgroup 1, and the producer as a whole warpgroup (forward)
-            [240, 24],  # the default partition gets the rest: 3 x 168 - 240 - 24 = 240
+            # The default partition gets the rest: 3 x 168 - 240 - 24 = 240. With 128-row steps
+            # the producer gets 32: values the partitions share stay live through all three
+            # (LLVM recomputes them in each), and 24 registers spilled some; consumer 1 then has
+            # 232, above the 198 the consumers use (offline compile, Triton 3.6).
+            [240, 24] if BLOCK_M == 64 else [232, 32],
         )
 
 
