@@ -21,6 +21,20 @@ of every query head of its GQA group that can see them (FlashAttention-3's backw
   dQ accumulator by one TMA reduce-add per share from shared memory (FlashAttention-3's bulk
   reduction; the consumers issue no atomics). dK and dV sum over the group's heads in
   registers: no atomics, no partial sums.
+- d = 64 has a variant with BLOCK_M = 128 query rows per step (`TILES_M128`, FlashAttention-3's
+  d = 64 tile; not the default until measured): half the per-step fixed costs (the stage's
+  mbarrier wait and release, the dS^T barrier and its cross-warpgroup mbarrier, the dK wait)
+  per query row. Each warpgroup runs the step as two [64 keys, 64 queries] halves on the
+  64-row schedule (`_scores_by_halves`: dV per half, one dK product over the 128 queries) and
+  computes 64 of the step's 128 dQ rows from the whole dS^T tile, one TMA reduce each.
+  Registers (232 and 240 for the consumers, 32 for the producer, which spilled shared values
+  at 24): dK and dV 2 x 32, one half's S^T and dP^T 2 x 32, its LSE and delta 16 each, loaded
+  from shared memory where used, the dQ share 32 once both halves' tiles have died: 128 of
+  accumulators at the peak, as at BLOCK_M = 64, 198 registers in all ([64, 128] score tiles
+  would take 2 x 64 beside dK and dV, with 32-register query vectors, and spilled). Shared
+  memory: 2 stages x (Q, dO) 64 KiB, K and V 32 KiB, two dS^T tiles [128, 128] 64 KiB, P^T
+  32 KiB, the dQ staging tiles 32 KiB, LSE/delta 2 KiB, barriers: 231,936-231,952 bytes of
+  the 232,448 (227 KiB) a block may have, so no third stage and no room to spare.
 `backward_sm90` allocates the accumulator (`dq_accumulator`); `_flash_bwd` scales and casts it
 afterwards (its atomic-dQ epilogue) and computes delta = rowsum(dO * O) first
 (`_flash_bwd._preprocess`).
@@ -94,6 +108,12 @@ MAX_REGISTERS = 168
 # dS^T tiles, the dQ staging tiles and NUM_STAGES x (Q, dO): 210 KiB at d = 128 (no room for a
 # third stage), 146 KiB at d = 64 (3 or 4 stages measured within 3% of 2 on the H100).
 TILES = {128: (64, 2), 64: (64, 2)}
+# The d = 64 variant with BLOCK_M = 128 query rows per step (module docstring; 227 KiB of shared
+# memory, so 2 stages): not the default until measured on the GPU. `TILES[64] = TILES_M128[64]`
+# selects it (examples/perf/tune_sm90_backward.py --block-m 64,128 times both; the GPU tests'
+# --sm90-bwd-block-m 128 runs the suite on it). At d = 128 the dK and dV accumulators leave no
+# registers for it.
+TILES_M128 = {64: (128, 2)}
 SUPPORTED_HEAD_DIMS = tuple(TILES)
 
 
@@ -170,17 +190,19 @@ if GLUON_AVAILABLE:
         return gl.where(visible, p_t, 0.0)
 
     @gluon.jit
-    def _zero_rows_from(tile, valid):
+    def _zero_rows_from(tile, valid, CHUNK: gl.constexpr = 16):
         """Zero rows valid.. of a [rows, d] tile in shared memory (no-op when all are valid).
 
         Rows past a sequence's end hold whatever follows it (padding may be NaN), and 0 x NaN
-        in a product is NaN. As `_flash_fwd_sm90._zero_rows_past`, but 16 rows at a time, so
-        the registers it takes (8 a thread) fit beside the dK and dV accumulators. Both
-        warpgroups write the same zeros, so neither sees a partial state.
+        in a product is NaN. As `_flash_fwd_sm90._zero_rows_past`, but CHUNK rows at a time:
+        16 (8 registers a thread) fit beside d = 128's dK and dV accumulators; the 128-row
+        d = 64 variant passes a whole [128, 64] tile in one go (64 registers beside 2 x 32),
+        since eight unrolled 16-row chunks, each keeping its thread-index arithmetic live,
+        made ptxas spill. Both warpgroups write the same zeros, so neither sees a partial
+        state.
         """
         rows: gl.constexpr = tile.type.shape[0]
         cols: gl.constexpr = tile.type.shape[1]
-        CHUNK: gl.constexpr = 16
         if valid < rows:
             layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
             for c in gl.static_range(rows // CHUNK):
@@ -223,8 +245,100 @@ if GLUON_AVAILABLE:
             return step >= 0
 
     @gluon.jit
+    def _probs(s_t, lse_rows, qk_scale, masked, key0, m0, len_q, len_k, diag):
+        """P^T = exp2(S^T * scale * log2e - LSE * log2e) of [keys from key0, queries from m0],
+        invisible pairs 0. Rows that saw no key carry LSE -inf; their P is masked to 0, and
+        any finite stand-in keeps exp2 from producing NaN first."""
+        lse = lse_rows.load(gl.SliceLayout(0, s_t.type.layout))
+        lse2 = gl.where(lse == float("-inf"), 0.0, lse) * LOG2E
+        # exp2 with log2(e) folded into qk_scale and the LSE: one FMA per score.
+        p_t = gl.exp2(s_t * qk_scale - gl.expand_dims(lse2, 0))
+        if masked:
+            p_t = _visible_keys(p_t, key0, m0, len_q, len_k, diag)
+        return p_t
+
+    @gluon.jit
+    def _dscores(p_t, dp_t, delta_rows, masked, key0, m0, len_q, len_k, diag):
+        """dS^T = P^T (dP^T - delta), invisible pairs 0 (delta past a sequence's end may be
+        anything, never written: 0 x NaN)."""
+        delta = delta_rows.load(gl.SliceLayout(0, dp_t.type.layout))
+        ds_t = p_t * (dp_t - gl.expand_dims(delta, 0))
+        if masked:
+            ds_t = _visible_keys(ds_t, key0, m0, len_q, len_k, diag)
+        return ds_t
+
+    @gluon.jit
+    def _scores_by_halves(k_wg, v_wg, q_t, do_t, p_wg, ds_wg, rows, dv, qk_scale, masked, bounds):
+        """A 128-query step's S^T, dP^T, P^T and dS^T for one warpgroup's 64 keys, as two
+        [64 keys, 64 queries] halves; P^T and dS^T go into `p_wg` and `ds_wg` (each
+        [64 keys, 128 queries]), and dV += P^T dO is issued per half. Returns the dV token
+        (pending); the caller fences and orders the dS^T stores, then issues dK += dS^T Q over
+        all 128 queries.
+
+        Registers (240 a thread): dK and dV take 2 x 32; each half's S^T and dP^T 2 x 32, and
+        its LSE and delta vectors 16 each, loaded where used. Only one half's tiles are live at
+        a time, so the peak is the 64-row step's. Offline compiles (Triton 3.6) of the
+        alternatives: one [64, 128] S^T and dP^T per step (2 x 64 registers, 32-register
+        vectors) spilled 148-456 bytes; both halves' products issued up front, 4-140 bytes.
+        """
+        lse_rows, delta_rows = rows
+        key0, m0, len_q, len_k, diag = bounds
+        dtype: gl.constexpr = q_t.dtype
+        HALF: gl.constexpr = q_t.type.shape[0] // 2
+        layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HALF, 16]
+        )
+        KEYS: gl.constexpr = k_wg.type.shape[0]
+        zero = gl.zeros([KEYS, HALF], gl.float32, layout)
+        q_a = q_t.slice(0, HALF).permute((1, 0))
+        q_b = q_t.slice(HALF, HALF).permute((1, 0))
+        do_a = do_t.slice(0, HALF).permute((1, 0))
+        do_b = do_t.slice(HALF, HALF).permute((1, 0))
+        # The halves one after the other, each as the 64-row step's schedule (S^T and dP^T
+        # issued; P^T while dP^T runs; dS^T while dV runs): at most one half's S^T and dP^T
+        # are live, so the peak is the 64-row step's (2 x 32 + dK and dV).
+        s_a_tok = warpgroup_mma(k_wg, q_a, zero, use_acc=False, is_async=True)
+        dp_a_tok = warpgroup_mma(v_wg, do_a, zero, use_acc=False, is_async=True)
+        # The previous step's dQ reduce has read the staging tile before it is stored into
+        # again (at this step's end, after the P^T barrier below orders every thread after this).
+        tma.store_wait(0)
+        # wgmma groups retire in issue order: N outstanding means all but the last N landed.
+        s_a = warpgroup_mma_wait(1, deps=[s_a_tok])
+        p_a = _probs(s_a, lse_rows.slice(0, HALF), qk_scale, masked, key0, m0, len_q, len_k, diag)
+        p_wg.slice(0, HALF, dim=1).store(p_a.to(dtype))
+        fence_async_shared()
+        _partition_barrier()
+        dv_tok = warpgroup_mma(p_wg.slice(0, HALF, dim=1), do_t.slice(0, HALF), dv, is_async=True)
+        dp_a = warpgroup_mma_wait(1, deps=[dp_a_tok])
+        ds_a = _dscores(p_a, dp_a, delta_rows.slice(0, HALF), masked, key0, m0, len_q, len_k, diag)
+        # dS^T into this warpgroup's rows of the shared tile (the caller fences and waits).
+        ds_wg.slice(0, HALF, dim=1).store(ds_a.to(dtype))
+        s_b_tok = warpgroup_mma(k_wg, q_b, zero, use_acc=False, is_async=True)
+        dp_b_tok = warpgroup_mma(v_wg, do_b, zero, use_acc=False, is_async=True)
+        s_b = warpgroup_mma_wait(1, deps=[s_b_tok])
+        p_b = _probs(
+            s_b, lse_rows.slice(HALF, HALF), qk_scale, masked, key0, m0 + HALF, len_q, len_k,
+            diag,
+        )  # fmt: skip
+        p_wg.slice(HALF, HALF, dim=1).store(p_b.to(dtype))
+        fence_async_shared()
+        _partition_barrier()
+        dv_tok = warpgroup_mma(
+            p_wg.slice(HALF, HALF, dim=1), do_t.slice(HALF, HALF), dv_tok, is_async=True
+        )
+        dp_b = warpgroup_mma_wait(1, deps=[dp_b_tok])
+        ds_b = _dscores(
+            p_b, dp_b, delta_rows.slice(HALF, HALF), masked, key0, m0 + HALF, len_q, len_k,
+            diag,
+        )  # fmt: skip
+        ds_wg.slice(HALF, HALF, dim=1).store(ds_b.to(dtype))
+        return dv_tok
+
+    @gluon.jit
     def _consumer(descs, smem, bars, seq, strides, ptrs, scales, WG: gl.constexpr):
-        """One warpgroup: dK and dV of its 64 keys, and its half of each step's dQ share."""
+        """One warpgroup: dK and dV of its 64 keys, and its half of each step's dQ share (its
+        64 columns at d = 128, every other step's share at d = 64, its 64 rows of each step's
+        at BLOCK_M = 128)."""
         q_smem, k_smem, v_smem, do_smem, lse_smem, delta_smem, ds_smem, p_smem, dq_smem = smem
         kv_bar, ready, empty, ds_ready = bars
         z, h_kv, group, start_q, start_k, start_n, len_q, len_k, diag, m_lo, m_count, total = seq
@@ -239,12 +353,17 @@ if GLUON_AVAILABLE:
         HEAD_DIM: gl.constexpr = q_smem.type.shape[2]
         BLOCK_N: gl.constexpr = k_smem.type.shape[1]
         KEYS: gl.constexpr = BLOCK_N // 2
-        # Each step's dQ share dS K is [BLOCK_M = 64, d]. d = 128: each warpgroup computes 64
-        # of the columns (its accumulator beside dK and dV must stay at 32 registers); d = 64:
-        # the warpgroups take turns computing all of it, one step each.
+        # Each step's dQ share dS K is [BLOCK_M, d]. BLOCK_M = 64, d = 128: each warpgroup
+        # computes 64 of the columns (its accumulator beside dK and dV must stay at 32
+        # registers); BLOCK_M = 64, d = 64: the warpgroups take turns computing all of it, one
+        # step each; BLOCK_M = 128 (d = 64 only): each warpgroup computes 64 of the rows.
         DQ_COLS: gl.constexpr = 64
-        ALTERNATE: gl.constexpr = HEAD_DIM == DQ_COLS
-        dq_col0: gl.constexpr = 0 if ALTERNATE else WG * DQ_COLS
+        SPLIT_ROWS: gl.constexpr = BLOCK_M == 128
+        gl.static_assert(BLOCK_M == 64 or (BLOCK_M == 128 and HEAD_DIM == 64))
+        ALTERNATE: gl.constexpr = HEAD_DIM == DQ_COLS and not SPLIT_ROWS
+        dq_col0: gl.constexpr = WG * DQ_COLS if HEAD_DIM > DQ_COLS else 0
+        dq_row0: gl.constexpr = WG * 64 if SPLIT_ROWS else 0
+        ZERO_CHUNK: gl.constexpr = 128 if SPLIT_ROWS else 16
         dtype: gl.constexpr = q_smem.dtype
 
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(
@@ -272,8 +391,8 @@ if GLUON_AVAILABLE:
         z64 = z.to(gl.int64)
 
         mbarrier.wait(kv_bar, 0)
-        _zero_rows_from(k_smem.index(0), len_k - start_n)
-        _zero_rows_from(v_smem.index(0), len_k - start_n)
+        _zero_rows_from(k_smem.index(0), len_k - start_n, ZERO_CHUNK)
+        _zero_rows_from(v_smem.index(0), len_k - start_n, ZERO_CHUNK)
         dq_wg = dq_smem.index(WG)
         for it in range(total):
             # Shared-memory addresses through an index the compiler cannot see is 0: else it
@@ -287,7 +406,7 @@ if GLUON_AVAILABLE:
             # P^T and dS^T reach the dV, dK and dQ products through shared memory, not
             # registers: the dK and dV accumulators already take 2 x HEAD_DIM / 2 a thread.
             p_wg = p_smem.index(res).slice(WG * KEYS, KEYS)
-            if ALTERNATE:
+            if HEAD_DIM == DQ_COLS:
                 k_dq = k_res
             else:
                 k_dq = k_res.slice(WG * DQ_COLS, DQ_COLS, dim=1)
@@ -297,43 +416,61 @@ if GLUON_AVAILABLE:
             mbarrier.wait(ready.index(stage), (it // NUM_STAGES) & 1)
             q_t = q_smem.index(stage)
             do_t = do_smem.index(stage)
-            _zero_rows_from(q_t, len_q - m0)
-            _zero_rows_from(do_t, len_q - m0)
-            s_tok = warpgroup_mma(k_wg, q_t.permute((1, 0)), zero_s, use_acc=False, is_async=True)
-            dp_tok = warpgroup_mma(v_wg, do_t.permute((1, 0)), zero_s, use_acc=False, is_async=True)
-            # The previous step's dQ reduce has read `dq_wg` before it is stored into again
-            # (at this step's end, after the P^T barrier below orders every thread after this).
-            tma.store_wait(0)
-            # Rows that saw no key carry LSE -inf; their P is masked to 0, and any finite
-            # stand-in keeps exp2 from producing NaN first.
-            lse = lse_smem.index(stage).load(q_vec)
-            lse2 = gl.where(lse == float("-inf"), 0.0, lse) * LOG2E
-            s_t = warpgroup_mma_wait(1, deps=[s_tok])
-            # exp2 with log2(e) folded into qk_scale and the LSE: one FMA per score.
-            p_t = gl.exp2(s_t * qk_scale - gl.expand_dims(lse2, 0))
-            masked = key_edge | (m0 + BLOCK_M > len_q) | (m0 < diag_rows)
-            if masked:
-                p_t = _visible_keys(p_t, start_n + WG * KEYS, m0, len_q, len_k, diag)
-            p_wg.store(p_t.to(dtype))
-            fence_async_shared()
-            _partition_barrier()
-            dv_tok = warpgroup_mma(p_wg, do_t, dv, is_async=True)
-            delta = delta_smem.index(stage).load(q_vec)
-            # wgmma groups retire in issue order: one outstanding (dV) means dP^T has landed.
-            dp_t = warpgroup_mma_wait(1, deps=[dp_tok])
-            ds_t = p_t * (dp_t - gl.expand_dims(delta, 0))
-            if masked:
-                # Delta past a sequence's end may be anything (never written): 0 x NaN.
-                ds_t = _visible_keys(ds_t, start_n + WG * KEYS, m0, len_q, len_k, diag)
-            ds_t = ds_t.to(dtype)
+            _zero_rows_from(q_t, len_q - m0, ZERO_CHUNK)
+            _zero_rows_from(do_t, len_q - m0, ZERO_CHUNK)
+            if SPLIT_ROWS:
+                buf = it % 2
+                ds_buf = ds_smem.index(buf)
+                ds_wg = ds_buf.slice(WG * KEYS, KEYS)
+                masked = key_edge | (m0 + BLOCK_M > len_q) | (m0 < diag_rows)
+                rows = (lse_smem.index(stage), delta_smem.index(stage))
+                # `res` (0): key indices the compiler cannot hoist out of the loop (their
+                # predicates, kept across it, spilled)
+                bounds = (start_n + WG * KEYS + res, m0, len_q, len_k, diag)
+                dv_tok = _scores_by_halves(
+                    k_wg, v_wg, q_t, do_t, p_wg, ds_wg, rows, dv, qk_scale, masked, bounds
+                )
+            else:
+                s_tok = warpgroup_mma(
+                    k_wg, q_t.permute((1, 0)), zero_s, use_acc=False, is_async=True
+                )
+                dp_tok = warpgroup_mma(
+                    v_wg, do_t.permute((1, 0)), zero_s, use_acc=False, is_async=True
+                )
+                # The previous step's dQ reduce has read `dq_wg` before it is stored into again
+                # (at this step's end, after the P^T barrier below orders every thread after
+                # this).
+                tma.store_wait(0)
+                # Rows that saw no key carry LSE -inf; their P is masked to 0, and any finite
+                # stand-in keeps exp2 from producing NaN first.
+                lse = lse_smem.index(stage).load(q_vec)
+                lse2 = gl.where(lse == float("-inf"), 0.0, lse) * LOG2E
+                s_t = warpgroup_mma_wait(1, deps=[s_tok])
+                # exp2 with log2(e) folded into qk_scale and the LSE: one FMA per score.
+                p_t = gl.exp2(s_t * qk_scale - gl.expand_dims(lse2, 0))
+                masked = key_edge | (m0 + BLOCK_M > len_q) | (m0 < diag_rows)
+                if masked:
+                    p_t = _visible_keys(p_t, start_n + WG * KEYS, m0, len_q, len_k, diag)
+                p_wg.store(p_t.to(dtype))
+                fence_async_shared()
+                _partition_barrier()
+                dv_tok = warpgroup_mma(p_wg, do_t, dv, is_async=True)
+                delta = delta_smem.index(stage).load(q_vec)
+                # wgmma groups retire in issue order: one outstanding (dV) means dP^T landed.
+                dp_t = warpgroup_mma_wait(1, deps=[dp_tok])
+                ds_t = p_t * (dp_t - gl.expand_dims(delta, 0))
+                if masked:
+                    # Delta past a sequence's end may be anything (never written): 0 x NaN.
+                    ds_t = _visible_keys(ds_t, start_n + WG * KEYS, m0, len_q, len_k, diag)
+                ds_t = ds_t.to(dtype)
 
-            # dS^T into this warpgroup's rows of the shared tile: the dK product reads them, the
-            # dQ product both warpgroups' rows, so each waits for the other's (generic-proxy
-            # stores read by wgmma: fence first).
-            buf = it % 2
-            ds_buf = ds_smem.index(buf)
-            ds_wg = ds_buf.slice(WG * KEYS, KEYS)
-            ds_wg.store(ds_t)
+                # dS^T into this warpgroup's rows of the shared tile: the dK product reads them,
+                # the dQ product both warpgroups' rows, so each waits for the other's
+                # (generic-proxy stores read by wgmma: fence first).
+                buf = it % 2
+                ds_buf = ds_smem.index(buf)
+                ds_wg = ds_buf.slice(WG * KEYS, KEYS)
+                ds_wg.store(ds_t)
             fence_async_shared()
             _partition_barrier()
             mbarrier.arrive(ds_ready.index(buf), count=1)
@@ -344,15 +481,24 @@ if GLUON_AVAILABLE:
             # its dQ product landed.
             if _owns_dq(it, WG, ALTERNATE):
                 mbarrier.wait(ds_ready.index(buf), (it // 2) & 1)
-                dq_tok = warpgroup_mma(
-                    ds_buf.permute((1, 0)), k_dq, zero_dq, use_acc=False, is_async=True
-                )
+                if SPLIT_ROWS:  # dS [this warpgroup's 64 queries, all 128 keys]
+                    ds_dq = ds_buf.slice(dq_row0, 64, dim=1).permute((1, 0))
+                else:
+                    ds_dq = ds_buf.permute((1, 0))
+                dq_tok = warpgroup_mma(ds_dq, k_dq, zero_dq, use_acc=False, is_async=True)
                 dv, dk = warpgroup_mma_wait(1, deps=[dv_tok, dk_tok])
                 _release(empty.index(stage))
                 dq = warpgroup_mma_wait(0, deps=[dq_tok])
-                dq_row, dq_col = _tile_origin(
-                    z, h_kv * group + g, start_q + m0, stride_dqb, stride_dqh, stride_dqs
-                )
+                if SPLIT_ROWS:
+                    # The accumulator is contiguous (`dq_accumulator`): a sequence's rows start
+                    # at a whole grid row and head h at column h * stride_h, so no 64-bit
+                    # division (a subroutine call in the loop) is needed.
+                    dq_row = z * (stride_dqb // stride_dqs) + start_q + m0 + dq_row0
+                    dq_col = (h_kv * group + g) * stride_dqh
+                else:
+                    dq_row, dq_col = _tile_origin(
+                        z, h_kv * group + g, start_q + m0, stride_dqb, stride_dqh, stride_dqs
+                    )
                 _reduce_dq(dq, dq_wg, dq_desc, dq_row, dq_col + dq_col0)
             else:
                 dv, dk = warpgroup_mma_wait(0, deps=[dv_tok, dk_tok])
@@ -360,6 +506,15 @@ if GLUON_AVAILABLE:
         tma.store_wait(0)  # the last reduce's read of shared memory, before the program ends
 
         # Epilogue: this warpgroup's dK (times the softmax scale) and dV rows.
+        if SPLIT_ROWS:
+            # The strides' 64-bit forms made here, not before the partitions split: computed
+            # there they stay live through every partition (the producer's 24 registers
+            # included) and spilled.
+            fresh = _opaque_zero(total)
+            stride_dkb, stride_dkh, stride_dks = (stride_dkb + fresh, stride_dkh + fresh,
+                                                  stride_dks + fresh)  # fmt: skip
+            stride_dvb, stride_dvh, stride_dvs = (stride_dvb + fresh, stride_dvh + fresh,
+                                                  stride_dvs + fresh)  # fmt: skip
         out_r = start_n + WG * KEYS + gl.arange(0, KEYS, layout=gl.SliceLayout(1, acc_layout))
         out_c = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, acc_layout))
         out_mask = gl.expand_dims(out_r < len_k, 1) & gl.expand_dims(out_c < HEAD_DIM, 0)
@@ -397,8 +552,8 @@ if GLUON_AVAILABLE:
         order_pairs: the causal launch order's interleave (`_interleaved_tile`)."""
         # Key blocks vary fastest (neighbours share the group's Q and dO in L2); under a causal
         # mask the first key blocks see the most queries, and they start first.
-        num_n = gl.cdiv(full_len_k, BLOCK_N)
         pid = gl.program_id(0)
+        num_n = gl.cdiv(full_len_k, BLOCK_N)
         if IS_CAUSAL:
             bh, n_idx = _interleaved_tile(pid, num_n, gl.num_programs(0) // num_n, order_pairs)
         else:
@@ -469,7 +624,11 @@ if GLUON_AVAILABLE:
         gl.warp_specialize(
             [(_consumer_0, args), (_consumer_1, args), (_producer, args)],
             [4, 4],  # consumer warpgroup 1, and the producer as a whole warpgroup (forward)
-            [240, 24],  # the default partition gets the rest: 3 x 168 - 240 - 24 = 240
+            # The default partition gets the rest: 3 x 168 - 240 - 24 = 240. With 128-row steps
+            # the producer gets 32: values the partitions share stay live through all three
+            # (LLVM recomputes them in each), and 24 registers spilled some; consumer 1 then has
+            # 232, above the 198 the consumers use (offline compile, Triton 3.6).
+            [240, 24] if BLOCK_M == 64 else [232, 32],
         )
 
 

@@ -32,6 +32,14 @@ def pytest_addoption(parser):
         "set_backward_path): `sm90` runs every non-deterministic call the Hopper backward "
         "covers on it",
     )
+    parser.addoption(
+        "--sm90-bwd-block-m",
+        default="default",
+        choices=("default", "128"),
+        help="`128`: the sm_90 backward runs d = 64 with its 128-row query steps "
+        "(kernels/_flash_bwd_sm90.TILES_M128) for the whole run; with --backward-path sm90 the "
+        "GPU suite checks that variant too",
+    )
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -47,13 +55,17 @@ def _launch_signature_checks():
 
 @pytest.fixture(autouse=True, scope="session")
 def _kernel_paths(request):
-    from fusedlayers.kernels import set_backward_path, set_forward_path
+    from fusedlayers.kernels import _flash_bwd_sm90, set_backward_path, set_forward_path
 
     previous = set_forward_path(request.config.getoption("--forward-path"))
     previous_bwd = set_backward_path(request.config.getoption("--backward-path"))
+    tiles = dict(_flash_bwd_sm90.TILES)
+    if request.config.getoption("--sm90-bwd-block-m") == "128":
+        _flash_bwd_sm90.TILES.update(_flash_bwd_sm90.TILES_M128)
     yield
     set_forward_path(previous)
     set_backward_path(previous_bwd)
+    _flash_bwd_sm90.TILES.update(tiles)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -91,3 +91,18 @@ def test_dq_accumulator_has_a_whole_tma_box_behind_it(shape):
     view = _flash_fwd_sm90.tma_view(acc, len(shape) == 3, _flash_bwd_sm90.DQ_BOX[0])
     if rows:
         assert view is not None and view[0][0] <= storage_rows
+
+
+def test_d64_128_row_variant_is_selectable_not_default(monkeypatch):
+    """Auto dispatch keeps d = 64's 64-row backward tiles (its length table keeps d = 64 portable);
+    `TILES[64] = TILES_M128[64]` selects the 128-row variant, whose Q/dO TMA grids then hold at
+    least one 128-row box."""
+    assert _flash_bwd_sm90.TILES[64] == (64, 2)
+    assert _flash_bwd_sm90.TILES_M128[64][0] == 128
+    assert _backward_paths.SM90_BWD_MIN_KEYS[64] is None
+    q = torch.randn(1, 40, 2, 64, dtype=torch.bfloat16)
+    assert _flash_bwd_sm90.plan_views(q, q, q, q, False)[0][0][0] == 64
+    monkeypatch.setitem(_flash_bwd_sm90.TILES, 64, _flash_bwd_sm90.TILES_M128[64])
+    views = _flash_bwd_sm90.plan_views(q, q, q, q, False)
+    assert views[0][0][0] == 128 and views[3][0][0] == 128  # q and dout: one 128-row box
+    assert views[1][0][0] == _flash_bwd_sm90.BLOCK_N

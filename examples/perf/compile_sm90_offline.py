@@ -114,21 +114,52 @@ def compile_forward(d: int, causal: bool):
     return COMPILED[-1]
 
 
-def compile_backward(d: int, causal: bool):
+BWD_LAYOUTS = ("dense", "topleft", "seqlens", "varlen", "varlen_padded")
+
+
+def compile_backward(d: int, causal: bool, block_m: int | None = None, layout: str = "dense"):
+    """The backward at d, with the default tiles or (block_m given) those of `TILES[d]` or
+    `TILES_M128[d]` whose BLOCK_M is block_m. `layout`: "dense" (a causal mask bottom-right
+    aligned), "topleft" (dense, top-left), "seqlens" (right-padded), "varlen", "varlen_padded"
+    (varlen with gaps): each is a separate specialization of the kernel."""
     from fusedlayers.kernels import _flash_bwd_sm90 as bwd
+
+    default = bwd.TILES[d]
+    if block_m is not None and block_m != default[0]:
+        bwd.TILES[d] = bwd.TILES_M128[d]
+        assert bwd.TILES[d][0] == block_m, (d, block_m)
+    try:
+        return _compile_backward(bwd, d, causal, layout)
+    finally:
+        bwd.TILES[d] = default
+
+
+def _compile_backward(bwd, d: int, causal: bool, layout: str):
     from fusedlayers.kernels._common import launch_geometry
 
     q, k, v = _inputs(d, 1024)
-    geom = launch_geometry(q, k)
+    seq = {}
+    if layout == "seqlens":
+        seq = dict(seqlens_q=torch.tensor([1000, 777], dtype=torch.int32),
+                   seqlens_k=torch.tensor([1000, 777], dtype=torch.int32))  # fmt: skip
+    elif layout.startswith("varlen"):
+        q, k, v = (t.flatten(0, 1) for t in (q, k, v))
+        cu = torch.tensor([0, 1000, 1777], dtype=torch.int32)
+        seq = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=1024, max_seqlen_k=1024)
+        if layout == "varlen_padded":
+            offsets = torch.tensor([0, 1024, 2048], dtype=torch.int32)
+            seq.update(seq_offsets_q=offsets, seq_offsets_k=offsets)
+    geom = launch_geometry(q, k, **seq)
     dout = torch.randn_like(q)
-    lse = torch.randn(q.shape[0], q.shape[2], q.shape[1])
+    lse = torch.randn(q.shape[-2], q.shape[0]) if geom.varlen else torch.randn(
+        q.shape[0], q.shape[2], q.shape[1])  # fmt: skip
     delta = torch.randn_like(lse)
     dk, dv = torch.empty_like(k), torch.empty_like(v)
-    views = bwd.plan_views(q, k, v, dout, False)
+    views = bwd.plan_views(q, k, v, dout, geom.varlen)
     with offline_sm90(bwd._attn_bwd_sm90):
         bwd.backward_sm90(
             q, k, v, dout, lse, delta, dk, dv, views, geom,
-            softmax_scale=d**-0.5, causal=causal, bottom_right=True,
+            softmax_scale=d**-0.5, causal=causal, bottom_right=layout != "topleft",
         )  # fmt: skip
     return COMPILED[-1]
 
@@ -138,24 +169,57 @@ def main() -> None:
     p.add_argument("--kernels", default="fwd,bwd")
     p.add_argument("--dims", default="128,64")
     p.add_argument("--causal", default="0,1")
+    p.add_argument(
+        "--bwd-block-m",
+        default="default",
+        help="backward BLOCK_M values to compile per head dim, e.g. 64,128 (d = 64 "
+        "has a 128-row variant, _flash_bwd_sm90.TILES_M128); default: TILES",
+    )
+    p.add_argument(
+        "--bwd-layouts",
+        default="dense",
+        help=f"backward specializations to compile, from {','.join(BWD_LAYOUTS)}",
+    )
     p.add_argument("--dump", default=None)
     args = p.parse_args()
-    builders = {"fwd": compile_forward, "bwd": compile_backward}
     for name in args.kernels.split(","):
         for d in (int(x) for x in args.dims.split(",")):
             for causal in (bool(int(x)) for x in args.causal.split(",")):
-                kernel = builders[name](d, causal)
-                smem = kernel.metadata.shared
-                print(f"== {name} d={d} causal={int(causal)}: shared {smem} bytes")
-                print(ptxas_report(kernel.asm["ptx"]))
-                if args.dump:
-                    os.makedirs(args.dump, exist_ok=True)
-                    stem = os.path.join(args.dump, f"{name}-d{d}-c{int(causal)}")
-                    for ext in ("ttgir", "ptx"):
-                        with open(f"{stem}.{ext}", "w") as f:
-                            f.write(kernel.asm[ext])
-                    with open(f"{stem}.cubin", "wb") as f:
-                        f.write(kernel.asm["cubin"])
+                if name == "fwd":
+                    _report(args, name, d, causal, "", compile_forward(d, causal))
+                    continue
+                for block_m in _block_ms(name, d, args.bwd_block_m):
+                    for layout in args.bwd_layouts.split(","):
+                        kernel = compile_backward(d, causal, block_m, layout)
+                        tag = (f"-m{block_m}" if block_m else "") + (
+                            "" if layout == "dense" else f"-{layout}")  # fmt: skip
+                        _report(args, name, d, causal, tag, kernel)
+
+
+def _block_ms(name: str, d: int, spec: str) -> list:
+    """The backward BLOCK_M values of --bwd-block-m that d has (None: the default tiles)."""
+    if name != "bwd" or spec == "default":
+        return [None]
+    from fusedlayers.kernels import _flash_bwd_sm90 as bwd
+
+    have = {bwd.TILES[d][0]} | ({bwd.TILES_M128[d][0]} if d in bwd.TILES_M128 else set())
+    return [m for m in (int(x) for x in spec.split(",")) if m in have] or [None]
+
+
+def _report(args, name, d, causal, tag, kernel) -> None:
+    """Print ptxas' report on `kernel`; with --dump, write its TTGIR, PTX and cubin as
+    DIR/{name}-d{d}-c{causal}{tag}.*"""
+    smem = kernel.metadata.shared
+    print(f"== {name} d={d} causal={int(causal)}{tag}: shared {smem} bytes")
+    print(ptxas_report(kernel.asm["ptx"]))
+    if args.dump:
+        os.makedirs(args.dump, exist_ok=True)
+        stem = os.path.join(args.dump, f"{name}-d{d}-c{int(causal)}{tag}")
+        for ext in ("ttgir", "ptx"):
+            with open(f"{stem}.{ext}", "w") as f:
+                f.write(kernel.asm[ext])
+        with open(f"{stem}.cubin", "wb") as f:
+            f.write(kernel.asm["cubin"])
 
 
 if __name__ == "__main__":

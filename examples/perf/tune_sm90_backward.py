@@ -1,15 +1,22 @@
 """The sm_90 backward timed beside the portable backward, SDPA's cuDNN and flash backends.
 
     python examples/perf/tune_sm90_backward.py [--dims 128,64] [--seqlens 4096,16384]
-        [--json PATH]
+        [--block-m 64,128] [--json PATH]
 
 bf16, b = 16384 / s, h = 2048 / d, q/k/v [b, s, h, d], causal and not. Per provider: the
 backward alone (autograd.grad of a retained graph, dout fixed) and forward+backward, medians of
 `triton.testing.do_bench`, TFLOP/s counted as 4 b h s^2 d (halved when causal) for the forward,
 2.5x that for the backward and 3.5x for forward+backward. "ours-sm90" and "ours-portable" share
 the forward (`set_forward_path` left at "auto") and differ in `set_backward_path`. Before timing,
-each of ours is checked against SDPA-flash's gradients (relative error under 1e-2). The rows
-where ours-sm90 beats ours-portable are what `_backward_paths.SM90_BWD_MIN_KEYS` holds.
+each of ours is checked against SDPA-flash's gradients (relative error under 1e-2), and each
+sm_90 variant against ours-portable's too (`rel_err_portable`, same bound). The rows where
+ours-sm90 beats ours-portable are what `_backward_paths.SM90_BWD_MIN_KEYS` holds.
+
+`--block-m 64,128` adds, at the head dims that have one (`_flash_bwd_sm90.TILES_M128`: d = 64),
+the sm_90 backward with 128-row query steps as "ours-sm90-m128", timed in the same process
+beside the default tiles ("ours-sm90") and the portable backward:
+
+    python examples/perf/tune_sm90_backward.py --dims 64 --seqlens 1024,4096,16384 --block-m 64,128
 """
 
 from __future__ import annotations
@@ -20,7 +27,7 @@ import json
 import torch
 import torch.nn.functional as F
 import triton
-from fusedlayers.kernels import set_backward_path
+from fusedlayers.kernels import _flash_bwd_sm90, set_backward_path
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from fusedlayers import flash_attn_func
@@ -32,9 +39,10 @@ def timed(fn) -> float:
     return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
-def _providers(q, k, v, causal):
+def _providers(q, k, v, causal, block_ms=(64,)):
     """name -> forward returning out [b, s, h, d]; each sets its own kernel choice."""
     qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+    d = q.shape[-1]
 
     def sdpa(backend):
         def run():
@@ -43,22 +51,39 @@ def _providers(q, k, v, causal):
 
         return run
 
-    def ours(path):
+    def ours(path, tiles=None):
         def run():
-            set_backward_path(path)  # read when the backward launches, so it stays set until then
+            # Both read when the backward launches, so they stay set until then.
+            set_backward_path(path)
+            if tiles is not None:
+                _flash_bwd_sm90.TILES[d] = tiles
             return flash_attn_func(q, k, v, causal=causal)
 
         return run
 
-    return {
+    providers = {
         "sdpa-cudnn": sdpa(SDPBackend.CUDNN_ATTENTION),
         "sdpa-flash": sdpa(SDPBackend.FLASH_ATTENTION),
         "ours-portable": ours("portable"),
-        "ours-sm90": ours("sm90"),
     }
+    default = _flash_bwd_sm90.TILES[d]
+    variants = {default[0]: ("ours-sm90", default)}
+    if d in _flash_bwd_sm90.TILES_M128:
+        tiles = _flash_bwd_sm90.TILES_M128[d]
+        variants.setdefault(tiles[0], (f"ours-sm90-m{tiles[0]}", tiles))
+    for block_m in block_ms:
+        if block_m in variants:
+            name, tiles = variants[block_m]
+            providers[name] = ours("sm90", tiles)
+    return providers
 
 
-def measure(d: int, s: int, causal: bool) -> list[dict]:
+def _rel_err(grads, reference) -> float:
+    return max(((a.float() - r.float()).norm() / r.float().norm()).item()
+               for a, r in zip(grads, reference))  # fmt: skip
+
+
+def measure(d: int, s: int, causal: bool, block_ms=(64,)) -> list[dict]:
     b, h = TOKENS // s, HIDDEN // d
     g = torch.Generator(device="cuda").manual_seed(0)
     q, k, v, dout = (torch.randn(b, s, h, d, device="cuda", generator=g, dtype=torch.bfloat16)
@@ -67,23 +92,30 @@ def measure(d: int, s: int, causal: bool) -> list[dict]:
         t.requires_grad_()
     fwd_flops = 4 * b * h * s * s * d / (2 if causal else 1)
     base = dict(d=d, s=s, b=b, h=h, causal=int(causal))
-    reference = None
+    reference = portable = None
+    default_tiles = _flash_bwd_sm90.TILES[d]
     rows = []
-    for name, forward in _providers(q, k, v, causal).items():
+    for name, forward in _providers(q, k, v, causal, block_ms).items():
         row = dict(base, provider=name)
         try:
             out = forward()
             grads = torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
             if reference is None and name == "sdpa-flash":
                 reference = grads
+            if name == "ours-portable":
+                portable = grads
+            checks = []
             if name.startswith("ours") and reference is not None:
-                err = max(((a.float() - r.float()).norm() / r.float().norm()).item()
-                          for a, r in zip(grads, reference))  # fmt: skip
-                row["rel_err"] = err
-                if not err < 1e-2:
-                    row["error"] = f"relative error {err:.2e} against sdpa-flash"
-                    rows.append(row)
-                    continue
+                row["rel_err"] = _rel_err(grads, reference)
+                checks.append(("sdpa-flash", row["rel_err"]))
+            if name.startswith("ours-sm90") and portable is not None:
+                row["rel_err_portable"] = _rel_err(grads, portable)
+                checks.append(("ours-portable", row["rel_err_portable"]))
+            bad = [f"relative error {e:.2e} against {n}" for n, e in checks if not e < 1e-2]
+            if bad:
+                row["error"] = "; ".join(bad)
+                rows.append(row)
+                continue
             bwd_ms = timed(lambda o=out: torch.autograd.grad(o, (q, k, v), dout, retain_graph=True))
             step_ms = timed(lambda f=forward: torch.autograd.grad(f(), (q, k, v), dout))
             row.update(bwd_ms=bwd_ms, fwdbwd_ms=step_ms,
@@ -93,6 +125,7 @@ def measure(d: int, s: int, causal: bool) -> list[dict]:
             row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
         rows.append(row)
     set_backward_path("auto")
+    _flash_bwd_sm90.TILES[d] = default_tiles
     return rows
 
 
@@ -100,15 +133,22 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--dims", default="128,64")
     p.add_argument("--seqlens", default="4096,16384")
+    p.add_argument(
+        "--block-m",
+        default="64",
+        help="sm_90 backward BLOCK_M values to time, e.g. 64,128 (128: the d = 64 "
+        "variant in _flash_bwd_sm90.TILES_M128; skipped where a d has none)",
+    )
     p.add_argument("--json", default=None)
     args = p.parse_args()
+    block_ms = tuple(int(x) for x in args.block_m.split(","))
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton "
           f"{triton.__version__}, cuDNN {torch.backends.cudnn.version()}", flush=True)  # fmt: skip
     rows = []
     for d in (int(x) for x in args.dims.split(",")):
         for s in (int(x) for x in args.seqlens.split(",")):
             for causal in (False, True):
-                block = measure(d, s, causal)
+                block = measure(d, s, causal, block_ms)
                 rows.extend(block)
                 cudnn = block[0].get("fwdbwd_tflops")
                 cells = []
