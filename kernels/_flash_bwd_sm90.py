@@ -21,20 +21,20 @@ of every query head of its GQA group that can see them (FlashAttention-3's backw
   dQ accumulator by one TMA reduce-add per share from shared memory (FlashAttention-3's bulk
   reduction; the consumers issue no atomics). dK and dV sum over the group's heads in
   registers: no atomics, no partial sums.
-- d = 64 has a variant with BLOCK_M = 128 query rows per step (`TILES_M128`, FlashAttention-3's
-  d = 64 tile; not the default until measured): half the per-step fixed costs (the stage's
-  mbarrier wait and release, the dS^T barrier and its cross-warpgroup mbarrier, the dK wait)
-  per query row. Each warpgroup runs the step as two [64 keys, 64 queries] halves on the
+- d = 64 runs BLOCK_M = 128 query rows per step (`TILES_M128`, FlashAttention-3's d = 64 tile; the
+  default since it measured faster on the H100, `TILES`): half the per-step fixed costs (the
+  stage's mbarrier wait and release, the dS^T barrier and its cross-warpgroup mbarrier, the dK
+  wait) per query row. Each warpgroup runs the step as two [64 keys, 64 queries] halves on the
   64-row schedule (`_scores_by_halves`: dV per half, one dK product over the 128 queries) and
-  computes 64 of the step's 128 dQ rows from the whole dS^T tile, one TMA reduce each.
-  Registers (232 and 240 for the consumers, 32 for the producer, which spilled shared values
-  at 24): dK and dV 2 x 32, one half's S^T and dP^T 2 x 32, its LSE and delta 16 each, loaded
-  from shared memory where used, the dQ share 32 once both halves' tiles have died: 128 of
-  accumulators at the peak, as at BLOCK_M = 64, 198 registers in all ([64, 128] score tiles
-  would take 2 x 64 beside dK and dV, with 32-register query vectors, and spilled). Shared
-  memory: 2 stages x (Q, dO) 64 KiB, K and V 32 KiB, two dS^T tiles [128, 128] 64 KiB, P^T
-  32 KiB, the dQ staging tiles 32 KiB, LSE/delta 2 KiB, barriers: 231,936-231,952 bytes of
-  the 232,448 (227 KiB) a block may have, so no third stage and no room to spare.
+  computes 64 of the step's 128 dQ rows from the whole dS^T tile, one TMA reduce each. Registers
+  (232 and 240 for the consumers, 32 for the producer, which spilled shared values at 24): dK and
+  dV 2 x 32, one half's S^T and dP^T 2 x 32, its LSE and delta 16 each, loaded from shared memory
+  where used, the dQ share 32 once both halves' tiles have died: 128 of accumulators at the peak,
+  as at BLOCK_M = 64, 198 registers in all ([64, 128] score tiles would take 2 x 64 beside dK and
+  dV, with 32-register query vectors, and spilled). Shared memory: 2 stages x (Q, dO) 64 KiB, K and
+  V 32 KiB, two dS^T tiles [128, 128] 64 KiB, P^T 32 KiB, the dQ staging tiles 32 KiB, LSE/delta 2
+  KiB, barriers: 231,936-231,952 bytes of the 232,448 (227 KiB) a block may have, so no third stage
+  and no room to spare.
 `backward_sm90` allocates the accumulator (`dq_accumulator`); `_flash_bwd` scales and casts it
 afterwards (its atomic-dQ epilogue) and computes delta = rowsum(dO * O) first
 (`_flash_bwd._preprocess`).
@@ -102,17 +102,15 @@ CONSUMER_WARPS = 4
 # Registers as in the forward: two consumer warpgroups and a four-warp producer, 168 x 384
 # threads fill the register file; the producer keeps 24, each consumer gets 240.
 MAX_REGISTERS = 168
-# (BLOCK_M query rows per step, NUM_STAGES) per head dim. The score tiles stay [64 keys, 64
-# queries] a warpgroup: at d = 128 the dK and dV accumulators take 2 x 64 registers a thread
-# (FlashAttention-3's choice); at d = 64, [64, 128] tiles spilled. Shared memory: K, V, P^T, two
-# dS^T tiles, the dQ staging tiles and NUM_STAGES x (Q, dO): 210 KiB at d = 128 (no room for a
-# third stage), 146 KiB at d = 64 (3 or 4 stages measured within 3% of 2 on the H100).
-TILES = {128: (64, 2), 64: (64, 2)}
-# The d = 64 variant with BLOCK_M = 128 query rows per step (module docstring; 227 KiB of shared
-# memory, so 2 stages): not the default until measured on the GPU. `TILES[64] = TILES_M128[64]`
-# selects it (examples/perf/tune_sm90_backward.py --block-m 64,128 times both; the GPU tests'
-# --sm90-bwd-block-m 128 runs the suite on it). At d = 128 the dK and dV accumulators leave no
-# registers for it.
+# (BLOCK_M query rows per step, NUM_STAGES) per head dim. d = 128: 64-row steps, the score tiles
+# [64 keys, 64 queries] a warpgroup; the dK and dV accumulators take 2 x 64 registers a thread
+# (FlashAttention-3's choice), leaving none for wider steps. Shared memory: K, V, P^T, two dS^T
+# tiles, the dQ staging tiles and NUM_STAGES x (Q, dO): 210 KiB (no room for a third stage).
+# d = 64: 128-row steps (`TILES_M128`, module docstring; 227 KiB, so 2 stages), each run as two
+# 64-query halves: on the H100 its backward read 1.06-1.12x the 64-row step's at s = 4k and 16k
+# (0.92-1.02x at 1k; docs/performance.md); `TILES[64] = (64, 2)` selects the 64-row step again.
+TILES = {128: (64, 2), 64: (128, 2)}
+# The 128-row step variant (tests and examples/perf/tune_sm90_backward.py --block-m pin it).
 TILES_M128 = {64: (128, 2)}
 SUPPORTED_HEAD_DIMS = tuple(TILES)
 

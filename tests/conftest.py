@@ -37,8 +37,7 @@ def pytest_addoption(parser):
         default="default",
         choices=("default", "128"),
         help="`128`: the sm_90 backward runs d = 64 with its 128-row query steps "
-        "(kernels/_flash_bwd_sm90.TILES_M128) for the whole run; with --backward-path sm90 the "
-        "GPU suite checks that variant too",
+        "(kernels/_flash_bwd_sm90.TILES_M128, also the default tile) for the whole run",
     )
 
 

@@ -93,16 +93,14 @@ def test_dq_accumulator_has_a_whole_tma_box_behind_it(shape):
         assert view is not None and view[0][0] <= storage_rows
 
 
-def test_d64_128_row_variant_is_selectable_not_default(monkeypatch):
-    """Auto dispatch keeps d = 64's 64-row backward tiles (its length table keeps d = 64 portable);
-    `TILES[64] = TILES_M128[64]` selects the 128-row variant, whose Q/dO TMA grids then hold at
-    least one 128-row box."""
-    assert _flash_bwd_sm90.TILES[64] == (64, 2)
+def test_d64_steps_128_rows_and_64_stays_selectable(monkeypatch):
+    """d = 64's backward steps over 128 query rows (`TILES_M128`), whose Q/dO TMA grids hold at
+    least one 128-row box; `TILES[64] = (64, 2)` selects the 64-row step, with 64-row boxes."""
+    assert _flash_bwd_sm90.TILES[64] == _flash_bwd_sm90.TILES_M128[64]
     assert _flash_bwd_sm90.TILES_M128[64][0] == 128
-    assert _backward_paths.SM90_BWD_MIN_KEYS[64] is None
     q = torch.randn(1, 40, 2, 64, dtype=torch.bfloat16)
-    assert _flash_bwd_sm90.plan_views(q, q, q, q, False)[0][0][0] == 64
-    monkeypatch.setitem(_flash_bwd_sm90.TILES, 64, _flash_bwd_sm90.TILES_M128[64])
     views = _flash_bwd_sm90.plan_views(q, q, q, q, False)
     assert views[0][0][0] == 128 and views[3][0][0] == 128  # q and dout: one 128-row box
+    monkeypatch.setitem(_flash_bwd_sm90.TILES, 64, (64, 2))
+    assert _flash_bwd_sm90.plan_views(q, q, q, q, False)[0][0][0] == 64
     assert views[1][0][0] == _flash_bwd_sm90.BLOCK_N

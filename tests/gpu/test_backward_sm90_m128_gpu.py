@@ -1,14 +1,14 @@
 """The sm_90 backward's d = 64 variant with 128-row query steps (`_flash_bwd_sm90.TILES_M128`)
 against `attention_reference` in fp32, on an H100-class GPU.
 
-The variant is not what "auto" picks (`TILES[64]` stays (64, 2)); each case here selects it with
-`TILES[64] = TILES_M128[64]` and pins the sm_90 backward, checks that the launch took it with
-BLOCK_M = 128, and applies the suite's pass rule (tests/attention_testing.py), as
-test_backward_sm90_gpu.py does for the default tiles. Cases: causal and not (both alignments),
-dense, right-padded, varlen with and without gaps, MHA/GQA/MQA, lengths that are not multiples of
-128 or of 64 (a step whose second warpgroup's 64 dQ rows are all past the end, or partly), fewer
-queries than one warpgroup's rows, NaN in rows no sequence owns, and agreement with the portable
-backward and with itself on a long GQA problem.
+The variant is the default d = 64 tile (`TILES[64]`; "auto" takes it from 16k keys); each case here
+pins it with `TILES[64] = TILES_M128[64]` and pins the sm_90 backward, checks that the launch took
+it with BLOCK_M = 128, and applies the suite's pass rule (tests/attention_testing.py), as
+test_backward_sm90_gpu.py does. Cases: causal and not (both alignments), dense, right-padded,
+varlen with and without gaps, MHA/GQA/MQA, lengths that are not multiples of 128 or of 64 (a step
+whose second warpgroup's 64 dQ rows are all past the end, or partly), fewer queries than one
+warpgroup's rows, NaN in rows no sequence owns, and agreement with the portable backward and with
+itself on a long GQA problem.
 
 Shapes: dense q [b, s_q, h, d], k/v [b, s_k, h_kv, d]; varlen [t, h, d].
 """
