@@ -12,9 +12,9 @@ each of ours is checked against SDPA-flash's gradients (relative error under 1e-
 sm_90 variant against ours-portable's too (`rel_err_portable`, same bound). The rows where
 ours-sm90 beats ours-portable are what `_backward_paths.SM90_BWD_MIN_KEYS` holds.
 
-`--block-m 64,128` adds, at the head dims that have one (`_flash_bwd_sm90.TILES_M128`: d = 64),
-the sm_90 backward with 128-row query steps as "ours-sm90-m128", timed in the same process
-beside the default tiles ("ours-sm90") and the portable backward:
+`--block-m 64,128` times, at the head dims that have both (`_flash_bwd_sm90.TILES_M128`: d = 64),
+the sm_90 backward with 64- and 128-row query steps in the same process beside the portable
+backward: the default tiles as "ours-sm90" (128 rows at d = 64), the other as "ours-sm90-m64":
 
     python examples/perf/tune_sm90_backward.py --dims 64 --seqlens 1024,4096,16384 --block-m 64,128
 """
@@ -68,9 +68,9 @@ def _providers(q, k, v, causal, block_ms=(64,)):
     }
     default = _flash_bwd_sm90.TILES[d]
     variants = {default[0]: ("ours-sm90", default)}
-    if d in _flash_bwd_sm90.TILES_M128:
-        tiles = _flash_bwd_sm90.TILES_M128[d]
-        variants.setdefault(tiles[0], (f"ours-sm90-m{tiles[0]}", tiles))
+    if d in _flash_bwd_sm90.TILES_M128:  # d = 64: both step heights, whichever is the default
+        for tiles in (_flash_bwd_sm90.TILES_M128[d], (64, default[1])):
+            variants.setdefault(tiles[0], (f"ours-sm90-m{tiles[0]}", tiles))
     for block_m in block_ms:
         if block_m in variants:
             name, tiles = variants[block_m]
