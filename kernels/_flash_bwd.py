@@ -324,24 +324,21 @@ def flash_attention_backward(
             deterministic=deterministic, **mask_args,
         )  # fmt: skip
         remember(_PLANS, key, plan, _MAX_PLANS)
-    sm90_plan = None
-    if plan.sm90:  # the TMA views are made per call; the plan only says the kernel applies
+    views = None
+    if plan.sm90:  # the plan says the kernel applies; its TMA views depend on base pointers too
         geo = launch_geometry(q, k, **seq_args)
-        sm90_plan = sm90_backward_plan(
-            q, k, v, dout, lse, geo, deterministic=deterministic, **mask_args
-        )
+        views = sm90.plan_views(q, k, v, dout, geo.varlen)
     dk = _new_grad(k, plan.owns_k, dk)
     dv = _new_grad(v, plan.owns_k, dv)
     seq_ptrs = plan.pointers(
         (cu_seqlens_q, cu_seqlens_k, seq_offsets_q, seq_offsets_k, seqlens_q, seqlens_k, q)
     )
     delta = _preprocess(plan.preprocess, out, dout, lse, seq_ptrs, signature)
-    if sm90_plan is not None:
+    if views is not None:
         # One launch for dQ, dK and dV on Hopper (`_backward_paths`); dQ sums by TMA reduce-adds.
-        views, causal = sm90_plan
         dq_acc = sm90.backward_sm90(
             q, k, v, dout, lse, delta, dk, dv, views, geo,
-            softmax_scale=softmax_scale, causal=causal, bottom_right=bottom_right,
+            softmax_scale=softmax_scale, causal=window_right == 0, bottom_right=bottom_right,
         )  # fmt: skip
         return _scaled_dq(dq_acc, dq, q.dtype, softmax_scale), dk, dv, None
     # Without a bias, ALiBi or dQ accumulator the kernels never read that pointer: q stands in.

@@ -57,6 +57,7 @@ from ._common import (
     strides4,
     visible_tile,
 )
+from ._flash_fwd_sm90 import plan_views as sm90_views
 from ._forward_paths import forward_path, run_sm90, sm90_plan
 from ._launch import launch
 
@@ -501,14 +502,13 @@ def flash_attention_forward(
             seq_offsets_q=seq_offsets_q, seq_offsets_k=seq_offsets_k, max_seqlen_q=max_seqlen_q,
             max_seqlen_k=max_seqlen_k, seqlens_q=seqlens_q, seqlens_k=seqlens_k,
         )  # fmt: skip
-        views = sm90_plan(
-            q, k, v, geom, window_left=window_left, window_right=window_right, bias=bias,
-            alibi_slopes=alibi_slopes, softcap=softcap, dropout_p=dropout_p,
-        )  # fmt: skip
+        # Only the TMA views depend on more than the signature (16-byte aligned base pointers).
+        views = sm90_views(q, k, v, geom.varlen)
         if views is not None:
             return run_sm90(
-                q, k, v, geom, views, softmax_scale=softmax_scale, bottom_right=bottom_right
-            )
+                q, k, v, geom, (views, window_right == 0), softmax_scale=softmax_scale,
+                bottom_right=bottom_right,
+            )  # fmt: skip
     out, lse, args = _outputs_and_args(plan, call)
     if plan.launches:
         _launch(plan.grid, args, plan.constexprs, call["signature"], plan.tuning)

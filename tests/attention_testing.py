@@ -176,6 +176,24 @@ def make_inputs(case: Case, device: str | torch.device) -> dict:
     return {**inputs, **meta}
 
 
+def poison_unowned_rows(inputs: dict, layout: str, names: tuple[str, ...]) -> None:
+    """Fill with NaN, in place, the rows of `inputs[name]` no sequence owns: rows past each
+    length ("seqlens") or the gaps between varlen sequences ("varlen_padded"). `names` are input
+    keys among q, k, v and dout; q and dout follow the query lengths, k and v the key lengths."""
+    for name in names:
+        t, seq = inputs[name], "k" if name in ("k", "v") else "q"
+        if layout == "seqlens":
+            lens = inputs[f"seqlens_{seq}"]
+            rows = torch.arange(t.shape[1], device=t.device)
+            t[rows[None, :] >= lens[:, None]] = float("nan")
+        else:
+            owned = torch.zeros(t.shape[0], dtype=torch.bool, device=t.device)
+            starts, lens = inputs[f"seq_offsets_{seq}"][:-1], inputs[f"cu_seqlens_{seq}"].diff()
+            for start, n in zip(starts.tolist(), lens.tolist()):
+                owned[start : start + n] = True
+            t[~owned] = float("nan")
+
+
 def keep_mask(case: Case, rng_state: torch.Tensor, device) -> torch.Tensor | None:
     """The kernels' keep-mask [b, h, s_q, s_k] (positions within each sequence), or None."""
     if case.dropout_p <= 0:

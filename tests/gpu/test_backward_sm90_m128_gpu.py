@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from attention_testing import Case, check_case, make_inputs, run_kernel
+from attention_testing import Case, check_case, make_inputs, poison_unowned_rows, run_kernel
 from fusedlayers.kernels import _backward_paths, _flash_bwd_sm90
 from test_backward_sm90_gpu import _grads, needs_sm90
 from test_kernels_gpu import recorded
@@ -92,18 +92,7 @@ def test_sm90_m128_backward_ignores_nan_padding(layout, m128_spy):
     case = Case(b=3, s_q=300, s_k=333, h=4, h_kv=2, d=D, dtype=torch.bfloat16, layout=layout,
                 window=(-1, 0))  # fmt: skip
     inputs = make_inputs(case, DEV)
-    for name, seq in (("q", "q"), ("k", "k"), ("v", "k"), ("dout", "q")):
-        t = inputs[name]
-        if layout == "seqlens":
-            lens = inputs[f"seqlens_{seq}"]
-            rows = torch.arange(t.shape[1], device=DEV)
-            t[rows[None, :] >= lens[:, None]] = float("nan")
-        else:
-            owned = torch.zeros(t.shape[0], dtype=torch.bool, device=DEV)
-            starts, lens = inputs[f"seq_offsets_{seq}"][:-1], inputs[f"cu_seqlens_{seq}"].diff()
-            for start, n in zip(starts.tolist(), lens.tolist()):
-                owned[start : start + n] = True
-            t[~owned] = float("nan")
+    poison_unowned_rows(inputs, layout, ("q", "k", "v", "dout"))
     fast = run_kernel(case, inputs)
     assert set(m128_spy) == {128}
     _backward_paths.set_backward_path("portable")

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from attention_testing import Case, check_case, make_inputs, run_kernel
+from attention_testing import Case, check_case, make_inputs, poison_unowned_rows, run_kernel
 from fusedlayers.kernels import _common, _flash_fwd_sm90, _forward_paths, flash_attention
 
 pytestmark = pytest.mark.gpu
@@ -119,18 +119,7 @@ def test_sm90_ignores_nan_padding(layout, sm90_spy):
     them, on the same poisoned input."""
     case = Case(b=3, s_q=300, s_k=333, h=4, h_kv=2, d=128, dtype=torch.bfloat16, layout=layout)
     inputs = make_inputs(case, DEV)
-    for name, seq in (("q", "q"), ("k", "k"), ("v", "k")):
-        t = inputs[name]
-        if layout == "seqlens":
-            lens = inputs[f"seqlens_{seq}"]
-            rows = torch.arange(t.shape[1], device=DEV)
-            t[rows[None, :] >= lens[:, None]] = float("nan")
-        else:
-            owned = torch.zeros(t.shape[0], dtype=torch.bool, device=DEV)
-            starts, lens = inputs[f"seq_offsets_{seq}"][:-1], inputs[f"cu_seqlens_{seq}"].diff()
-            for start, n in zip(starts.tolist(), lens.tolist()):
-                owned[start : start + n] = True
-            t[~owned] = float("nan")
+    poison_unowned_rows(inputs, layout, ("q", "k", "v"))
     fast = run_kernel(case, inputs, backward=False)
     assert sm90_spy
     _forward_paths.set_forward_path("portable")
