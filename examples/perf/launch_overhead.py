@@ -90,67 +90,114 @@ def decode_rows(device, dtype, calls: int) -> list[tuple[str, float]]:
     ]
 
 
-def backward_breakdown(q, k, v, dout, calls: int) -> list[tuple[str, float]]:
-    """Where the backward's host time goes: the whole autograd backward, the launcher inside it
-    (it runs on autograd's device thread, which cProfile does not see), each Triton launch, and
-    the launcher called directly from this thread."""
+def backward_breakdown(q, k, v, dout, calls: int, top: int) -> tuple[list, str]:
+    """Where the backward's host time goes, and a floor for it.
+
+    Rows: a no-op autograd `Function` over the same tensors (autograd's own cost: the handoff to
+    its device thread and back), SDPA-flash's backward, our whole autograd backward, and inside
+    it the `Function.backward`, the launcher `flash_attention_backward` and each Triton launch;
+    then the launcher called directly from this thread. The wrappers time the calls as they
+    are: they wrap `_flash_bwd.launch`, so every launch keeps the direct launcher (wrapping the
+    kernels instead would send them through Triton's own `kernel[grid]` path). The second value
+    is a cProfile of the backward as autograd runs it, on its device thread (a profiler follows
+    one thread: it is switched on inside the backward), taken in a separate pass so its own
+    cost stays out of the timed rows."""
+    import torch.nn.functional as F
     from fusedlayers.kernels import _flash_bwd, attention_ops
+    from torch.nn.attention import SDPBackend, sdpa_kernel
 
     import fusedlayers
 
     spent: dict[str, float] = {}
+    profile = cProfile.Profile()
+    profiling = False
 
-    def timed(name: str, fn: Callable) -> Callable:
+    def timed(name: Callable[..., str] | str, fn: Callable, profiled: bool = False) -> Callable:
         def run(*args, **kwargs):
+            key = name if isinstance(name, str) else name(*args)
+            if profiled and profiling:
+                profile.enable()
             start = time.perf_counter()
-            result = fn(*args, **kwargs)
-            spent[name] = spent.get(name, 0.0) + time.perf_counter() - start
-            return result
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent[key] = spent.get(key, 0.0) + time.perf_counter() - start
+                if profiled and profiling:
+                    profile.disable()
 
         return run
 
-    class TimedKernel:
-        def __init__(self, name: str, kernel) -> None:
-            self.name, self.kernel = name, kernel
+    class NoOp(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, a, b, c):
+            return a.view_as(a)
 
-        def __getitem__(self, grid):
-            return timed(self.name, self.kernel[grid])
+        @staticmethod
+        def backward(ctx, grad):
+            return grad, None, None
 
-    names = ("_flash_bwd_dkdv_kernel", "_flash_bwd_dq_kernel", "_flash_bwd_preprocess_kernel")
-    saved = {n: getattr(_flash_bwd, n) for n in names}
-    saved_launcher = attention_ops.flash_attention_backward
+    def launch_name(kernel, *args) -> str:
+        return f"launch {getattr(kernel, 'fn', kernel).__name__}"
+
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     out = fusedlayers.flash_attn_func(*leaves, causal=True)
+    noop_out = NoOp.apply(*leaves)
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        sdpa_out = F.scaled_dot_product_attention(
+            *(t.transpose(1, 2) for t in leaves), is_causal=True
+        )
+    rows = [
+        ("no-op autograd Function, backward only", host_us_per_call(
+            lambda: torch.autograd.grad(noop_out, leaves[0], dout, retain_graph=True), calls)),
+        ("sdpa-flash backward only", host_us_per_call(
+            lambda: torch.autograd.grad(sdpa_out, leaves, dout.transpose(1, 2),
+                                        retain_graph=True), calls)),
+    ]  # fmt: skip
 
-    def backward():
-        torch.autograd.grad(out, leaves, dout, retain_graph=True)
-
+    eager = attention_ops._EagerFlashAttention
+    saved = (_flash_bwd.launch, attention_ops.flash_attention_backward, eager.backward)
     try:
-        for n in names:
-            setattr(_flash_bwd, n, TimedKernel(n, saved[n]))
-        attention_ops.flash_attention_backward = timed("launcher", saved_launcher)
+        _flash_bwd.launch = timed(launch_name, saved[0])
+        attention_ops.flash_attention_backward = timed("launcher", saved[1])
+        eager.backward = staticmethod(timed("Function.backward", saved[2], profiled=True))
+        backward = lambda: torch.autograd.grad(out, leaves, dout, retain_graph=True)  # noqa: E731
+        for _ in range(20):
+            backward()
+        spent.clear()
         total = host_us_per_call(backward, calls, repeats=1)
-        spent.clear()  # keep only the timed calls (host_us_per_call warms up first)
-        total = host_us_per_call(backward, calls, repeats=1)
+        # host_us_per_call ran 20 warm-up calls before the timed ones.
+        inside = {name: s / (calls + 20) * 1e6 for name, s in spent.items()}
+        spent.clear()
+        args = [t.detach() for t in (dout, q, k, v, out)]
+        lse = attention_ops._forward_impl(*(t.detach() for t in (q, k, v)), *[None] * 8,
+                                          q.shape[-1] ** -0.5, -1, 0, True, None, None,
+                                          0.0, 0.0, None, False)[1]  # fmt: skip
+        launcher = attention_ops.flash_attention_backward
+        direct = host_us_per_call(
+            lambda: launcher(*args, lse, softmax_scale=q.shape[-1] ** -0.5, window_right=0),
+            calls,
+            repeats=1,
+        )
+        direct_inside = {name: s / (calls + 20) * 1e6 for name, s in spent.items()}
+        profiling = True
+        for _ in range(calls):
+            backward()
     finally:
-        for n in names:
-            setattr(_flash_bwd, n, saved[n])
-        attention_ops.flash_attention_backward = saved_launcher
-    # host_us_per_call ran 20 warm-up calls before the timed ones.
-    per_call = {name: seconds / (calls + 20) * 1e6 for name, seconds in spent.items()}
-    args = [t.detach() for t in (dout, q, k, v, out)]
-    lse = attention_ops._forward_impl(*(t.detach() for t in (q, k, v)), *[None] * 8,
-                                      q.shape[-1] ** -0.5, -1, 0, True, None, None,
-                                      0.0, 0.0, None, False)[1]  # fmt: skip
-    direct = host_us_per_call(
-        lambda: saved_launcher(*args, lse, softmax_scale=q.shape[-1] ** -0.5, window_right=0),
-        calls,
-        repeats=1,
-    )
-    rows = [("backward only, through autograd", total)]
-    rows += [(f"  inside: {name}", us) for name, us in sorted(per_call.items())]
+        _flash_bwd.launch, attention_ops.flash_attention_backward = saved[:2]
+        eager.backward = staticmethod(saved[2])
+
+    def nested(times: dict) -> list:  # outermost first: Function.backward, launcher, launches
+        depth = {"Function.backward": 1, "launcher": 2}
+        names = sorted(times, key=lambda name: (depth.get(name, 3), name))
+        return [("  " * depth.get(n, 3) + f"inside: {n}", times[n]) for n in names]
+
+    rows.append(("fusedlayers backward only, through autograd", total))
+    rows += nested(inside)
     rows.append(("flash_attention_backward called directly", direct))
-    return rows
+    rows += nested(direct_inside)
+    text = io.StringIO()
+    pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(top)
+    return rows, text.getvalue()
 
 
 def main(calls: int = 1000, top: int = 30, stubbed: bool = False) -> None:
@@ -208,7 +255,8 @@ def main(calls: int = 1000, top: int = 30, stubbed: bool = False) -> None:
             ("sdpa-flash fwd, no grad", host_us_per_call(sdpa, calls)),
             ("sdpa-flash fwd+bwd", host_us_per_call(lambda: sdpa(True), calls // 2)),
         ]
-        rows += backward_breakdown(q, k, v, dout, calls // 2)
+        breakdown, worker_profile = backward_breakdown(q, k, v, dout, calls // 2, top)
+        rows += breakdown
     print(f"| call ({'launches stubbed, CPU' if stubbed else 'CUDA'}) | host us/call |")
     print("|---|---|")
     for name, us in rows:
@@ -222,6 +270,9 @@ def main(calls: int = 1000, top: int = 30, stubbed: bool = False) -> None:
     text = io.StringIO()
     pstats.Stats(profile, stream=text).sort_stats("cumulative").print_stats(top)
     print(text.getvalue())
+    if not stubbed:
+        print("The backward on autograd's device thread, by own time:")
+        print(worker_profile)
 
 
 if __name__ == "__main__":
