@@ -53,7 +53,7 @@ from ._common import (
 )
 from ._flash_bwd_dkdv import _flash_bwd_dkdv_kernel
 from ._flash_bwd_dq import _flash_bwd_dq_kernel
-from ._launch import call_signature, launch
+from ._launch import call_signature, launch, launch_slot
 
 
 @triton.jit
@@ -208,11 +208,13 @@ def _new_grad(
 
 class _Launch(NamedTuple):
     """One launch of a plan: its grid, the host-side ints and floats that follow its tensor
-    arguments (up to the per-call seed and offset, where it takes them) and its keywords."""
+    arguments (up to the per-call seed and offset, where it takes them), its keywords and its
+    `_launch.launch_slot` (the compiled kernel, bound on first use)."""
 
     grid: tuple[int]
     ints: tuple
     kwargs: dict
+    slot: dict
 
 
 class BackwardPlan(NamedTuple):
@@ -360,6 +362,7 @@ def flash_attention_backward(
     launch(_flash_bwd_dq_kernel, plan.dq.grid,
         q, k, v, dout, lse, delta, dq, bias_ptr, dbias if dbias is not None else q, alibi_ptr,
         *seq_ptrs, *plan.dq.ints, *tail, **plan.dq.kwargs, signature=signature,
+        slot=plan.dq.slot,
     )  # fmt: skip
     return dq, dk, dv, dbias
 
@@ -430,6 +433,7 @@ def _make_plan(
          h_q, max_q, d_v),
         dict(BLOCK_M=PREPROCESS_BLOCK_M, HEAD_DIM_V=next_pow2_dim(d_v),
              PAD_V=next_pow2_dim(d_v) != d_v, SEQ_MODE_Q=geo.q.mode),
+        launch_slot(),
     )  # fmt: skip
     head_dim = max(q.shape[-1], d_v)
     atomic = use_atomic_dq(q, deterministic, dbias_shape is not None)
@@ -455,8 +459,9 @@ def _make_plan(
          h_q, h_kv, splits, *ints[2:]),
         dict(BLOCK_M=cfg["BLOCK_M1"], BLOCK_N=cfg["BLOCK_N1"], ATOMIC_DQ=atomic, **opts,
              num_warps=cfg["WARPS1"], num_stages=cfg["STAGES1"]),
+        launch_slot(),
     )  # fmt: skip
-    dq_launch = _Launch((), (), {})  # the atomic scheme has no dQ pass
+    dq_launch = _Launch((), (), {}, launch_slot())  # the atomic scheme has no dQ pass
     if not atomic:
         dbias_strides = _meta(dbias_shape).stride() if dbias_shape is not None else (0, 0, 0, 0)
         dq_launch = _Launch(
@@ -467,6 +472,7 @@ def _make_plan(
             dict(BLOCK_M=cfg["BLOCK_M2"], BLOCK_N=cfg["BLOCK_N2"],
                  WRITE_DBIAS=dbias_shape is not None, **opts, num_warps=cfg["WARPS2"],
                  num_stages=cfg["STAGES2"]),
+            launch_slot(),
         )  # fmt: skip
     seq_tensors = (geo.q.cu_seqlens, geo.k.cu_seqlens, geo.q.seq_offsets, geo.k.seq_offsets,
                    geo.q.seqlens, geo.k.seqlens)  # fmt: skip
@@ -501,7 +507,7 @@ def _launch_dkdv(plan, inputs, dk, dv, pointers, seq_ptrs, tail, signature) -> N
         dv_out = new((splits, *dv.shape), dtype=torch.float32, device=dv.device)
     launch(_flash_bwd_dkdv_kernel, plan.dkdv.grid,
         *inputs, dk_out, dv_out, *pointers, *seq_ptrs, *plan.dkdv.ints, *tail,
-        **plan.dkdv.kwargs, signature=(signature, splits),
+        **plan.dkdv.kwargs, signature=(signature, splits), slot=plan.dkdv.slot,
     )  # fmt: skip
     if splits > 1:
         # A fixed-order reduction over the shares: bitwise reproducible run to run.
@@ -529,7 +535,7 @@ def _preprocess(launch_plan: _Launch, out, dout, lse, seq_ptrs, signature) -> to
     delta = torch.empty_like(lse)
     launch(_flash_bwd_preprocess_kernel, launch_plan.grid,
         out, dout, delta, seq_ptrs[0], seq_ptrs[2], seq_ptrs[4], *launch_plan.ints,
-        **launch_plan.kwargs, signature=signature,
+        **launch_plan.kwargs, signature=signature, slot=launch_plan.slot,
     )  # fmt: skip
     return delta
 

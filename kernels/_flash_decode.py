@@ -53,7 +53,7 @@ from ._common import (
     smem_per_block,
     visible_tile,
 )
-from ._launch import call_signature, launch
+from ._launch import call_signature, config_slot, launch, launch_slot
 
 # --------------------------------------------------------------------------------------------------
 # Launch geometry
@@ -381,6 +381,8 @@ class DecodePlan(NamedTuple):
     combine_grid: tuple[int]
     combine_ints: tuple  # the combine pass's arguments after its tensors
     combine_kwargs: dict
+    slot: dict  # `_launch.launch_slot` of the main launch (per autotuner pick)
+    combine_slot: dict
 
 
 # Plans by (signature, MAX_BLOCK_M); bounded by `remember`.
@@ -460,11 +462,11 @@ def decode_attention(
     )  # fmt: skip
     # The resolved split count joins the signature: a runtime int the launches specialize on.
     signature = (signature, plan.num_splits)
-    _launch(plan.grid, args, plan.constexprs, signature, plan.tuning)
+    _launch(plan.grid, args, plan.constexprs, signature, plan.tuning, plan.slot)
     if plan.workspace:
         launch(_decode_combine, plan.combine_grid,
             out, lse, o_part, lse_part, *plan.combine_ints,
-            **plan.combine_kwargs, signature=signature,
+            **plan.combine_kwargs, signature=signature, slot=plan.combine_slot,
         )  # fmt: skip
     return out, lse
 
@@ -537,6 +539,7 @@ def _make_plan(
         combine_ints=(*out.stride()[:3], *lse.stride(), *part_strides, s_q, h_q, num_splits),
         combine_kwargs=dict(HEAD_DIM=d, BLOCK_D=block_d, BLOCK_S=block_s,
                             num_warps=4 if block_s * block_d <= 4096 else 8),
+        slot=launch_slot(), combine_slot=launch_slot(),
     )  # fmt: skip
 
 
@@ -545,10 +548,14 @@ def _make_plan(
 _PICKED: dict[tuple, triton.Config] = {}
 
 
-def _launch(grid, args, constexprs, signature: tuple | None, tuning: tuple) -> None:
+def _launch(
+    grid, args, constexprs, signature: tuple | None, tuning: tuple, slot: dict | None = None
+) -> None:
     config = _PICKED.get(tuning)
     if config is None:
         _decode_fwd_tuned[grid](*args, **constexprs)
         _PICKED[tuning] = _decode_fwd_tuned.best_config
     else:
-        launch(_decode_fwd, grid, *args, **constexprs, **config.all_kwargs(), signature=signature)
+        launch(_decode_fwd, grid, *args, **constexprs, **config.all_kwargs(),
+               signature=signature, slot=None if slot is None else config_slot(slot, config),
+        )  # fmt: skip

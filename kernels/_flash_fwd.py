@@ -59,7 +59,7 @@ from ._common import (
 )
 from ._flash_fwd_sm90 import plan_views as sm90_views
 from ._forward_paths import forward_path, run_sm90, sm90_plan
-from ._launch import launch
+from ._launch import config_slot, launch, launch_slot
 
 # --------------------------------------------------------------------------------------------------
 # Autotune configs and their prune predicate
@@ -350,6 +350,7 @@ class ForwardPlan(NamedTuple):
     ints: tuple  # the launch's arguments between its tensors and (seed, offset)
     constexprs: dict
     tuning: tuple  # the key of the autotuner's pick in `_PICKED`
+    slot: dict  # `_launch.launch_slot`: the picked config's compiled kernel, bound on first use
 
 
 # Plans by (signature, forward path, causal order budget); bounded by `remember`.
@@ -421,6 +422,7 @@ def _make_plan(
         sm90=sm90, pointers=pointers, out_shape=out_shape, lse_shape=lse_shape,
         owns_all_rows=geom.q.owns_all_rows, grid=grid, launches=max_q * rows > 0, ints=ints,
         constexprs=constexprs, tuning=(tuple(constexprs.values()), dtypes, bucket),
+        slot=launch_slot(),
     )  # fmt: skip
 
 
@@ -511,7 +513,7 @@ def flash_attention_forward(
             )  # fmt: skip
     out, lse, args = _outputs_and_args(plan, call)
     if plan.launches:
-        _launch(plan.grid, args, plan.constexprs, call["signature"], plan.tuning)
+        _launch(plan.grid, args, plan.constexprs, call["signature"], plan.tuning, plan.slot)
     return out, lse
 
 
@@ -524,12 +526,17 @@ def flash_attention_forward(
 _PICKED: dict[tuple, triton.Config] = {}
 
 
-def _launch(grid, args, constexprs, signature: tuple | None, tuning: tuple) -> None:
+def _launch(
+    grid, args, constexprs, signature: tuple | None, tuning: tuple, slot: dict | None = None
+) -> None:
     """`_attn_fwd[grid](...)`, through the autotuner only the first time per `tuning` key.
-    `signature`: the call's `attention_signature`, handed to `launch`."""
+    `signature`: the call's `attention_signature`, handed to `launch`; `slot`: the plan's,
+    which never sees the autotuner's trial launches (each pick gets its part, `config_slot`)."""
     config = _PICKED.get(tuning)
     if config is None:
         _attn_fwd[grid](*args, **constexprs)
         _PICKED[tuning] = _attn_fwd.best_config
     else:
-        launch(_attn_fwd.fn, grid, *args, **constexprs, **config.all_kwargs(), signature=signature)
+        launch(_attn_fwd.fn, grid, *args, **constexprs, **config.all_kwargs(),
+               signature=signature, slot=None if slot is None else config_slot(slot, config),
+        )  # fmt: skip

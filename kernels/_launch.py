@@ -26,6 +26,14 @@ signature and the launch's keywords, and the per-argument key is computed only t
 signature is seen. The contract: with the same signature and keywords, every runtime argument
 specializes the same way. `set_signature_checks(True)` verifies it on every launch (the GPU
 suite runs with it on).
+
+A launch plan that repeats one launch with the same keywords, grid and specialization (the
+attention kernels' plans, one per signature) passes `slot=`, a dict it owns (`launch_slot()`).
+After the first direct launch the slot holds, per device, the compiled kernel's launcher, the
+evaluated grid and the keyword values in parameter order, so later launches skip even the
+signature lookup: a few microseconds less Python per launch, which autograd's device thread
+pays twice over (docs/performance.md, "Host time on autograd's device thread"). With signature
+checks on, a slotted launch takes the keyed path and checks that the slot holds what it finds.
 """
 
 from __future__ import annotations
@@ -137,13 +145,41 @@ _LAUNCHES: dict[int, _KernelLaunches] = {}
 _MAX_SIGNATURES = 4096
 
 
-def launch(kernel, grid, *args, signature: tuple | None = None, **kwargs) -> None:
+def launch_slot() -> dict:
+    """A new, empty `slot=` for one launch of a plan (module docstring)."""
+    return {}
+
+
+def config_slot(slot: dict, config) -> dict:
+    """The part of an autotuned launch's slot that belongs to one of the autotuner's picks
+    (`triton.Config`): a plan keeps one tuning key, but a test or tool may clear the picks and
+    tune again, and a slot must only ever see one kernel. Keyed by identity; the config is kept
+    beside its part, so a reused id cannot alias another config."""
+    entry = slot.get(id(config))
+    if entry is None or entry[0] is not config:
+        entry = slot[id(config)] = (config, launch_slot())
+    return entry[1]
+
+
+def launch(
+    kernel, grid, *args, signature: tuple | None = None, slot: dict | None = None, **kwargs
+) -> None:
     """`kernel[grid](*args, **kwargs)`, through the compiled kernel's launcher after the first.
 
     `kernel` is a `triton.JITFunction` (for an autotuned kernel, its `.fn` with a config's
     kwargs); `grid` a tuple, or a callable of the launch's keyword arguments. `signature`, when
-    given, identifies the specialization in place of the per-argument key (module docstring).
+    given, identifies the specialization in place of the per-argument key; `slot`, when given,
+    binds the compiled kernel to the caller's plan (module docstring). A slot must only ever see
+    one kernel, one grid, the same keywords and the same number of positional arguments.
     """
+    if slot and _enabled and not _check_signatures:
+        device = _current_device()
+        bound = slot.get(device)
+        if bound is not None and not _hooked():
+            run, function, metadata, grid3, tail, _ = bound
+            run(*grid3, _current_stream(device), function, metadata, None, None, None,
+                *args, *tail)  # fmt: skip
+            return
     if not _enabled or not isinstance(kernel, triton.JITFunction) or _hooked():
         kernel[grid](*args, **kwargs)
         return
@@ -185,18 +221,26 @@ def launch(kernel, grid, *args, signature: tuple | None = None, **kwargs) -> Non
         return
     if callable(grid):
         grid = grid(kwargs)
+    grid3 = (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)
     stream = _current_stream(device)
     try:
         run = compiled.run  # loads the module on first use
-        run(
-            grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1,
-            stream, compiled.function, compiled.packed_metadata, None, None, None, *values,
-        )  # fmt: skip
+        run(*grid3, stream, compiled.function, compiled.packed_metadata, None, None, None,
+            *values)  # fmt: skip
     except TypeError:
         # A Triton whose launcher takes other arguments: the C launcher checks its argument
         # list before launching, so nothing ran. Take Triton's path for good.
         launches.broken = True
         kernel[grid](*args, **kwargs)
+        return
+    if slot is not None:
+        tail = tuple(values[len(args) :])
+        bound = slot.get(device)
+        if bound is not None:  # signature checks on: the slot must hold what the key found
+            assert bound[5] is compiled and bound[3] == grid3 and bound[4] == tail, (
+                f"launch slot of {kernel.fn.__name__} holds another kernel, grid or keywords"
+            )
+        slot[device] = (run, compiled.function, compiled.packed_metadata, grid3, tail, compiled)
 
 
 def _current_device() -> int:

@@ -218,3 +218,81 @@ def test_signature_checks_catch_a_signature_that_misses_a_specialization(kernel)
 def test_int_signature_follows_tritons_int_specialization():
     assert _launch.int_signature(32) == _launch.int_signature(64)
     assert len({_launch.int_signature(n) for n in (1, 2, 16, 17, 2**40)}) == 4
+
+
+# --- `slot=`: a plan's launch bound to its compiled kernel after the first direct launch -------
+
+
+def test_a_slot_binds_the_compiled_kernel_after_the_first_direct_launch(kernel, monkeypatch):
+    keys = _count_keys(monkeypatch)
+    slot = _launch.launch_slot()
+    for n in (32, 48, 64, 80):
+        x = _x()
+        _launch.launch(kernel, lambda meta: (meta["BLOCK"] * 2, 5), x, n, 0.5, True, BLOCK=16,
+                       slot=slot)  # fmt: skip
+    # compile (key), first direct launch (key; it binds the slot), then the slot alone
+    assert len(keys) == 2
+    assert kernel.compiles == 1
+    assert [entry[0] for entry in kernel.log] == ["triton", "direct", "direct", "direct"]
+    # the grid as evaluated once, then each call's own arguments and the bound keywords
+    assert kernel.log[-1][2] == (32, 5, 1, 1234, "fn", "meta", None, None, None, x, 80, 0.5, True,
+                                 16, 2)  # fmt: skip
+    assert [entry[2][10] for entry in kernel.log[1:]] == [48, 64, 80]
+    assert list(slot) == [0]  # one device
+
+
+def test_a_slot_is_per_device(kernel, monkeypatch):
+    monkeypatch.setattr(_launch, "_check_signatures", False)
+    slot = _launch.launch_slot()
+    for device in (0, 0, 1, 1):
+        monkeypatch.setattr(_launch, "_current_device", lambda device=device: device)
+        _launch.launch(kernel, (1,), _x(), 32, 0.5, True, BLOCK=16, slot=slot)
+    assert sorted(slot) == [0, 1]
+
+
+def test_a_bound_slot_still_yields_to_profiler_hooks_and_the_switch(kernel, monkeypatch):
+    monkeypatch.setattr(_launch, "_check_signatures", False)
+    slot = _launch.launch_slot()
+    for _ in range(2):
+        _launch.launch(kernel, (1,), _x(), 32, 0.5, True, BLOCK=16, slot=slot)
+    assert slot
+    runtime = _launch.knobs.runtime
+    no_hook = runtime.launch_enter_hook
+    monkeypatch.setattr(runtime, "launch_enter_hook", lambda *args: None)
+    _launch.launch(kernel, (1,), _x(), 32, 0.5, True, BLOCK=16, slot=slot)
+    monkeypatch.setattr(runtime, "launch_enter_hook", no_hook)
+    _launch.set_direct_launch(False)
+    _launch.launch(kernel, (1,), _x(), 32, 0.5, True, BLOCK=16, slot=slot)
+    _launch.set_direct_launch(True)
+    _launch.launch(kernel, (1,), _x(), 32, 0.5, True, BLOCK=16, slot=slot)
+    kinds = [entry[0] for entry in kernel.log]
+    assert kinds == ["triton", "direct", "triton", "triton", "direct"]
+
+
+def test_signature_checks_verify_what_a_slot_holds(kernel):
+    """With the checks on, a slotted launch takes the keyed path and compares: a slot that
+    holds another kernel (a plan reused for another specialization) fails loudly."""
+    previous = _launch.set_signature_checks(True)
+    try:
+        slot = _launch.launch_slot()
+        for _ in range(3):
+            _launch.launch(kernel, (1,), _x(), 32, 0.5, True, BLOCK=16, slot=slot)
+        assert [entry[0] for entry in kernel.log] == ["triton", "direct", "direct"]
+        _launch.launch(kernel, (1,), _x(), 33, 0.5, True, BLOCK=16)  # compiles n=33
+        with pytest.raises(AssertionError, match="launch slot"):
+            _launch.launch(kernel, (1,), _x(), 33, 0.5, True, BLOCK=16, slot=slot)
+    finally:
+        _launch.set_signature_checks(previous)
+
+
+def test_config_slot_gives_each_autotuner_pick_its_own_part():
+    slot = _launch.launch_slot()
+    first, second = triton.Config({"BLOCK": 16}), triton.Config({"BLOCK": 32})
+    part = _launch.config_slot(slot, first)
+    part[0] = "bound"
+    assert _launch.config_slot(slot, first) is part
+    assert _launch.config_slot(slot, second) == {}
+    # an entry whose id now names another config (the first one freed, its id reused) is
+    # not handed out for it
+    slot[id(second)] = (first, {0: "stale"})
+    assert _launch.config_slot(slot, second) == {}

@@ -3,8 +3,9 @@
 Repeated calls of one signature take the cached paths: each must still compute on its own,
 fresh data (checked against the fp64 reference with the suite's pass rule), and the suite's
 signature checks (tests/conftest.py) verify that every cached launch maps to the kernel Triton
-would have picked. A change Triton specializes on (alignment, dropout seeds) must not reuse a
-kernel compiled for another specialization.
+would have picked; with the checks off, the plans' bound launch slots must do the same. A
+change Triton specializes on (alignment, dropout seeds) must not reuse a kernel compiled for
+another specialization.
 """
 
 import dataclasses
@@ -33,6 +34,16 @@ def test_one_signature_on_fresh_data(case):
     inputs, each checked; the dropout case draws a new seed and offset every call."""
     assert _launch._check_signatures
     for seed in range(4):
+        check_case(dataclasses.replace(case, seed=seed), "cuda")
+
+
+@pytest.mark.parametrize("case", CASES, ids=Case.label)
+def test_bound_launch_slots_on_fresh_data(case, monkeypatch):
+    """The same calls with the signature checks off, as users run: from the third call of a
+    signature the plans' launches go through their bound slots (`_launch.launch_slot`), which
+    must hand each call's own tensors, seed and offset to the kernel."""
+    monkeypatch.setattr(_launch, "_check_signatures", False)
+    for seed in range(5):
         check_case(dataclasses.replace(case, seed=seed), "cuda")
 
 
