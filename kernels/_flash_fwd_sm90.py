@@ -6,9 +6,13 @@ Shapes (docs/internals.md), as for the portable kernel in `_flash_fwd.py`:
            -> out [b, s_q, h_q, d], lse [b, h_q, s_q]
     varlen q [t_q, h_q, d], k [t_k, h_kv, d], v [t_k, h_kv, d] -> out [t_q, h_q, d], lse [h_q, t_q]
 
-One program owns BLOCK_M = 64 x `CONSUMERS[d]` query rows of one (sequence, query head) (128 at
-d = 128, 192 at d = 64), split over partitions (`gl.warp_specialize`), FlashAttention-3's
-design:
+A tile is BLOCK_M = 64 x `CONSUMERS[d]` query rows of one (sequence, query head) (128 at
+d = 128, 192 at d = 64). Causal launches run one program per tile; non-causal ones
+(`PERSISTENT`) one program per SM, each walking the tiles pid, pid + programs, ... in launch
+order, its producer streaming the next tile's K, V and Q while the consumers finish the previous
+tile (the stage ring and the ping-pong turns run on across tiles; each consumer warpgroup hands
+its Q buffer back once its last S product of a tile has landed). A program's work is split over
+partitions (`gl.warp_specialize`), FlashAttention-3's design:
 - a producer warpgroup streams each consumer's Q rows once and the K and V tiles of every visible
   key block by TMA into a NUM_STAGES-deep shared-memory ring, each stage guarded by a "ready"
   mbarrier (the TMA's transaction count) and an "empty" one (every consumer's release); it keeps
@@ -50,6 +54,7 @@ from ._common import (
     cdiv,
     head_row_bytes,
     lse_strides,
+    multiprocessors,
     strides4,
 )
 
@@ -89,6 +94,14 @@ CONSUMERS = {64: 3, 128: 2}
 # taking what the workers leave: two consumers 3 x 168 - 240 - 24 = 240 each; three consumers
 # 4 x 128 - 2 x 160 - 24 = 168 for the default, 160 for the workers.
 REGISTERS = {2: (168, [240, 24]), 3: (128, [160, 160, 24])}
+# Per head dim: non-causal launches run a persistent grid (one program per SM walking the tiles,
+# so the producer streams the next tile's K, V and Q under the previous tile's last products and
+# epilogue). On the H100, best of three same-process rounds against one tile per program: d=128
+# 1.02-1.06x at s = 1k-16k, d=64 1.01-1.09x (docs/performance.md, "A persistent grid for the
+# sm_90 forward"). Causal launches keep one program per tile: their tiles differ in length, and
+# the GPU's block scheduler, which starts each program as an SM frees up, balances them better
+# than a fixed stride does.
+PERSISTENT = {64: True, 128: True}
 
 
 def tile_for(head_dim: int) -> tuple[int, int]:
@@ -151,7 +164,7 @@ if GLUON_AVAILABLE:
         BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
         NUM_STAGES: gl.constexpr = k_smem.type.shape[0]
         NUM_WG: gl.constexpr = q_smem.type.shape[0]
-        q_bars, k_ready, k_empty, v_ready, v_empty, turn = bars
+        q_bars, k_ready, k_empty, v_ready, v_empty, turn, q_empty = bars
         for wg in gl.static_range(NUM_WG):
             mbarrier.expect(q_bars.index(wg), q_desc.block_type.nbytes)
             _tma_load(q_desc, [q_row + wg * WG_ROWS, q_col], q_bars.index(wg), q_smem.index(wg))
@@ -163,6 +176,40 @@ if GLUON_AVAILABLE:
             mbarrier.wait(k_empty.index(stage), phase)
             mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
             _tma_load(k_desc, [k_row + row, k_col], k_ready.index(stage), k_smem.index(stage))
+            mbarrier.wait(v_empty.index(stage), phase)
+            mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
+            _tma_load(v_desc, [v_row + row, v_col], v_ready.index(stage), v_smem.index(stage))
+
+    @gluon.jit
+    def _produce_tile(
+        q_desc, k_desc, v_desc, smem, bars, q_row, q_col, k_row, k_col, v_row, v_col, num_blocks,
+        ring_base, tile_count,
+    ):  # fmt: skip
+        """The persistent grid's producer, one tile: K and V of its key blocks into the stage
+        ring from position `ring_base` on (the ring runs on across tiles), and each
+        warpgroup's Q rows once that warpgroup has handed the Q buffer back (`q_empty`, its
+        `tile_count`-th hand-over). The first K block goes before Q: it only waits for a free
+        stage, so it is in flight while the consumers finish the previous tile."""
+        q_smem, k_smem, v_smem = smem
+        BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
+        NUM_STAGES: gl.constexpr = k_smem.type.shape[0]
+        NUM_WG: gl.constexpr = q_smem.type.shape[0]
+        q_bars, k_ready, k_empty, v_ready, v_empty, turn, q_empty = bars
+        for it in range(num_blocks):
+            ring = ring_base + it
+            stage = ring % NUM_STAGES
+            phase = ((ring // NUM_STAGES) & 1) ^ 1  # the first lap never waits (see _producer)
+            row = it * BLOCK_N
+            mbarrier.wait(k_empty.index(stage), phase)
+            mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
+            _tma_load(k_desc, [k_row + row, k_col], k_ready.index(stage), k_smem.index(stage))
+            if it == 0:
+                for wg in gl.static_range(NUM_WG):
+                    mbarrier.wait(q_empty.index(wg), (tile_count & 1) ^ 1)
+                    mbarrier.expect(q_bars.index(wg), q_desc.block_type.nbytes)
+                    _tma_load(
+                        q_desc, [q_row + wg * WG_ROWS, q_col], q_bars.index(wg), q_smem.index(wg)
+                    )
             mbarrier.wait(v_empty.index(stage), phase)
             mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
             _tma_load(v_desc, [v_row + row, v_col], v_ready.index(stage), v_smem.index(stage))
@@ -246,16 +293,34 @@ if GLUON_AVAILABLE:
         smem, bars, start_m, len_q, len_k, diag, num_blocks, first_masked, qk_scale,
         out_ptr, lse_ptr, o_base, lse_base, stride_os, stride_ls, WG: gl.constexpr,
     ):  # fmt: skip
-        """One warpgroup: the products, online softmax and epilogue of its WG_ROWS query rows.
+        """One warpgroup's whole program (one tile) in the one-tile-per-program grid."""
+        _consume_tile(
+            smem, bars, start_m, len_q, len_k, diag, num_blocks, first_masked, qk_scale,
+            out_ptr, lse_ptr, o_base, lse_base, stride_os, stride_ls, WG, 0, 0, 0, False,
+        )  # fmt: skip
+
+    @gluon.jit
+    def _consume_tile(
+        smem, bars, start_m, len_q, len_k, diag, num_blocks, first_masked, qk_scale,
+        out_ptr, lse_ptr, o_base, lse_base, stride_os, stride_ls, WG: gl.constexpr,
+        ring_base, turn_base, tile_count, PERSISTENT: gl.constexpr,
+    ):  # fmt: skip
+        """One warpgroup: the products, online softmax and epilogue of its WG_ROWS query rows of
+        one tile.
 
         Worker partitions get their arguments as run-time values, so the tile sizes come from
         the shared-memory buffers' types and the causal mask from `diag` (see _masked_scores).
+        `ring_base`: key blocks this warpgroup consumed in earlier tiles (the stage ring's
+        position), `turn_base`: its ping-pong turns so far, `tile_count`: its earlier tiles
+        (the Q barrier's phase); all 0 in the one-tile grid. PERSISTENT: hand the Q buffer back
+        once the tile's last S = Q K^T product has landed, so the producer loads the next
+        tile's Q while this one's last P V product and epilogue run.
         """
         q_smem, k_smem, v_smem = smem
         BLOCK_N: gl.constexpr = k_smem.type.shape[1]
         HEAD_DIM: gl.constexpr = k_smem.type.shape[2]
         NUM_STAGES: gl.constexpr = k_smem.type.shape[0]
-        q_bars, k_ready, k_empty, v_ready, v_empty, turn = bars
+        q_bars, k_ready, k_empty, v_ready, v_empty, turn, q_empty = bars
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
         )
@@ -276,15 +341,16 @@ if GLUON_AVAILABLE:
         acc = gl.zeros([WG_ROWS, HEAD_DIM], gl.float32, o_layout)
 
         # Block 0: S alone (nothing to overlap it with yet).
-        mbarrier.wait(q_bars.index(WG), 0)
-        mbarrier.wait(k_ready.index(0), 0)
-        _take_turn(turn, WG, 0)
+        mbarrier.wait(q_bars.index(WG), tile_count & 1)
+        first = ring_base % NUM_STAGES
+        mbarrier.wait(k_ready.index(first), (ring_base // NUM_STAGES) & 1)
+        _take_turn(turn, WG, turn_base)
         s_tok = warpgroup_mma(
-            q_tile, k_smem.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True
+            q_tile, k_smem.index(first).permute((1, 0)), zero_s, use_acc=False, is_async=True
         )
         _pass_turn(turn, WG)
         s = warpgroup_mma_wait(0, deps=[s_tok])
-        _release(k_empty.index(0))
+        _release(k_empty.index(first))
         if first_masked == 0:
             s = _masked_scores(s, 0, offs_m, offs_n, len_k, diag)
         p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale)
@@ -293,11 +359,12 @@ if GLUON_AVAILABLE:
         # Steady state: issue S(it) and O += P(it-1) V(it-1), take S(it)'s softmax while the P V
         # product runs, then rescale O by the new max once that product has landed.
         for it in range(1, num_blocks):
-            stage = it % NUM_STAGES
-            prev = (it - 1) % NUM_STAGES
-            mbarrier.wait(k_ready.index(stage), (it // NUM_STAGES) & 1)
-            mbarrier.wait(v_ready.index(prev), ((it - 1) // NUM_STAGES) & 1)
-            _take_turn(turn, WG, it)
+            ring = ring_base + it  # this block's position in the stage ring, over all tiles
+            stage = ring % NUM_STAGES
+            prev = (ring - 1) % NUM_STAGES
+            mbarrier.wait(k_ready.index(stage), (ring // NUM_STAGES) & 1)
+            mbarrier.wait(v_ready.index(prev), ((ring - 1) // NUM_STAGES) & 1)
+            _take_turn(turn, WG, turn_base + it)
             s_tok = warpgroup_mma(
                 q_tile, k_smem.index(stage).permute((1, 0)), zero_s, use_acc=False, is_async=True
             )
@@ -316,13 +383,21 @@ if GLUON_AVAILABLE:
             acc = acc * gl.expand_dims(alpha_o, 1)
             p_op = gl.convert_layout(p.to(dtype), p_layout)
 
-        last = (num_blocks - 1) % NUM_STAGES
-        mbarrier.wait(v_ready.index(last), ((num_blocks - 1) // NUM_STAGES) & 1)
+        if PERSISTENT:
+            # Every S product of the tile has landed (the loop waited for each): Q is free.
+            _release(q_empty.index(WG))
+        ring_last = ring_base + num_blocks - 1
+        last = ring_last % NUM_STAGES
+        mbarrier.wait(v_ready.index(last), (ring_last // NUM_STAGES) & 1)
         _zero_rows_past(v_smem.index(last), len_k - (num_blocks - 1) * BLOCK_N)
-        _take_turn(turn, WG, num_blocks)
+        _take_turn(turn, WG, turn_base + num_blocks)
         o_tok = warpgroup_mma(p_op, v_smem.index(last), acc, is_async=True)
         _pass_turn(turn, WG)
         acc, p_op = warpgroup_mma_wait(0, deps=[o_tok, p_op])
+        if PERSISTENT:
+            # The ring goes on into the next tile: this stage must come back to the producer.
+            # (Its rows past len_k were zeroed by generic stores, fenced before the product.)
+            _release(v_empty.index(last))
 
         # Epilogue: rows with no visible key have l = 0 and acc = 0: output 0, LSE -inf.
         l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
@@ -377,30 +452,33 @@ if GLUON_AVAILABLE:
         )  # fmt: skip
 
     @gluon.jit
-    def _attn_fwd_sm90(
-        q_desc, k_desc, v_desc, out_ptr, lse_ptr,
+    def _tile_work(
+        tile, num_m, num_pairs, order_pairs,
         cu_q_ptr, offsets_q_ptr, seqlens_q_ptr, cu_k_ptr, offsets_k_ptr, seqlens_k_ptr,
-        stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
-        stride_vb, stride_vs, stride_vh, stride_ob, stride_os, stride_oh,
-        stride_lb, stride_lh, stride_ls,
-        num_heads_q, group, full_len_q, full_len_k, qk_scale, order_pairs,
-        HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-        NUM_STAGES: gl.constexpr, SEQ_MODE_Q: gl.constexpr, SEQ_MODE_K: gl.constexpr,
-        IS_CAUSAL: gl.constexpr, BOTTOM_RIGHT: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+        strides, num_heads_q, group, full_len_q, full_len_k,
+        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, SEQ_MODE_Q: gl.constexpr,
+        SEQ_MODE_K: gl.constexpr, IS_CAUSAL: gl.constexpr, BOTTOM_RIGHT: gl.constexpr,
     ):  # fmt: skip
-        """One program: BLOCK_M query rows of one (sequence, query head), 64 per consumer
-        warpgroup; CONSUMER_REGS: registers of each worker consumer (`REGISTERS`);
-        order_pairs: the causal launch order's interleave (`_interleaved_tile`)."""
-        # Query blocks vary fastest (neighbours share one head's K/V in L2); causal launches start
-        # the last query blocks, which see the most keys, first.
-        num_m = gl.cdiv(full_len_q, BLOCK_M)
-        pid = gl.program_id(0)
+        """What one tile (BLOCK_M query rows of one (sequence, query head)) computes:
+        (start_m, len_q, len_k, diag, num_blocks, first_masked, TMA origins of q/k/v, o_base,
+        lse_base); num_blocks = 0 when the tile has nothing to do (rows past its sequence's end,
+        or no visible key: the launcher pre-filled out = 0, lse = -inf there).
+
+        The kernel's arguments (`strides`: its runtime strides as one tuple), so every partition
+        of the persistent grid derives the same tiles. Constexprs and absent (None) pointers are
+        passed one by one: inside a tuple Triton 3.6 no longer treats them as constants.
+        """
+        stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, \
+            stride_vb, stride_vs, stride_vh, stride_ob, stride_oh, stride_lb, stride_lh, \
+            stride_ls, stride_os = strides  # fmt: skip
+        # Query blocks vary fastest (neighbours share one head's K/V in L2); causal launches
+        # start the last query blocks, which see the most keys, first.
         if IS_CAUSAL:
-            bh, i = _interleaved_tile(pid, num_m, gl.num_programs(0) // num_m, order_pairs)
+            bh, i = _interleaved_tile(tile, num_m, num_pairs, order_pairs)
             m_idx = num_m - 1 - i
         else:
-            bh = pid // num_m
-            m_idx = pid % num_m
+            bh = tile // num_m
+            m_idx = tile % num_m
         z = bh // num_heads_q
         h = bh % num_heads_q
         h_kv = h // group
@@ -408,8 +486,6 @@ if GLUON_AVAILABLE:
         start_q, len_q = _seq_bounds(
             z, cu_q_ptr, offsets_q_ptr, seqlens_q_ptr, full_len_q, SEQ_MODE_Q
         )
-        if start_m >= len_q:
-            return
         start_k, len_k = _seq_bounds(
             z, cu_k_ptr, offsets_k_ptr, seqlens_k_ptr, full_len_k, SEQ_MODE_K
         )
@@ -425,9 +501,9 @@ if GLUON_AVAILABLE:
             hi = gl.minimum(len_k, start_m + BLOCK_M + diag)
             full = gl.minimum(len_k, start_m + 1 + diag)
         num_blocks = gl.cdiv(gl.maximum(hi, 0), BLOCK_N)
+        if start_m >= len_q:
+            num_blocks = 0
         first_masked = gl.maximum(full, 0) // BLOCK_N
-        if num_blocks == 0:
-            return  # no visible key: the launcher pre-filled out = 0, lse = -inf
         if not IS_CAUSAL:
             diag = len_k  # the consumers' causal test then passes every key below len_k
 
@@ -438,6 +514,110 @@ if GLUON_AVAILABLE:
         o_base = o_base + start_q.to(gl.int64) * stride_os
         lse_base = z.to(gl.int64) * stride_lb + h.to(gl.int64) * stride_lh
         lse_base = lse_base + start_q.to(gl.int64) * stride_ls
+        origins = (q_row, q_col, k_row, k_col, v_row, v_col)
+        return start_m, len_q, len_k, diag, num_blocks, first_masked, origins, o_base, lse_base
+
+    @gluon.jit
+    def _persistent_producer(
+        q_desc, k_desc, v_desc, smem, bars, first, step, num_tiles, num_m, num_pairs,
+        order_pairs, cu_q_ptr, offsets_q_ptr, seqlens_q_ptr, cu_k_ptr, offsets_k_ptr,
+        seqlens_k_ptr, strides, num_heads_q, group, full_len_q, full_len_k, out_ptr, lse_ptr,
+        qk_scale, SEQ_MODE_Q, SEQ_MODE_K, IS_CAUSAL, BOTTOM_RIGHT, WG,
+    ):  # fmt: skip
+        """The persistent grid's producer: tiles first, first + step, ... below num_tiles, in
+        order (the consumers walk the same list); out_ptr, lse_ptr, qk_scale, WG unused."""
+        BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
+        BLOCK_M: gl.constexpr = smem[0].type.shape[0] * WG_ROWS
+        ring_base = 0
+        tile_count = 0
+        for tile in range(first, num_tiles, step):
+            work = _tile_work(
+                tile, num_m, num_pairs, order_pairs, cu_q_ptr, offsets_q_ptr, seqlens_q_ptr,
+                cu_k_ptr, offsets_k_ptr, seqlens_k_ptr, strides, num_heads_q, group, full_len_q,
+                full_len_k, BLOCK_M, BLOCK_N, SEQ_MODE_Q, SEQ_MODE_K, IS_CAUSAL, BOTTOM_RIGHT,
+            )  # fmt: skip
+            num_blocks = work[4]
+            if num_blocks > 0:
+                q_row, q_col, k_row, k_col, v_row, v_col = work[6]
+                _produce_tile(
+                    q_desc, k_desc, v_desc, smem, bars, q_row, q_col, k_row, k_col, v_row, v_col,
+                    num_blocks, ring_base, tile_count,
+                )  # fmt: skip
+                ring_base += num_blocks
+                tile_count += 1
+
+    @gluon.jit
+    def _persistent_consumer(
+        q_desc, k_desc, v_desc, smem, bars, first, step, num_tiles, num_m, num_pairs,
+        order_pairs, cu_q_ptr, offsets_q_ptr, seqlens_q_ptr, cu_k_ptr, offsets_k_ptr,
+        seqlens_k_ptr, strides, num_heads_q, group, full_len_q, full_len_k, out_ptr, lse_ptr,
+        qk_scale, SEQ_MODE_Q, SEQ_MODE_K, IS_CAUSAL, BOTTOM_RIGHT, WG,
+    ):  # fmt: skip
+        """Consumer warpgroup WG (a constexpr) of the persistent grid: the tiles the producer
+        streams, in the same order. Each tile takes num_blocks + 1 ping-pong turns, so the turn
+        count so far is the ring position plus the tiles done."""
+        BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
+        BLOCK_M: gl.constexpr = smem[0].type.shape[0] * WG_ROWS
+        stride_ls = strides[13]
+        stride_os = strides[14]
+        ring_base = 0
+        tile_count = 0
+        for tile in range(first, num_tiles, step):
+            start_m, len_q, len_k, diag, num_blocks, first_masked, _, o_base, lse_base = (
+                _tile_work(
+                    tile, num_m, num_pairs, order_pairs, cu_q_ptr, offsets_q_ptr, seqlens_q_ptr,
+                    cu_k_ptr, offsets_k_ptr, seqlens_k_ptr, strides, num_heads_q, group,
+                    full_len_q, full_len_k, BLOCK_M, BLOCK_N, SEQ_MODE_Q, SEQ_MODE_K, IS_CAUSAL,
+                    BOTTOM_RIGHT,
+                )
+            )  # fmt: skip
+            if num_blocks > 0:
+                _consume_tile(
+                    smem, bars, start_m, len_q, len_k, diag, num_blocks, first_masked, qk_scale,
+                    out_ptr, lse_ptr, o_base, lse_base, stride_os, stride_ls, WG,
+                    ring_base, ring_base + tile_count, tile_count, True,
+                )  # fmt: skip
+                ring_base += num_blocks
+                tile_count += 1
+
+    @gluon.jit
+    def _attn_fwd_sm90(
+        q_desc, k_desc, v_desc, out_ptr, lse_ptr,
+        cu_q_ptr, offsets_q_ptr, seqlens_q_ptr, cu_k_ptr, offsets_k_ptr, seqlens_k_ptr,
+        stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
+        stride_vb, stride_vs, stride_vh, stride_ob, stride_os, stride_oh,
+        stride_lb, stride_lh, stride_ls,
+        num_heads_q, group, full_len_q, full_len_k, qk_scale, order_pairs, num_pairs,
+        HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+        NUM_STAGES: gl.constexpr, SEQ_MODE_Q: gl.constexpr, SEQ_MODE_K: gl.constexpr,
+        IS_CAUSAL: gl.constexpr, BOTTOM_RIGHT: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+        PERSISTENT: gl.constexpr,
+    ):  # fmt: skip
+        """BLOCK_M query rows of one (sequence, query head) per tile, 64 per consumer warpgroup;
+        num_pairs: sequences x query heads; CONSUMER_REGS: registers of each worker consumer
+        (`REGISTERS`); order_pairs: the causal launch order's interleave (`_interleaved_tile`).
+
+        One tile per program, or with PERSISTENT a program per SM walking the tiles pid,
+        pid + programs, ... in launch order: the producer streams the next tile's K, V and Q
+        while the consumers finish the previous tile's products and epilogue.
+        """
+        num_m = gl.cdiv(full_len_q, BLOCK_M)
+        strides = (
+            stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
+            stride_vb, stride_vs, stride_vh, stride_ob, stride_oh, stride_lb, stride_lh,
+            stride_ls, stride_os,
+        )  # fmt: skip
+        if not PERSISTENT:
+            start_m, len_q, len_k, diag, num_blocks, first_masked, origins, o_base, lse_base = (
+                _tile_work(
+                    gl.program_id(0), num_m, num_pairs, order_pairs, cu_q_ptr, offsets_q_ptr,
+                    seqlens_q_ptr, cu_k_ptr, offsets_k_ptr, seqlens_k_ptr, strides,
+                    num_heads_q, group, full_len_q, full_len_k, BLOCK_M, BLOCK_N, SEQ_MODE_Q,
+                    SEQ_MODE_K, IS_CAUSAL, BOTTOM_RIGHT,
+                )
+            )  # fmt: skip
+            if num_blocks == 0:
+                return
 
         dtype: gl.constexpr = q_desc.dtype
         NUM_WG: gl.constexpr = BLOCK_M // WG_ROWS
@@ -446,6 +626,7 @@ if GLUON_AVAILABLE:
         v_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
         bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
         q_bars = gl.allocate_shared_memory(gl.int64, [NUM_WG, 1], bar_layout)
+        q_empty = gl.allocate_shared_memory(gl.int64, [NUM_WG, 1], bar_layout)
         turn = gl.allocate_shared_memory(gl.int64, [NUM_WG, 1], bar_layout)
         k_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], bar_layout)
         k_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], bar_layout)
@@ -453,6 +634,7 @@ if GLUON_AVAILABLE:
         v_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], bar_layout)
         for i in gl.static_range(NUM_WG):
             mbarrier.init(q_bars.index(i), count=1)
+            mbarrier.init(q_empty.index(i), count=1)  # the persistent grid's Q hand-back
             mbarrier.init(turn.index(i), count=1)
         for i in gl.static_range(NUM_STAGES):
             mbarrier.init(k_ready.index(i), count=1)
@@ -461,31 +643,93 @@ if GLUON_AVAILABLE:
             mbarrier.init(k_empty.index(i), count=NUM_WG)
             mbarrier.init(v_empty.index(i), count=NUM_WG)
         fence_async_shared()
+        smem = (q_smem, k_smem, v_smem)
+        bars = (q_bars, k_ready, k_empty, v_ready, v_empty, turn, q_empty)
 
-        args = (
-            q_desc, k_desc, v_desc, (q_smem, k_smem, v_smem),
-            (q_bars, k_ready, k_empty, v_ready, v_empty, turn),
-            q_row, q_col, k_row, k_col, v_row, v_col,
-            start_m, len_q, len_k, diag, num_blocks, first_masked, qk_scale,
-            out_ptr, lse_ptr, o_base, lse_base, stride_os, stride_ls,
-        )  # fmt: skip
         # The worker consumers, and the producer as a whole warpgroup. Registers move per
         # warpgroup: with a one-warp producer the compiler budgeted the default partition as if
         # the producer's three idle warps held none, and left it at 256 (256 + 240 + 24 > the
         # 3 x 168 a thread of each warpgroup has at launch: `setmaxnreg.inc` could wait
         # forever). With four warps the budget is exact (`REGISTERS`).
-        if NUM_WG == 2:
-            gl.warp_specialize(
-                [(_consumer_0, args), (_consumer_1, args), (_producer, args)],
-                [4, 4],
-                [CONSUMER_REGS, 24],
-            )
+        if PERSISTENT:
+            first, step, num_tiles = gl.program_id(0), gl.num_programs(0), num_m * num_pairs
+            if NUM_WG == 2:
+                gl.warp_specialize(
+                    [
+                        (_persistent_consumer, (
+                            q_desc, k_desc, v_desc, smem, bars, first, step, num_tiles, num_m,
+                            num_pairs, order_pairs, cu_q_ptr, offsets_q_ptr, seqlens_q_ptr,
+                            cu_k_ptr, offsets_k_ptr, seqlens_k_ptr, strides, num_heads_q, group,
+                            full_len_q, full_len_k, out_ptr, lse_ptr, qk_scale, SEQ_MODE_Q,
+                            SEQ_MODE_K, IS_CAUSAL, BOTTOM_RIGHT, 0)),
+                        (_persistent_consumer, (
+                            q_desc, k_desc, v_desc, smem, bars, first, step, num_tiles, num_m,
+                            num_pairs, order_pairs, cu_q_ptr, offsets_q_ptr, seqlens_q_ptr,
+                            cu_k_ptr, offsets_k_ptr, seqlens_k_ptr, strides, num_heads_q, group,
+                            full_len_q, full_len_k, out_ptr, lse_ptr, qk_scale, SEQ_MODE_Q,
+                            SEQ_MODE_K, IS_CAUSAL, BOTTOM_RIGHT, 1)),
+                        (_persistent_producer, (
+                            q_desc, k_desc, v_desc, smem, bars, first, step, num_tiles, num_m,
+                            num_pairs, order_pairs, cu_q_ptr, offsets_q_ptr, seqlens_q_ptr,
+                            cu_k_ptr, offsets_k_ptr, seqlens_k_ptr, strides, num_heads_q, group,
+                            full_len_q, full_len_k, out_ptr, lse_ptr, qk_scale, SEQ_MODE_Q,
+                            SEQ_MODE_K, IS_CAUSAL, BOTTOM_RIGHT, 0)),
+                    ],
+                    [4, 4],
+                    [CONSUMER_REGS, 24],
+                )  # fmt: skip
+            else:
+                gl.warp_specialize(
+                    [
+                        (_persistent_consumer, (
+                            q_desc, k_desc, v_desc, smem, bars, first, step, num_tiles, num_m,
+                            num_pairs, order_pairs, cu_q_ptr, offsets_q_ptr, seqlens_q_ptr,
+                            cu_k_ptr, offsets_k_ptr, seqlens_k_ptr, strides, num_heads_q, group,
+                            full_len_q, full_len_k, out_ptr, lse_ptr, qk_scale, SEQ_MODE_Q,
+                            SEQ_MODE_K, IS_CAUSAL, BOTTOM_RIGHT, 0)),
+                        (_persistent_consumer, (
+                            q_desc, k_desc, v_desc, smem, bars, first, step, num_tiles, num_m,
+                            num_pairs, order_pairs, cu_q_ptr, offsets_q_ptr, seqlens_q_ptr,
+                            cu_k_ptr, offsets_k_ptr, seqlens_k_ptr, strides, num_heads_q, group,
+                            full_len_q, full_len_k, out_ptr, lse_ptr, qk_scale, SEQ_MODE_Q,
+                            SEQ_MODE_K, IS_CAUSAL, BOTTOM_RIGHT, 1)),
+                        (_persistent_consumer, (
+                            q_desc, k_desc, v_desc, smem, bars, first, step, num_tiles, num_m,
+                            num_pairs, order_pairs, cu_q_ptr, offsets_q_ptr, seqlens_q_ptr,
+                            cu_k_ptr, offsets_k_ptr, seqlens_k_ptr, strides, num_heads_q, group,
+                            full_len_q, full_len_k, out_ptr, lse_ptr, qk_scale, SEQ_MODE_Q,
+                            SEQ_MODE_K, IS_CAUSAL, BOTTOM_RIGHT, 2)),
+                        (_persistent_producer, (
+                            q_desc, k_desc, v_desc, smem, bars, first, step, num_tiles, num_m,
+                            num_pairs, order_pairs, cu_q_ptr, offsets_q_ptr, seqlens_q_ptr,
+                            cu_k_ptr, offsets_k_ptr, seqlens_k_ptr, strides, num_heads_q, group,
+                            full_len_q, full_len_k, out_ptr, lse_ptr, qk_scale, SEQ_MODE_Q,
+                            SEQ_MODE_K, IS_CAUSAL, BOTTOM_RIGHT, 0)),
+                    ],
+                    [4, 4, 4],
+                    [CONSUMER_REGS, CONSUMER_REGS, 24],
+                )  # fmt: skip
         else:
-            gl.warp_specialize(
-                [(_consumer_0, args), (_consumer_1, args), (_consumer_2, args), (_producer, args)],
-                [4, 4, 4],
-                [CONSUMER_REGS, CONSUMER_REGS, 24],
-            )
+            q_row, q_col, k_row, k_col, v_row, v_col = origins
+            args = (
+                q_desc, k_desc, v_desc, smem, bars,
+                q_row, q_col, k_row, k_col, v_row, v_col,
+                start_m, len_q, len_k, diag, num_blocks, first_masked, qk_scale,
+                out_ptr, lse_ptr, o_base, lse_base, stride_os, stride_ls,
+            )  # fmt: skip
+            if NUM_WG == 2:
+                gl.warp_specialize(
+                    [(_consumer_0, args), (_consumer_1, args), (_producer, args)],
+                    [4, 4],
+                    [CONSUMER_REGS, 24],
+                )
+            else:
+                gl.warp_specialize(
+                    [(_consumer_0, args), (_consumer_1, args), (_consumer_2, args),
+                     (_producer, args)],
+                    [4, 4, 4],
+                    [CONSUMER_REGS, CONSUMER_REGS, 24],
+                )  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------------------
@@ -571,9 +815,12 @@ def forward_sm90(q, k, v, out, lse, views, geom, *, softmax_scale, causal, botto
     consumers = CONSUMERS[d]
     block_m = WARPGROUP_ROWS * consumers
     max_registers, worker_registers = REGISTERS[consumers]
-    grid = (cdiv(geom.q.max_len, block_m) * geom.batch * num_heads_q,)
-    if grid[0] == 0:
+    num_pairs = geom.batch * num_heads_q
+    tiles = cdiv(geom.q.max_len, block_m) * num_pairs
+    if tiles == 0:
         return
+    persistent = PERSISTENT[d] and not causal
+    grid = (min(tiles, multiprocessors(q.device)) if persistent else tiles,)
     order_pairs = causal_order_heads(
         geom.k.max_len, head_row_bytes(k, v), num_heads_q // num_heads_kv,
         geom.batch * num_heads_q,
@@ -585,11 +832,11 @@ def forward_sm90(q, k, v, out, lse, views, geom, *, softmax_scale, causal, botto
         sq[0], sq[1], sq[2], sk[0], sk[1], sk[2], sv[0], sv[1], sv[2], so[0], so[1], so[2],
         *lse_strides(lse, geom.varlen),
         num_heads_q, num_heads_q // num_heads_kv, geom.q.max_len, geom.k.max_len,
-        float(softmax_scale) * LOG2E, order_pairs,
+        float(softmax_scale) * LOG2E, order_pairs, num_pairs,
         HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n, NUM_STAGES=stages,
         SEQ_MODE_Q=geom.q.mode, SEQ_MODE_K=geom.k.mode, IS_CAUSAL=bool(causal),
         BOTTOM_RIGHT=bool(bottom_right), CONSUMER_REGS=worker_registers[0],
-        num_warps=CONSUMER_WARPS, maxnreg=max_registers,
+        PERSISTENT=persistent, num_warps=CONSUMER_WARPS, maxnreg=max_registers,
     )  # fmt: skip
 
 

@@ -3,6 +3,7 @@
     python examples/perf/ab_sm90_variants.py --set consumers --dims 64 [--seqlens 1024,4096,16384]
     python examples/perf/ab_sm90_variants.py --set order --causal 1 --passes fwd,fwdbwd
         [--dims 64,128] [--seqlens 1024,2048,4096,16384] [--rounds 3] [--json PATH]
+    python examples/perf/ab_sm90_variants.py --set persistent --causal 0 --dims 128,64
 
 A variant set flips module settings in this process (`variants`):
 - `consumers`: the sm_90 forward with two and with three consumer warpgroups
@@ -10,6 +11,9 @@ A variant set flips module settings in this process (`variants`):
 - `order`: causal launches interleaving (sequence, head) pairs longest-first (the default,
   `_common.CAUSAL_ORDER_L2_BYTES`) against one pair at a time (0), on the sm_90 kernels and on
   the portable ones (forward and backward paths pinned alike).
+- `persistent`: the sm_90 forward with one tile per program and with the persistent grid
+  (`_flash_fwd_sm90.PERSISTENT`, which only non-causal launches take), and the portable
+  forward.
 To compare another variant, add its flip to `variants`.
 
 bf16, b = 16384 / s, h = 2048 / d, inputs needing gradients as a training step has them. Each
@@ -40,7 +44,11 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from fusedlayers import flash_attn_func
 
 TOKENS, HIDDEN = 16384, 2048
-SAVED = {"consumers": dict(_flash_fwd_sm90.CONSUMERS), "order": _common.CAUSAL_ORDER_L2_BYTES}
+SAVED = {
+    "consumers": dict(_flash_fwd_sm90.CONSUMERS),
+    "order": _common.CAUSAL_ORDER_L2_BYTES,
+    "persistent": dict(_flash_fwd_sm90.PERSISTENT),
+}
 
 
 def timed(fn, grads=None) -> float:
@@ -50,6 +58,7 @@ def timed(fn, grads=None) -> float:
 def restore() -> None:
     _flash_fwd_sm90.CONSUMERS.update(SAVED["consumers"])
     _common.CAUSAL_ORDER_L2_BYTES = SAVED["order"]
+    _flash_fwd_sm90.PERSISTENT.update(SAVED["persistent"])
     set_forward_path("auto")
     set_backward_path("auto")
 
@@ -57,7 +66,7 @@ def restore() -> None:
 def variants(which: str, d: int) -> dict:
     """name -> a function that selects that variant before a call; the first is the reference."""
 
-    def select(path, consumers=None, order=None):
+    def select(path, consumers=None, order=None, persistent=None):
         def apply():
             restore()
             set_forward_path(path)
@@ -66,6 +75,8 @@ def variants(which: str, d: int) -> dict:
                 _flash_fwd_sm90.CONSUMERS[d] = consumers
             if order is not None:
                 _common.CAUSAL_ORDER_L2_BYTES = order
+            if persistent is not None:
+                _flash_fwd_sm90.PERSISTENT[d] = persistent
 
         return apply
 
@@ -74,6 +85,12 @@ def variants(which: str, d: int) -> dict:
             "portable": select("portable"),
             "sm90-2wg": select("sm90", consumers=2),
             "sm90-3wg": select("sm90", consumers=3),
+        }
+    if which == "persistent":
+        return {
+            "portable": select("portable"),
+            "sm90-per-tile": select("sm90", persistent=False),
+            "sm90-persistent": select("sm90", persistent=True),
         }
     return {
         "portable-pairwise": select("portable", order=0),
@@ -142,7 +159,7 @@ def measure(which: str, d: int, s: int, causal: bool, passes: list[str], rounds:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--set", choices=("consumers", "order"), default="consumers")
+    parser.add_argument("--set", choices=("consumers", "order", "persistent"), default="consumers")
     parser.add_argument("--dims", default="64")
     parser.add_argument("--seqlens", default="1024,4096,16384")
     parser.add_argument("--causal", default="0,1", help="which of 0 (no mask) and 1 to run")

@@ -2,7 +2,7 @@
 compiler's resource report (registers, spills, shared memory).
 
     python examples/perf/compile_sm90_offline.py [--kernels fwd,bwd] [--dims 128,64]
-        [--causal 0,1] [--dump DIR]
+        [--causal 0,1] [--fwd-persistent 0,1] [--dump DIR]
 
 Run it with the Triton whose build you want to read (3.6 and 3.9 both compile these kernels):
 Gluon's API and the compiler's choices differ between versions. A stand-in driver reports an
@@ -98,7 +98,9 @@ def _inputs(d, s, b=2, h=4, h_kv=2, dtype=torch.bfloat16):
     return q, k, v
 
 
-def compile_forward(d: int, causal: bool):
+def compile_forward(d: int, causal: bool, persistent: bool = False):
+    """The forward at d; `persistent`: the persistent grid (`_flash_fwd_sm90.PERSISTENT`, which
+    non-causal launches only take)."""
     from fusedlayers.kernels import _flash_fwd_sm90 as fwd
     from fusedlayers.kernels._common import launch_geometry
 
@@ -106,11 +108,16 @@ def compile_forward(d: int, causal: bool):
     geom = launch_geometry(q, k)
     out = torch.empty_like(q)
     lse = torch.empty(q.shape[0], q.shape[2], q.shape[1])
-    with offline_sm90(fwd._attn_fwd_sm90):
-        fwd.forward_sm90(
-            q, k, v, out, lse, fwd.plan_views(q, k, v, False), geom,
-            softmax_scale=d**-0.5, causal=causal, bottom_right=True,
-        )  # fmt: skip
+    default = fwd.PERSISTENT[d]
+    fwd.PERSISTENT[d] = persistent
+    try:
+        with offline_sm90(fwd._attn_fwd_sm90):
+            fwd.forward_sm90(
+                q, k, v, out, lse, fwd.plan_views(q, k, v, False), geom,
+                softmax_scale=d**-0.5, causal=causal, bottom_right=True,
+            )  # fmt: skip
+    finally:
+        fwd.PERSISTENT[d] = default
     return COMPILED[-1]
 
 
@@ -180,13 +187,22 @@ def main() -> None:
         default="dense",
         help=f"backward specializations to compile, from {','.join(BWD_LAYOUTS)}",
     )
+    p.add_argument(
+        "--fwd-persistent",
+        default="0",
+        help="forward grids to compile: 0 (one tile per program), 1 (persistent; non-causal only)",
+    )
     p.add_argument("--dump", default=None)
     args = p.parse_args()
     for name in args.kernels.split(","):
         for d in (int(x) for x in args.dims.split(",")):
             for causal in (bool(int(x)) for x in args.causal.split(",")):
                 if name == "fwd":
-                    _report(args, name, d, causal, "", compile_forward(d, causal))
+                    for persistent in (bool(int(x)) for x in args.fwd_persistent.split(",")):
+                        if persistent and causal:
+                            continue  # causal launches keep one tile per program
+                        kernel = compile_forward(d, causal, persistent)
+                        _report(args, name, d, causal, "-persistent" if persistent else "", kernel)
                     continue
                 for block_m in _block_ms(name, d, args.bwd_block_m):
                     for layout in args.bwd_layouts.split(","):

@@ -129,6 +129,50 @@ def test_sm90_ignores_nan_padding(layout, sm90_spy):
     torch.testing.assert_close(fast["lse"], portable["lse"], atol=1e-4, rtol=0)
 
 
+# The persistent grid (`_flash_fwd_sm90.PERSISTENT`, non-causal launches only): the non-causal
+# cases above, plus far more tiles than the H100's 132 SMs (2,048, not a multiple of 132: the
+# programs take 15 or 16 tiles each) and fewer (16).
+PERSISTENT_CASES = [case for case in CASES if case.window == (-1, -1)] + [
+    Case(b=8, s_q=2048, s_k=2048, h=16, h_kv=4, d=128, dtype=torch.bfloat16),
+    Case(b=4, s_q=1900, s_k=2100, h=16, h_kv=16, d=64, dtype=torch.bfloat16),
+    Case(b=1, s_q=1024, s_k=1024, h=2, h_kv=1, d=128, dtype=torch.float16),
+    Case(b=6, s_q=555, s_k=1234, h=4, h_kv=2, d=128, dtype=torch.bfloat16, layout="varlen"),
+]
+
+
+@pytest.fixture
+def persistent_grid(monkeypatch):
+    for d in _flash_fwd_sm90.PERSISTENT:
+        monkeypatch.setitem(_flash_fwd_sm90.PERSISTENT, d, True)
+
+
+@needs_sm90
+@pytest.mark.parametrize("case", PERSISTENT_CASES, ids=lambda c: c.label())
+def test_sm90_persistent_grid_matches_reference(case, sm90_spy, persistent_grid):
+    """Every tile of every program: each sequence's rows (varlen, padded, rows past a
+    sequence's end skipped alike by the producer and the consumers) against the reference."""
+    check_case(case, DEV, high_dtype=torch.float32)
+    assert sm90_spy and not sm90_spy[0]["causal"]
+
+
+@needs_sm90
+@pytest.mark.parametrize("layout", ["varlen_padded", "seqlens"])
+def test_sm90_persistent_grid_ignores_nan_padding(layout, sm90_spy, persistent_grid):
+    """The last key block's V rows past a sequence's end are zeroed in the stage ring, which
+    the persistent grid refills for the next tile: NaN padding must still not reach any output,
+    and the kernel must not hang on the ring's hand-backs."""
+    case = Case(b=5, s_q=300, s_k=333, h=8, h_kv=2, d=128, dtype=torch.bfloat16, layout=layout)
+    inputs = make_inputs(case, DEV)
+    poison_unowned_rows(inputs, layout, ("q", "k", "v"))
+    fast = run_kernel(case, inputs, backward=False)
+    assert sm90_spy
+    _forward_paths.set_forward_path("portable")
+    portable = run_kernel(case, inputs, backward=False)
+    assert not fast["out"].isnan().any() and not portable["out"].isnan().any()
+    torch.testing.assert_close(fast["out"], portable["out"], atol=2e-2, rtol=0)
+    torch.testing.assert_close(fast["lse"], portable["lse"], atol=1e-4, rtol=0)
+
+
 def _sbhd(s, b, h, d, dtype, g):
     return torch.randn(s, b, h, d, device=DEV, generator=g).to(dtype)
 
