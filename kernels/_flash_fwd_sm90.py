@@ -102,6 +102,12 @@ REGISTERS = {2: (168, [240, 24]), 3: (128, [160, 160, 24])}
 # the GPU's block scheduler, which starts each program as an SM frees up, balances them better
 # than a fixed stride does.
 PERSISTENT = {64: True, 128: True}
+# The same for causal launches (their tiles dealt in a snake, `_round_tile`): off. On the H100
+# it ran the d=128 causal forward at 0.72x one program per tile at s = 4k and 16k, d=64 at
+# 0.92-0.98x (same s): a fixed deal of uneven tiles leaves SMs idle that the block scheduler
+# would have refilled. A dynamic scheduler (programs taking the next tile from a counter) is
+# what it needs.
+PERSISTENT_CAUSAL = {64: False, 128: False}
 
 
 def tile_for(head_dim: int) -> tuple[int, int]:
@@ -518,25 +524,37 @@ if GLUON_AVAILABLE:
         return start_m, len_q, len_k, diag, num_blocks, first_masked, origins, o_base, lse_base
 
     @gluon.jit
+    def _round_tile(r, first, step):
+        """The tile that program `first` of `step` takes in round r of the persistent grid.
+        Rounds alternate direction (a snake: 0..step-1, then back): where the launch order runs
+        longest-first (causal), each program's tiles then add up to about the same work. A
+        tile past the last (in the last round) is the caller's to skip."""
+        return r * step + first + (r % 2) * (step - 1 - 2 * first)
+
+    @gluon.jit
     def _persistent_producer(
         q_desc, k_desc, v_desc, smem, bars, first, step, num_tiles, num_m, num_pairs,
         order_pairs, cu_q_ptr, offsets_q_ptr, seqlens_q_ptr, cu_k_ptr, offsets_k_ptr,
         seqlens_k_ptr, strides, num_heads_q, group, full_len_q, full_len_k, out_ptr, lse_ptr,
         qk_scale, SEQ_MODE_Q, SEQ_MODE_K, IS_CAUSAL, BOTTOM_RIGHT, WG,
     ):  # fmt: skip
-        """The persistent grid's producer: tiles first, first + step, ... below num_tiles, in
-        order (the consumers walk the same list); out_ptr, lse_ptr, qk_scale, WG unused."""
+        """The persistent grid's producer: this program's tile of every round (`_round_tile`),
+        in order (the consumers walk the same list); out_ptr, lse_ptr, qk_scale, WG unused."""
         BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
         BLOCK_M: gl.constexpr = smem[0].type.shape[0] * WG_ROWS
         ring_base = 0
         tile_count = 0
-        for tile in range(first, num_tiles, step):
+        for r in range(0, gl.cdiv(num_tiles, step)):
+            tile = _round_tile(r, first, step)
             work = _tile_work(
-                tile, num_m, num_pairs, order_pairs, cu_q_ptr, offsets_q_ptr, seqlens_q_ptr,
-                cu_k_ptr, offsets_k_ptr, seqlens_k_ptr, strides, num_heads_q, group, full_len_q,
-                full_len_k, BLOCK_M, BLOCK_N, SEQ_MODE_Q, SEQ_MODE_K, IS_CAUSAL, BOTTOM_RIGHT,
+                gl.minimum(tile, num_tiles - 1), num_m, num_pairs, order_pairs, cu_q_ptr,
+                offsets_q_ptr, seqlens_q_ptr, cu_k_ptr, offsets_k_ptr, seqlens_k_ptr, strides,
+                num_heads_q, group, full_len_q, full_len_k, BLOCK_M, BLOCK_N, SEQ_MODE_Q,
+                SEQ_MODE_K, IS_CAUSAL, BOTTOM_RIGHT,
             )  # fmt: skip
             num_blocks = work[4]
+            if tile >= num_tiles:
+                num_blocks = 0
             if num_blocks > 0:
                 q_row, q_col, k_row, k_col, v_row, v_col = work[6]
                 _produce_tile(
@@ -562,15 +580,18 @@ if GLUON_AVAILABLE:
         stride_os = strides[14]
         ring_base = 0
         tile_count = 0
-        for tile in range(first, num_tiles, step):
+        for r in range(0, gl.cdiv(num_tiles, step)):
+            tile = _round_tile(r, first, step)
             start_m, len_q, len_k, diag, num_blocks, first_masked, _, o_base, lse_base = (
                 _tile_work(
-                    tile, num_m, num_pairs, order_pairs, cu_q_ptr, offsets_q_ptr, seqlens_q_ptr,
-                    cu_k_ptr, offsets_k_ptr, seqlens_k_ptr, strides, num_heads_q, group,
-                    full_len_q, full_len_k, BLOCK_M, BLOCK_N, SEQ_MODE_Q, SEQ_MODE_K, IS_CAUSAL,
-                    BOTTOM_RIGHT,
+                    gl.minimum(tile, num_tiles - 1), num_m, num_pairs, order_pairs, cu_q_ptr,
+                    offsets_q_ptr, seqlens_q_ptr, cu_k_ptr, offsets_k_ptr, seqlens_k_ptr,
+                    strides, num_heads_q, group, full_len_q, full_len_k, BLOCK_M, BLOCK_N,
+                    SEQ_MODE_Q, SEQ_MODE_K, IS_CAUSAL, BOTTOM_RIGHT,
                 )
             )  # fmt: skip
+            if tile >= num_tiles:
+                num_blocks = 0
             if num_blocks > 0:
                 _consume_tile(
                     smem, bars, start_m, len_q, len_k, diag, num_blocks, first_masked, qk_scale,
@@ -819,7 +840,7 @@ def forward_sm90(q, k, v, out, lse, views, geom, *, softmax_scale, causal, botto
     tiles = cdiv(geom.q.max_len, block_m) * num_pairs
     if tiles == 0:
         return
-    persistent = PERSISTENT[d] and not causal
+    persistent = (PERSISTENT_CAUSAL if causal else PERSISTENT)[d]
     grid = (min(tiles, multiprocessors(q.device)) if persistent else tiles,)
     order_pairs = causal_order_heads(
         geom.k.max_len, head_row_bytes(k, v), num_heads_q // num_heads_kv,

@@ -3,7 +3,7 @@
     python examples/perf/ab_sm90_variants.py --set consumers --dims 64 [--seqlens 1024,4096,16384]
     python examples/perf/ab_sm90_variants.py --set order --causal 1 --passes fwd,fwdbwd
         [--dims 64,128] [--seqlens 1024,2048,4096,16384] [--rounds 3] [--json PATH]
-    python examples/perf/ab_sm90_variants.py --set persistent --causal 0 --dims 128,64
+    python examples/perf/ab_sm90_variants.py --set persistent [--causal 0,1] --dims 128,64
 
 A variant set flips module settings in this process (`variants`):
 - `consumers`: the sm_90 forward with two and with three consumer warpgroups
@@ -12,7 +12,7 @@ A variant set flips module settings in this process (`variants`):
   `_common.CAUSAL_ORDER_L2_BYTES`) against one pair at a time (0), on the sm_90 kernels and on
   the portable ones (forward and backward paths pinned alike).
 - `persistent`: the sm_90 forward with one tile per program and with the persistent grid
-  (`_flash_fwd_sm90.PERSISTENT`, which only non-causal launches take), and the portable
+  (`_flash_fwd_sm90.PERSISTENT`, and `PERSISTENT_CAUSAL` for causal launches), and the portable
   forward.
 To compare another variant, add its flip to `variants`.
 
@@ -48,6 +48,7 @@ SAVED = {
     "consumers": dict(_flash_fwd_sm90.CONSUMERS),
     "order": _common.CAUSAL_ORDER_L2_BYTES,
     "persistent": dict(_flash_fwd_sm90.PERSISTENT),
+    "persistent_causal": dict(_flash_fwd_sm90.PERSISTENT_CAUSAL),
 }
 
 
@@ -59,6 +60,7 @@ def restore() -> None:
     _flash_fwd_sm90.CONSUMERS.update(SAVED["consumers"])
     _common.CAUSAL_ORDER_L2_BYTES = SAVED["order"]
     _flash_fwd_sm90.PERSISTENT.update(SAVED["persistent"])
+    _flash_fwd_sm90.PERSISTENT_CAUSAL.update(SAVED["persistent_causal"])
     set_forward_path("auto")
     set_backward_path("auto")
 
@@ -77,6 +79,7 @@ def variants(which: str, d: int) -> dict:
                 _common.CAUSAL_ORDER_L2_BYTES = order
             if persistent is not None:
                 _flash_fwd_sm90.PERSISTENT[d] = persistent
+                _flash_fwd_sm90.PERSISTENT_CAUSAL[d] = persistent
 
         return apply
 

@@ -99,8 +99,8 @@ def _inputs(d, s, b=2, h=4, h_kv=2, dtype=torch.bfloat16):
 
 
 def compile_forward(d: int, causal: bool, persistent: bool = False):
-    """The forward at d; `persistent`: the persistent grid (`_flash_fwd_sm90.PERSISTENT`, which
-    non-causal launches only take)."""
+    """The forward at d; `persistent`: the persistent grid (`_flash_fwd_sm90.PERSISTENT`, and
+    `PERSISTENT_CAUSAL` for causal launches)."""
     from fusedlayers.kernels import _flash_fwd_sm90 as fwd
     from fusedlayers.kernels._common import launch_geometry
 
@@ -108,8 +108,9 @@ def compile_forward(d: int, causal: bool, persistent: bool = False):
     geom = launch_geometry(q, k)
     out = torch.empty_like(q)
     lse = torch.empty(q.shape[0], q.shape[2], q.shape[1])
-    default = fwd.PERSISTENT[d]
-    fwd.PERSISTENT[d] = persistent
+    table = fwd.PERSISTENT_CAUSAL if causal else fwd.PERSISTENT
+    default = table[d]
+    table[d] = persistent
     try:
         with offline_sm90(fwd._attn_fwd_sm90):
             fwd.forward_sm90(
@@ -117,7 +118,7 @@ def compile_forward(d: int, causal: bool, persistent: bool = False):
                 softmax_scale=d**-0.5, causal=causal, bottom_right=True,
             )  # fmt: skip
     finally:
-        fwd.PERSISTENT[d] = default
+        table[d] = default
     return COMPILED[-1]
 
 
@@ -190,7 +191,7 @@ def main() -> None:
     p.add_argument(
         "--fwd-persistent",
         default="0",
-        help="forward grids to compile: 0 (one tile per program), 1 (persistent; non-causal only)",
+        help="forward grids to compile: 0 (one tile per program), 1 (persistent)",
     )
     p.add_argument("--dump", default=None)
     args = p.parse_args()
@@ -199,8 +200,6 @@ def main() -> None:
             for causal in (bool(int(x)) for x in args.causal.split(",")):
                 if name == "fwd":
                     for persistent in (bool(int(x)) for x in args.fwd_persistent.split(",")):
-                        if persistent and causal:
-                            continue  # causal launches keep one tile per program
                         kernel = compile_forward(d, causal, persistent)
                         _report(args, name, d, causal, "-persistent" if persistent else "", kernel)
                     continue
