@@ -8,15 +8,16 @@ Shapes (docs/internals.md), as for the portable kernel in `_flash_fwd.py`:
 
 A tile is BLOCK_M = 64 x `CONSUMERS[d]` query rows of one (sequence, query head) (128 at
 d = 128, 192 at d = 64). Causal launches run one program per tile; non-causal ones
-(`PERSISTENT`) one program per SM, each walking the tiles pid, pid + programs, ... in launch
-order, its producer streaming the next tile's K, V and Q while the consumers finish the previous
-tile (the stage ring and the ping-pong turns run on across tiles; each consumer warpgroup hands
-its Q buffer back once its last S product of a tile has landed). A program's work is split over
-partitions (`gl.warp_specialize`), FlashAttention-3's design:
-- a producer warpgroup streams each consumer's Q rows once and the K and V tiles of every visible
-  key block by TMA into a NUM_STAGES-deep shared-memory ring, each stage guarded by a "ready"
-  mbarrier (the TMA's transaction count) and an "empty" one (every consumer's release); it keeps
-  24 registers a thread and leaves the rest to the consumers (`setmaxnreg`);
+(`PERSISTENT`) one program per SM, each taking one tile per round of the launch order (rounds
+alternate direction, `_round_tile`), its producer streaming the next tile's K, V and Q while the
+consumers finish the previous tile (the stage ring and the ping-pong turns run on across
+tiles; each consumer warpgroup hands its Q buffer back once its last S product of a tile has
+landed). A program's work is split over partitions (`gl.warp_specialize`), FlashAttention-3's
+design:
+- a producer warpgroup streams each consumer's Q rows once a tile and the K and V tiles of every
+  visible key block by TMA into a NUM_STAGES-deep shared-memory ring, each stage guarded by a
+  "ready" mbarrier (the TMA's transaction count) and an "empty" one (every consumer's release);
+  it keeps 24 registers a thread and leaves the rest to the consumers (`setmaxnreg`);
 - two or three consumer warpgroups of 64 rows each run the products on asynchronous wgmma and
   the online softmax. Within a warpgroup the products are software-pipelined: the next block's
   S = Q K^T and the previous block's O += P V are both in flight while the softmax of the
@@ -472,7 +473,8 @@ if GLUON_AVAILABLE:
 
         The kernel's arguments (`strides`: its runtime strides as one tuple), so every partition
         of the persistent grid derives the same tiles. Constexprs and absent (None) pointers are
-        passed one by one: inside a tuple Triton 3.6 no longer treats them as constants.
+        passed one by one: packed in a tuple, Triton 3.6 did not keep them constant (the compile
+        failed on a None pointer).
         """
         stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, \
             stride_vb, stride_vs, stride_vh, stride_ob, stride_oh, stride_lb, stride_lh, \
@@ -618,9 +620,9 @@ if GLUON_AVAILABLE:
         num_pairs: sequences x query heads; CONSUMER_REGS: registers of each worker consumer
         (`REGISTERS`); order_pairs: the causal launch order's interleave (`_interleaved_tile`).
 
-        One tile per program, or with PERSISTENT a program per SM walking the tiles pid,
-        pid + programs, ... in launch order: the producer streams the next tile's K, V and Q
-        while the consumers finish the previous tile's products and epilogue.
+        One tile per program, or with PERSISTENT a program per SM taking one tile per round of
+        the launch order (`_round_tile`): the producer streams the next tile's K, V and Q while
+        the consumers finish the previous tile's products and epilogue.
         """
         num_m = gl.cdiv(full_len_q, BLOCK_M)
         strides = (
