@@ -296,11 +296,12 @@ if GLUON_AVAILABLE:
         return p, alpha, m_new, l_i * alpha + gl.sum(p, 1)
 
     @gluon.jit
-    def _consumer(
-        smem, bars, start_m, len_q, len_k, diag, num_blocks, first_masked, qk_scale,
-        out_ptr, lse_ptr, o_base, lse_base, stride_os, stride_ls, WG: gl.constexpr,
-    ):  # fmt: skip
-        """One warpgroup's whole program (one tile) in the one-tile-per-program grid."""
+    def _consumer(args, WG: gl.constexpr):
+        """Consumer warpgroup WG's partition in the one-tile-per-program grid: `args` is the
+        producer's argument list (a partition's constants must sit at the top of its own)."""
+        _, _, _, smem, bars, _, _, _, _, _, _, start_m, len_q, len_k, diag, num_blocks, \
+            first_masked, qk_scale, out_ptr, lse_ptr, o_base, lse_base, stride_os, \
+            stride_ls = args  # fmt: skip
         _consume_tile(
             smem, bars, start_m, len_q, len_k, diag, num_blocks, first_masked, qk_scale,
             out_ptr, lse_ptr, o_base, lse_base, stride_os, stride_ls, WG, 0, 0, 0, False,
@@ -423,40 +424,6 @@ if GLUON_AVAILABLE:
         o_mask = gl.expand_dims(row_ok, 1) & gl.expand_dims(cols < HEAD_DIM, 0)
         gl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=o_mask)
         gl.store(lse_ptr + lse_base + rows.to(gl.int64) * stride_ls, lse, mask=row_ok)
-
-    # The three partitions take one argument list (worker partitions must share a signature).
-    @gluon.jit
-    def _consumer_0(
-        q_desc, k_desc, v_desc, smem, bars, q_row, q_col, k_row, k_col, v_row, v_col,
-        start_m, len_q, len_k, diag, num_blocks, first_masked, qk_scale,
-        out_ptr, lse_ptr, o_base, lse_base, stride_os, stride_ls,
-    ):  # fmt: skip
-        _consumer(
-            smem, bars, start_m, len_q, len_k, diag, num_blocks, first_masked, qk_scale,
-            out_ptr, lse_ptr, o_base, lse_base, stride_os, stride_ls, 0,
-        )  # fmt: skip
-
-    @gluon.jit
-    def _consumer_1(
-        q_desc, k_desc, v_desc, smem, bars, q_row, q_col, k_row, k_col, v_row, v_col,
-        start_m, len_q, len_k, diag, num_blocks, first_masked, qk_scale,
-        out_ptr, lse_ptr, o_base, lse_base, stride_os, stride_ls,
-    ):  # fmt: skip
-        _consumer(
-            smem, bars, start_m, len_q, len_k, diag, num_blocks, first_masked, qk_scale,
-            out_ptr, lse_ptr, o_base, lse_base, stride_os, stride_ls, 1,
-        )  # fmt: skip
-
-    @gluon.jit
-    def _consumer_2(
-        q_desc, k_desc, v_desc, smem, bars, q_row, q_col, k_row, k_col, v_row, v_col,
-        start_m, len_q, len_k, diag, num_blocks, first_masked, qk_scale,
-        out_ptr, lse_ptr, o_base, lse_base, stride_os, stride_ls,
-    ):  # fmt: skip
-        _consumer(
-            smem, bars, start_m, len_q, len_k, diag, num_blocks, first_masked, qk_scale,
-            out_ptr, lse_ptr, o_base, lse_base, stride_os, stride_ls, 2,
-        )  # fmt: skip
 
     @gluon.jit
     def _tile_work(
@@ -675,6 +642,9 @@ if GLUON_AVAILABLE:
         # 3 x 168 a thread of each warpgroup has at launch: `setmaxnreg.inc` could wait
         # forever). With four warps the budget is exact (`REGISTERS`).
         if PERSISTENT:
+            # These partitions take constexprs and absent (None) pointers, which must sit at the
+            # top of a partition's argument list to stay constant: so each list is spelled out,
+            # where the one-tile grid's consumers take (producer's arguments, warpgroup index).
             first, step, num_tiles = gl.program_id(0), gl.num_programs(0), num_m * num_pairs
             if NUM_WG == 2:
                 gl.warp_specialize(
@@ -742,13 +712,13 @@ if GLUON_AVAILABLE:
             )  # fmt: skip
             if NUM_WG == 2:
                 gl.warp_specialize(
-                    [(_consumer_0, args), (_consumer_1, args), (_producer, args)],
+                    [(_consumer, (args, 0)), (_consumer, (args, 1)), (_producer, args)],
                     [4, 4],
                     [CONSUMER_REGS, 24],
                 )
             else:
                 gl.warp_specialize(
-                    [(_consumer_0, args), (_consumer_1, args), (_consumer_2, args),
+                    [(_consumer, (args, 0)), (_consumer, (args, 1)), (_consumer, (args, 2)),
                      (_producer, args)],
                     [4, 4, 4],
                     [CONSUMER_REGS, CONSUMER_REGS, 24],
