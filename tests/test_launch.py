@@ -200,19 +200,16 @@ def test_tensor_signature_tells_apart_what_triton_specializes_on():
     assert _launch.tensor_signature(None) is None
 
 
-def test_signature_checks_catch_a_signature_that_misses_a_specialization(kernel):
+def test_signature_checks_catch_a_signature_that_misses_a_specialization(kernel, monkeypatch):
     """A caller's signature that leaves out something Triton specializes on (here n, which
     decides divisibility by 16) maps two specializations to one kernel: the checks say so."""
-    previous = _launch.set_signature_checks(True)
-    try:
-        lying = _launch.call_signature((), ("same",))
-        for n in (32, 32):
-            _launch.launch(kernel, (1,), _x(), n, 0.5, True, BLOCK=16, signature=lying)
-        _launch.launch(kernel, (1,), _x(), 33, 0.5, True, BLOCK=16)  # compiles n=33
-        with pytest.raises(AssertionError, match="another specialization"):
-            _launch.launch(kernel, (1,), _x(), 33, 0.5, True, BLOCK=16, signature=lying)
-    finally:
-        _launch.set_signature_checks(previous)
+    monkeypatch.setattr(_launch, "_check_signatures", True)
+    lying = _launch.call_signature((), ("same",))
+    for n in (32, 32):
+        _launch.launch(kernel, (1,), _x(), n, 0.5, True, BLOCK=16, signature=lying)
+    _launch.launch(kernel, (1,), _x(), 33, 0.5, True, BLOCK=16)  # compiles n=33
+    with pytest.raises(AssertionError, match="another specialization"):
+        _launch.launch(kernel, (1,), _x(), 33, 0.5, True, BLOCK=16, signature=lying)
 
 
 def test_int_signature_follows_tritons_int_specialization():
@@ -269,20 +266,17 @@ def test_a_bound_slot_still_yields_to_profiler_hooks_and_the_switch(kernel, monk
     assert kinds == ["triton", "direct", "triton", "triton", "direct"]
 
 
-def test_signature_checks_verify_what_a_slot_holds(kernel):
+def test_signature_checks_verify_what_a_slot_holds(kernel, monkeypatch):
     """With the checks on, a slotted launch takes the keyed path and compares: a slot that
     holds another kernel (a plan reused for another specialization) fails loudly."""
-    previous = _launch.set_signature_checks(True)
-    try:
-        slot = _launch.launch_slot()
-        for _ in range(3):
-            _launch.launch(kernel, (1,), _x(), 32, 0.5, True, BLOCK=16, slot=slot)
-        assert [entry[0] for entry in kernel.log] == ["triton", "direct", "direct"]
-        _launch.launch(kernel, (1,), _x(), 33, 0.5, True, BLOCK=16)  # compiles n=33
-        with pytest.raises(AssertionError, match="launch slot"):
-            _launch.launch(kernel, (1,), _x(), 33, 0.5, True, BLOCK=16, slot=slot)
-    finally:
-        _launch.set_signature_checks(previous)
+    monkeypatch.setattr(_launch, "_check_signatures", True)
+    slot = _launch.launch_slot()
+    for _ in range(3):
+        _launch.launch(kernel, (1,), _x(), 32, 0.5, True, BLOCK=16, slot=slot)
+    assert [entry[0] for entry in kernel.log] == ["triton", "direct", "direct"]
+    _launch.launch(kernel, (1,), _x(), 33, 0.5, True, BLOCK=16)  # compiles n=33
+    with pytest.raises(AssertionError, match="launch slot"):
+        _launch.launch(kernel, (1,), _x(), 33, 0.5, True, BLOCK=16, slot=slot)
 
 
 def test_config_slot_gives_each_autotuner_pick_its_own_part():
