@@ -2,15 +2,19 @@
 compiler's resource report (registers, spills, shared memory).
 
     python examples/perf/compile_sm90_offline.py [--kernels fwd,bwd] [--dims 128,64]
-        [--causal 0,1] [--fwd-persistent 0,1] [--dump DIR]
+        [--causal 0,1] [--fwd-persistent 0,1] [--fwd-layouts dense,varlen] [--partitions]
+        [--dump DIR]
 
 Run it with the Triton whose build you want to read (3.6 and 3.9 both compile these kernels):
 Gluon's API and the compiler's choices differ between versions. A stand-in driver reports an
 sm_90 target, and the launchers run on CPU tensors with every kernel launch turned into a
 compile-only warm-up, so the compiled kernel is exactly what that launch would build (same
 specializations: strides divisible by 16, constexprs). ptxas (bundled with Triton) then reports
-per kernel: registers, spill stores/loads and the stack frame. `--dump DIR` also writes the
-TTGIR, PTX and SASS for reading.
+per kernel: registers, spill stores/loads and the stack frame. ptxas reports the kernel as a
+whole; `--partitions` also splits its SASS where the warp-specialized partitions set their
+register counts (`setmaxnreg`), with the stack stores and loads of each stretch, so a spill can
+be traced to the producer or a consumer. `--dump DIR` also writes the TTGIR, PTX and SASS for
+reading.
 """
 
 from __future__ import annotations
@@ -90,6 +94,33 @@ def ptxas_report(ptx: str) -> str:
     return "\n".join(keep)
 
 
+def partition_spills(cubin: bytes) -> list[tuple[str, int, int]]:
+    """(stretch, stack stores, stack loads) of the kernel's SASS, cut at each `setmaxnreg`.
+
+    A warp-specialized kernel sets its register count as each partition starts and ends
+    (USETMAXREG: TRY_ALLOC raises it, DEALLOC lowers it), so a stretch after "24" is the
+    producer's code, one after the consumers' count theirs (the default partition's, then the
+    workers', in the order ptxas laid them out). STL / LDL are spill stores and loads."""
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "k.cubin")
+        with open(path, "wb") as f:
+            f.write(cubin)
+        sass = subprocess.run([tool, "-sass", path], capture_output=True, text=True).stdout
+    stretches = [["entry", 0, 0]]
+    for line in sass.splitlines():
+        found = re.search(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", line)
+        if not found:
+            continue
+        address, instruction = found.groups()
+        regs = re.search(r"USETMAXREG\.(\w+)\S* (?:UP\d, )?(0x[0-9a-f]+)", instruction)
+        if regs:
+            stretches.append([f"{int(regs[2], 16)} ({regs[1].lower()}) @{address}", 0, 0])
+        stretches[-1][1] += bool(re.match(r"(@!?U?P\w+ )?STL\b", instruction))
+        stretches[-1][2] += bool(re.match(r"(@!?U?P\w+ )?LDL\b", instruction))
+    return [tuple(x) for x in stretches]
+
+
 def _inputs(d, s, b=2, h=4, h_kv=2, dtype=torch.bfloat16):
     g = torch.Generator().manual_seed(0)
     q = torch.randn(b, s, h, d, generator=g).to(dtype)
@@ -98,51 +129,14 @@ def _inputs(d, s, b=2, h=4, h_kv=2, dtype=torch.bfloat16):
     return q, k, v
 
 
-def compile_forward(d: int, causal: bool, persistent: bool = False):
-    """The forward at d; `persistent`: the persistent grid (`_flash_fwd_sm90.PERSISTENT`, and
-    `PERSISTENT_CAUSAL` for causal launches)."""
-    from fusedlayers.kernels import _flash_fwd_sm90 as fwd
-    from fusedlayers.kernels._common import launch_geometry
-
-    q, k, v = _inputs(d, 1024)
-    geom = launch_geometry(q, k)
-    out = torch.empty_like(q)
-    lse = torch.empty(q.shape[0], q.shape[2], q.shape[1])
-    table = fwd.PERSISTENT_CAUSAL if causal else fwd.PERSISTENT
-    default = table[d]
-    table[d] = persistent
-    try:
-        with offline_sm90(fwd._attn_fwd_sm90):
-            fwd.forward_sm90(
-                q, k, v, out, lse, fwd.plan_views(q, k, v, False), geom,
-                softmax_scale=d**-0.5, causal=causal, bottom_right=True,
-            )  # fmt: skip
-    finally:
-        table[d] = default
-    return COMPILED[-1]
+LAYOUTS = ("dense", "topleft", "seqlens", "varlen", "varlen_padded")
+BWD_LAYOUTS = LAYOUTS  # the name the backward's callers know
 
 
-BWD_LAYOUTS = ("dense", "topleft", "seqlens", "varlen", "varlen_padded")
-
-
-def compile_backward(d: int, causal: bool, block_m: int | None = None, layout: str = "dense"):
-    """The backward at d, with the default tiles or (block_m given) those of `TILES[d]` or
-    `TILES_M128[d]` whose BLOCK_M is block_m. `layout`: "dense" (a causal mask bottom-right
+def _layout_inputs(d: int, layout: str):
+    """(q, k, v, geometry) of `layout`, one of LAYOUTS: "dense" (a causal mask bottom-right
     aligned), "topleft" (dense, top-left), "seqlens" (right-padded), "varlen", "varlen_padded"
-    (varlen with gaps): each is a separate specialization of the kernel."""
-    from fusedlayers.kernels import _flash_bwd_sm90 as bwd
-
-    default = bwd.TILES[d]
-    if block_m is not None and block_m != default[0]:
-        bwd.TILES[d] = bwd.TILES_M128[d]
-        assert bwd.TILES[d][0] == block_m, (d, block_m)
-    try:
-        return _compile_backward(bwd, d, causal, layout)
-    finally:
-        bwd.TILES[d] = default
-
-
-def _compile_backward(bwd, d: int, causal: bool, layout: str):
+    (varlen with gaps); each is a separate specialization of the kernels."""
     from fusedlayers.kernels._common import launch_geometry
 
     q, k, v = _inputs(d, 1024)
@@ -157,7 +151,51 @@ def _compile_backward(bwd, d: int, causal: bool, layout: str):
         if layout == "varlen_padded":
             offsets = torch.tensor([0, 1024, 2048], dtype=torch.int32)
             seq.update(seq_offsets_q=offsets, seq_offsets_k=offsets)
-    geom = launch_geometry(q, k, **seq)
+    return q, k, v, launch_geometry(q, k, **seq)
+
+
+def compile_forward(d: int, causal: bool, persistent: bool = False, layout: str = "dense"):
+    """The forward at d; `persistent`: the persistent grid (`_flash_fwd_sm90.PERSISTENT`, and
+    `PERSISTENT_CAUSAL` for causal launches); `layout`: one of LAYOUTS (`_layout_inputs`)."""
+    from fusedlayers.kernels import _flash_fwd_sm90 as fwd
+
+    q, k, v, geom = _layout_inputs(d, layout)
+    out = torch.empty_like(q)
+    lse = torch.empty(q.shape[-2], q.shape[0]) if geom.varlen else torch.empty(
+        q.shape[0], q.shape[2], q.shape[1])  # fmt: skip
+    table = fwd.PERSISTENT_CAUSAL if causal else fwd.PERSISTENT
+    default = table[d]
+    table[d] = persistent
+    try:
+        with offline_sm90(fwd._attn_fwd_sm90):
+            fwd.forward_sm90(
+                q, k, v, out, lse, fwd.plan_views(q, k, v, geom.varlen), geom,
+                softmax_scale=d**-0.5, causal=causal, bottom_right=layout != "topleft",
+            )  # fmt: skip
+    finally:
+        table[d] = default
+    return COMPILED[-1]
+
+
+def compile_backward(d: int, causal: bool, block_m: int | None = None, layout: str = "dense"):
+    """The backward at d, with the default tiles or (block_m given) those of `TILES[d]` or
+    `TILES_M128[d]` whose BLOCK_M is block_m. `layout`: "dense" (a causal mask bottom-right
+    aligned), "topleft" (dense, top-left), "seqlens" (right-padded), "varlen", "varlen_padded"
+    (varlen with gaps): each is a separate specialization of the kernel (`_layout_inputs`)."""
+    from fusedlayers.kernels import _flash_bwd_sm90 as bwd
+
+    default = bwd.TILES[d]
+    if block_m is not None and block_m != default[0]:
+        bwd.TILES[d] = bwd.TILES_M128[d]
+        assert bwd.TILES[d][0] == block_m, (d, block_m)
+    try:
+        return _compile_backward(bwd, d, causal, layout)
+    finally:
+        bwd.TILES[d] = default
+
+
+def _compile_backward(bwd, d: int, causal: bool, layout: str):
+    q, k, v, geom = _layout_inputs(d, layout)
     dout = torch.randn_like(q)
     lse = torch.randn(q.shape[-2], q.shape[0]) if geom.varlen else torch.randn(
         q.shape[0], q.shape[2], q.shape[1])  # fmt: skip
@@ -193,6 +231,16 @@ def main() -> None:
         default="0",
         help="forward grids to compile: 0 (one tile per program), 1 (persistent)",
     )
+    p.add_argument(
+        "--fwd-layouts",
+        default="dense",
+        help=f"forward specializations to compile, from {','.join(LAYOUTS)}",
+    )
+    p.add_argument(
+        "--partitions",
+        action="store_true",
+        help="also count spill stores / loads per partition (SASS cut at each setmaxnreg)",
+    )
     p.add_argument("--dump", default=None)
     args = p.parse_args()
     for name in args.kernels.split(","):
@@ -200,8 +248,11 @@ def main() -> None:
             for causal in (bool(int(x)) for x in args.causal.split(",")):
                 if name == "fwd":
                     for persistent in (bool(int(x)) for x in args.fwd_persistent.split(",")):
-                        kernel = compile_forward(d, causal, persistent)
-                        _report(args, name, d, causal, "-persistent" if persistent else "", kernel)
+                        for layout in args.fwd_layouts.split(","):
+                            kernel = compile_forward(d, causal, persistent, layout)
+                            tag = ("-persistent" if persistent else "") + (
+                                "" if layout == "dense" else f"-{layout}")  # fmt: skip
+                            _report(args, name, d, causal, tag, kernel)
                     continue
                 for block_m in _block_ms(name, d, args.bwd_block_m):
                     for layout in args.bwd_layouts.split(","):
@@ -227,6 +278,9 @@ def _report(args, name, d, causal, tag, kernel) -> None:
     smem = kernel.metadata.shared
     print(f"== {name} d={d} causal={int(causal)}{tag}: shared {smem} bytes")
     print(ptxas_report(kernel.asm["ptx"]))
+    if args.partitions:
+        for stretch, stores, loads in partition_spills(kernel.asm["cubin"]):
+            print(f"  setmaxnreg {stretch}: {stores} spill stores, {loads} spill loads")
     if args.dump:
         os.makedirs(args.dump, exist_ok=True)
         stem = os.path.join(args.dump, f"{name}-d{d}-c{int(causal)}{tag}")
