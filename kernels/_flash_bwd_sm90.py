@@ -112,6 +112,13 @@ MAX_REGISTERS = 168
 TILES = {128: (64, 2), 64: (128, 2)}
 # The 128-row step variant (tests and examples/perf/tune_sm90_backward.py --block-m pin it).
 TILES_M128 = {64: (128, 2)}
+# Per head dim, the order of a step's last products. True issues dQ before dK (FlashAttention-3's
+# order): the dQ share's trip to shared memory and its TMA reduce overlap the dK product, and the
+# stage is released once dK lands. False issues dK first, so it is queued while the warpgroup
+# waits for the other's dS^T, and releases the stage before the dQ epilogue. Measured on the
+# H100 (forward+backward, one process): d = 128 +2-3% at 4k and 16k (causal 4k -1%); d = 64,
+# whose 128-row step has a dK product twice as long, -2-3% (docs/performance.md).
+DQ_BEFORE_DK = {128: True, 64: False}
 SUPPORTED_HEAD_DIMS = tuple(TILES)
 
 
@@ -333,10 +340,12 @@ if GLUON_AVAILABLE:
         return dv_tok
 
     @gluon.jit
-    def _consumer(descs, smem, bars, seq, strides, ptrs, scales, WG: gl.constexpr):
+    def _consumer(args, WG: gl.constexpr, DQ_FIRST: gl.constexpr):
         """One warpgroup: dK and dV of its 64 keys, and its half of each step's dQ share (its
         64 columns at d = 128, every other step's share at d = 64, its 64 rows of each step's
-        at BLOCK_M = 128)."""
+        at BLOCK_M = 128). `args` is the producer's argument list (a partition's constants
+        must sit at the top of its own); DQ_FIRST: see `DQ_BEFORE_DK`."""
+        descs, smem, bars, seq, strides, ptrs, scales = args
         q_smem, k_smem, v_smem, do_smem, lse_smem, delta_smem, ds_smem, p_smem, dq_smem = smem
         kv_bar, ready, empty, ds_ready = bars
         z, h_kv, group, start_q, start_k, start_n, len_q, len_k, diag, m_lo, m_count, total = seq
@@ -472,7 +481,8 @@ if GLUON_AVAILABLE:
             fence_async_shared()
             _partition_barrier()
             mbarrier.arrive(ds_ready.index(buf), count=1)
-            dk_tok = warpgroup_mma(ds_wg, q_t, dk, is_async=True)
+            if not DQ_FIRST:
+                dk_tok = warpgroup_mma(ds_wg, q_t, dk, is_async=True)
             # dV and dK landing frees the stage's Q and dO and this warpgroup's P^T rows. The
             # other warpgroup overwrites this dS^T buffer only two steps on, after it has passed
             # the next step's barrier, which the warpgroup reading it here reaches only after
@@ -484,9 +494,16 @@ if GLUON_AVAILABLE:
                 else:
                     ds_dq = ds_buf.permute((1, 0))
                 dq_tok = warpgroup_mma(ds_dq, k_dq, zero_dq, use_acc=False, is_async=True)
-                dv, dk = warpgroup_mma_wait(1, deps=[dv_tok, dk_tok])
-                _release(empty.index(stage))
-                dq = warpgroup_mma_wait(0, deps=[dq_tok])
+                if DQ_FIRST:
+                    # dK after dQ: the dQ share's trip to shared memory and its TMA reduce then
+                    # run while the tensor cores work on dK (groups retire in issue order: one
+                    # outstanding means dV and dQ landed).
+                    dk_tok = warpgroup_mma(ds_wg, q_t, dk, is_async=True)
+                    dv, dq = warpgroup_mma_wait(1, deps=[dv_tok, dq_tok])
+                else:
+                    dv, dk = warpgroup_mma_wait(1, deps=[dv_tok, dk_tok])
+                    _release(empty.index(stage))
+                    dq = warpgroup_mma_wait(0, deps=[dq_tok])
                 if SPLIT_ROWS:
                     # The accumulator is contiguous (`dq_accumulator`): a sequence's rows start
                     # at a whole grid row and head h at column h * stride_h, so no 64-bit
@@ -498,7 +515,12 @@ if GLUON_AVAILABLE:
                         z, h_kv * group + g, start_q + m0, stride_dqb, stride_dqh, stride_dqs
                     )
                 _reduce_dq(dq, dq_wg, dq_desc, dq_row, dq_col + dq_col0)
+                if DQ_FIRST:
+                    dk = warpgroup_mma_wait(0, deps=[dk_tok])
+                    _release(empty.index(stage))
             else:
+                if DQ_FIRST:
+                    dk_tok = warpgroup_mma(ds_wg, q_t, dk, is_async=True)
                 dv, dk = warpgroup_mma_wait(0, deps=[dv_tok, dk_tok])
                 _release(empty.index(stage))
         tma.store_wait(0)  # the last reduce's read of shared memory, before the program ends
@@ -524,15 +546,6 @@ if GLUON_AVAILABLE:
         dv_ptrs = dv_ptr + dv_base + gl.expand_dims(row_at * stride_dvs, 1)
         gl.store(dv_ptrs + gl.expand_dims(out_c, 0), dv.to(dtype), mask=out_mask)
 
-    # The three partitions take one argument list (worker partitions must share a signature).
-    @gluon.jit
-    def _consumer_0(descs, smem, bars, seq, strides, ptrs, scales):
-        _consumer(descs, smem, bars, seq, strides, ptrs, scales, 0)
-
-    @gluon.jit
-    def _consumer_1(descs, smem, bars, seq, strides, ptrs, scales):
-        _consumer(descs, smem, bars, seq, strides, ptrs, scales, 1)
-
     @gluon.jit
     def _attn_bwd_sm90(
         q_desc, k_desc, v_desc, do_desc, dq_desc, lse_ptr, delta_ptr, dk_ptr, dv_ptr,
@@ -544,7 +557,7 @@ if GLUON_AVAILABLE:
         num_heads_kv, group, full_len_q, full_len_k, qk_scale, sm_scale, order_pairs,
         HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
         NUM_STAGES: gl.constexpr, SEQ_MODE_Q: gl.constexpr, SEQ_MODE_K: gl.constexpr,
-        IS_CAUSAL: gl.constexpr, BOTTOM_RIGHT: gl.constexpr,
+        IS_CAUSAL: gl.constexpr, BOTTOM_RIGHT: gl.constexpr, DQ_FIRST: gl.constexpr,
     ):  # fmt: skip
         """One program: BLOCK_N keys of one (sequence, KV head), over its GQA group's queries;
         order_pairs: the causal launch order's interleave (`_interleaved_tile`)."""
@@ -620,7 +633,7 @@ if GLUON_AVAILABLE:
             (lse_ptr, delta_ptr, dk_ptr, dv_ptr), (qk_scale, sm_scale),
         )  # fmt: skip
         gl.warp_specialize(
-            [(_consumer_0, args), (_consumer_1, args), (_producer, args)],
+            [(_consumer, (args, 0, DQ_FIRST)), (_consumer, (args, 1, DQ_FIRST)), (_producer, args)],
             [4, 4],  # consumer warpgroup 1, and the producer as a whole warpgroup (forward)
             # The default partition gets the rest: 3 x 168 - 240 - 24 = 240. With 128-row steps
             # the producer gets 32: values the partitions share stay live through all three
@@ -710,7 +723,8 @@ def backward_sm90(
         ),
         HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=BLOCK_N, NUM_STAGES=stages,
         SEQ_MODE_Q=geom.q.mode, SEQ_MODE_K=geom.k.mode, IS_CAUSAL=bool(causal),
-        BOTTOM_RIGHT=bool(bottom_right), num_warps=CONSUMER_WARPS, maxnreg=MAX_REGISTERS,
+        BOTTOM_RIGHT=bool(bottom_right), DQ_FIRST=DQ_BEFORE_DK[d], num_warps=CONSUMER_WARPS,
+        maxnreg=MAX_REGISTERS,
     )  # fmt: skip
     return dq_acc
 

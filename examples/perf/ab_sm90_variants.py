@@ -4,6 +4,7 @@
     python examples/perf/ab_sm90_variants.py --set order --causal 1 --passes fwd,fwdbwd
         [--dims 64,128] [--seqlens 1024,2048,4096,16384] [--rounds 3] [--json PATH]
     python examples/perf/ab_sm90_variants.py --set persistent [--causal 0,1] --dims 128,64
+    python examples/perf/ab_sm90_variants.py --set dq_order --passes fwdbwd --causal 0,1
 
 A variant set flips module settings in this process (`variants`):
 - `consumers`: the sm_90 forward with two and with three consumer warpgroups
@@ -14,6 +15,8 @@ A variant set flips module settings in this process (`variants`):
 - `persistent`: the sm_90 forward with one tile per program and with the persistent grid
   (`_flash_fwd_sm90.PERSISTENT`, and `PERSISTENT_CAUSAL` for causal launches), and the portable
   forward.
+- `dq_order`: the sm_90 backward issuing each step's dK product before dQ and after it
+  (`_flash_bwd_sm90.DQ_BEFORE_DK`), and the portable backward.
 To compare another variant, add its flip to `variants`.
 
 bf16, b = 16384 / s, h = 2048 / d, inputs needing gradients as a training step has them. Each
@@ -35,6 +38,7 @@ import torch.nn.functional as F
 import triton
 from fusedlayers.kernels import (
     _common,
+    _flash_bwd_sm90,
     _flash_fwd_sm90,
     set_backward_path,
     set_forward_path,
@@ -49,6 +53,7 @@ SAVED = {
     "order": _common.CAUSAL_ORDER_L2_BYTES,
     "persistent": dict(_flash_fwd_sm90.PERSISTENT),
     "persistent_causal": dict(_flash_fwd_sm90.PERSISTENT_CAUSAL),
+    "dq_order": dict(_flash_bwd_sm90.DQ_BEFORE_DK),
 }
 
 
@@ -61,6 +66,7 @@ def restore() -> None:
     _common.CAUSAL_ORDER_L2_BYTES = SAVED["order"]
     _flash_fwd_sm90.PERSISTENT.update(SAVED["persistent"])
     _flash_fwd_sm90.PERSISTENT_CAUSAL.update(SAVED["persistent_causal"])
+    _flash_bwd_sm90.DQ_BEFORE_DK.update(SAVED["dq_order"])
     set_forward_path("auto")
     set_backward_path("auto")
 
@@ -68,7 +74,7 @@ def restore() -> None:
 def variants(which: str, d: int) -> dict:
     """name -> a function that selects that variant before a call; the first is the reference."""
 
-    def select(path, consumers=None, order=None, persistent=None):
+    def select(path, consumers=None, order=None, persistent=None, dq_first=None):
         def apply():
             restore()
             set_forward_path(path)
@@ -80,6 +86,8 @@ def variants(which: str, d: int) -> dict:
             if persistent is not None:
                 _flash_fwd_sm90.PERSISTENT[d] = persistent
                 _flash_fwd_sm90.PERSISTENT_CAUSAL[d] = persistent
+            if dq_first is not None:
+                _flash_bwd_sm90.DQ_BEFORE_DK[d] = dq_first
 
         return apply
 
@@ -94,6 +102,12 @@ def variants(which: str, d: int) -> dict:
             "portable": select("portable"),
             "sm90-per-tile": select("sm90", persistent=False),
             "sm90-persistent": select("sm90", persistent=True),
+        }
+    if which == "dq_order":
+        return {
+            "portable": select("portable"),
+            "sm90-dk-first": select("sm90", dq_first=False),
+            "sm90-dq-first": select("sm90", dq_first=True),
         }
     return {
         "portable-pairwise": select("portable", order=0),
@@ -162,7 +176,9 @@ def measure(which: str, d: int, s: int, causal: bool, passes: list[str], rounds:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--set", choices=("consumers", "order", "persistent"), default="consumers")
+    parser.add_argument(
+        "--set", choices=("consumers", "order", "persistent", "dq_order"), default="consumers"
+    )
     parser.add_argument("--dims", default="64")
     parser.add_argument("--seqlens", default="1024,4096,16384")
     parser.add_argument("--causal", default="0,1", help="which of 0 (no mask) and 1 to run")

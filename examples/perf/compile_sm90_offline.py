@@ -177,21 +177,27 @@ def compile_forward(d: int, causal: bool, persistent: bool = False, layout: str 
     return COMPILED[-1]
 
 
-def compile_backward(d: int, causal: bool, block_m: int | None = None, layout: str = "dense"):
+def compile_backward(
+    d: int, causal: bool, block_m: int | None = None, layout: str = "dense",
+    dq_first: bool | None = None,
+):  # fmt: skip
     """The backward at d, with the default tiles or (block_m given) those of `TILES[d]` or
     `TILES_M128[d]` whose BLOCK_M is block_m. `layout`: "dense" (a causal mask bottom-right
     aligned), "topleft" (dense, top-left), "seqlens" (right-padded), "varlen", "varlen_padded"
-    (varlen with gaps): each is a separate specialization of the kernel (`_layout_inputs`)."""
+    (varlen with gaps): each is a separate specialization of the kernel (`_layout_inputs`).
+    `dq_first`: the step's product order (`DQ_BEFORE_DK`; None: the default)."""
     from fusedlayers.kernels import _flash_bwd_sm90 as bwd
 
-    default = bwd.TILES[d]
+    default, default_order = bwd.TILES[d], bwd.DQ_BEFORE_DK[d]
     if block_m is not None and block_m != default[0]:
         bwd.TILES[d] = bwd.TILES_M128[d]
         assert bwd.TILES[d][0] == block_m, (d, block_m)
+    if dq_first is not None:
+        bwd.DQ_BEFORE_DK[d] = dq_first
     try:
         return _compile_backward(bwd, d, causal, layout)
     finally:
-        bwd.TILES[d] = default
+        bwd.TILES[d], bwd.DQ_BEFORE_DK[d] = default, default_order
 
 
 def _compile_backward(bwd, d: int, causal: bool, layout: str):
@@ -227,6 +233,12 @@ def main() -> None:
         help=f"backward specializations to compile, from {','.join(BWD_LAYOUTS)}",
     )
     p.add_argument(
+        "--bwd-dq-first",
+        default="default",
+        help="backward product orders to compile: 1 (dQ before dK), 0 (dK first); "
+        "default: DQ_BEFORE_DK",
+    )
+    p.add_argument(
         "--fwd-persistent",
         default="0",
         help="forward grids to compile: 0 (one tile per program), 1 (persistent)",
@@ -254,12 +266,16 @@ def main() -> None:
                                 "" if layout == "dense" else f"-{layout}")  # fmt: skip
                             _report(args, name, d, causal, tag, kernel)
                     continue
+                orders = [None] if args.bwd_dq_first == "default" else [
+                    bool(int(x)) for x in args.bwd_dq_first.split(",")]  # fmt: skip
                 for block_m in _block_ms(name, d, args.bwd_block_m):
                     for layout in args.bwd_layouts.split(","):
-                        kernel = compile_backward(d, causal, block_m, layout)
-                        tag = (f"-m{block_m}" if block_m else "") + (
-                            "" if layout == "dense" else f"-{layout}")  # fmt: skip
-                        _report(args, name, d, causal, tag, kernel)
+                        for dq_first in orders:
+                            kernel = compile_backward(d, causal, block_m, layout, dq_first)
+                            tag = (f"-m{block_m}" if block_m else "") + (
+                                "" if layout == "dense" else f"-{layout}") + (
+                                "" if dq_first is None else f"-dqfirst{int(dq_first)}")  # fmt: skip
+                            _report(args, name, d, causal, tag, kernel)
 
 
 def _block_ms(name: str, d: int, spec: str) -> list:

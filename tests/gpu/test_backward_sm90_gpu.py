@@ -88,6 +88,17 @@ def test_sm90_backward_matches_reference(case, sm90_spy, request):
 
 
 @needs_sm90
+@pytest.mark.parametrize("dq_first", [False, True], ids=["dk_first", "dq_first"])
+@pytest.mark.parametrize("case", [CASES[i] for i in (5, 6, 12, 14)], ids=lambda c: c.label())
+def test_sm90_backward_product_orders(case, dq_first, sm90_spy, monkeypatch):
+    """Both orders of a step's dK and dQ products (`DQ_BEFORE_DK`), whichever is the default for
+    the head dim: GQA, both causal alignments, right padding and varlen with gaps."""
+    monkeypatch.setitem(_flash_bwd_sm90.DQ_BEFORE_DK, case.d, dq_first)
+    check_case(case, DEV, high_dtype=torch.float32)
+    assert sm90_spy, "the sm_90 backward did not run"
+
+
+@needs_sm90
 @pytest.mark.parametrize("kv_heads_in_l2", [0, 2, 5])
 @pytest.mark.parametrize("d", [64, 128])
 def test_sm90_causal_launch_orders(kv_heads_in_l2, d, sm90_spy, monkeypatch):
