@@ -341,6 +341,7 @@ def flash_attention_backward(
         dq_acc = sm90.backward_sm90(
             q, k, v, dout, lse, delta, dk, dv, views, geo,
             softmax_scale=softmax_scale, causal=window_right == 0, bottom_right=bottom_right,
+            signature=signature,
         )  # fmt: skip
         return _scaled_dq(dq_acc, dq, q.dtype, softmax_scale), dk, dv, None
     # Without a bias, ALiBi or dQ accumulator the kernels never read that pointer: q stands in.

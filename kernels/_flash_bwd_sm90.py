@@ -63,6 +63,7 @@ import torch
 
 from ._common import LOG2E, causal_order_heads, cdiv, head_row_bytes, lse_strides, strides4
 from ._flash_fwd_sm90 import GLUON_AVAILABLE, _descriptor, tma_view
+from ._launch import int_signature, launch
 
 if GLUON_AVAILABLE:
     from ._flash_fwd_sm90 import (
@@ -688,12 +689,14 @@ def plan_views(q, k, v, dout, varlen: bool):
 
 
 def backward_sm90(
-    q, k, v, dout, lse, delta, dk, dv, views, geom, *, softmax_scale, causal, bottom_right
+    q, k, v, dout, lse, delta, dk, dv, views, geom, *, softmax_scale, causal, bottom_right,
+    signature=None,
 ):  # fmt: skip
     """Launch `_attn_bwd_sm90`: writes dk / dv (any strides with stride(-1) == 1; rows past a
     sequence's end are left alone) and returns the unscaled dQ, fp32, laid out like a
     contiguous q (`dq_accumulator`). `lse`, `delta`: contiguous fp32 as the portable backward
-    has them; `views` from `plan_views`."""
+    has them; `views` from `plan_views`. `signature`: the backward's launch signature
+    (`_flash_bwd`); with it the launch goes straight to the compiled kernel after the first."""
     d = q.shape[-1]
     block_m, stages = TILES[d]
     q_desc = _descriptor(q, views[0], [block_m, d])
@@ -709,22 +712,25 @@ def backward_sm90(
     grid = (cdiv(geom.k.max_len, BLOCK_N) * geom.batch * h_kv,)
     if grid[0] == 0:
         return dq_acc
-    _attn_bwd_sm90[grid](
+    # A (sequence, KV head) pair streams its group's q and dO rows.
+    order_pairs = causal_order_heads(
+        geom.q.max_len, head_row_bytes(q, dout) * (h_q // h_kv), 1, geom.batch * h_kv
+    )
+    if signature is not None:
+        # The launch order's interleave follows a module setting, not the inputs.
+        signature = (signature, int_signature(order_pairs))
+    launch(_attn_bwd_sm90, grid,
         q_desc, k_desc, v_desc, do_desc, dq_desc, lse, delta, dk, dv,
         geom.q.cu_seqlens, geom.q.seq_offsets, geom.q.seqlens,
         geom.k.cu_seqlens, geom.k.seq_offsets, geom.k.seqlens,
         *sq[:3], *sk[:3], *sv[:3], *sdo[:3], *lse_strides(lse, geom.varlen),
         *sdq[:3], *sdk[:3], *sdv[:3],
         h_kv, h_q // h_kv, geom.q.max_len, geom.k.max_len,
-        float(softmax_scale) * LOG2E, float(softmax_scale),
-        # A (sequence, KV head) pair streams its group's q and dO rows.
-        causal_order_heads(
-            geom.q.max_len, head_row_bytes(q, dout) * (h_q // h_kv), 1, geom.batch * h_kv
-        ),
+        float(softmax_scale) * LOG2E, float(softmax_scale), order_pairs,
         HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=BLOCK_N, NUM_STAGES=stages,
         SEQ_MODE_Q=geom.q.mode, SEQ_MODE_K=geom.k.mode, IS_CAUSAL=bool(causal),
         BOTTOM_RIGHT=bool(bottom_right), DQ_FIRST=DQ_BEFORE_DK[d], num_warps=CONSUMER_WARPS,
-        maxnreg=MAX_REGISTERS,
+        maxnreg=MAX_REGISTERS, signature=signature,
     )  # fmt: skip
     return dq_acc
 

@@ -509,7 +509,7 @@ def flash_attention_forward(
         if views is not None:
             return run_sm90(
                 q, k, v, geom, (views, window_right == 0), softmax_scale=softmax_scale,
-                bottom_right=bottom_right,
+                bottom_right=bottom_right, signature=call["signature"],
             )  # fmt: skip
     out, lse, args = _outputs_and_args(plan, call)
     if plan.launches:

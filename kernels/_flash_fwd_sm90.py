@@ -58,6 +58,7 @@ from ._common import (
     multiprocessors,
     strides4,
 )
+from ._launch import int_signature, launch
 
 try:  # Gluon ships with Triton 3.5+; its Hopper module is what this path needs.
     from triton.experimental import gluon
@@ -794,9 +795,13 @@ def plan_views(q, k, v, varlen: bool):
     return None if any(view is None for view in views) else views
 
 
-def forward_sm90(q, k, v, out, lse, views, geom, *, softmax_scale, causal, bottom_right):
+def forward_sm90(
+    q, k, v, out, lse, views, geom, *, softmax_scale, causal, bottom_right, signature=None
+):  # fmt: skip
     """Launch `_attn_fwd_sm90` on validated input; out / lse are allocated by the caller (zero /
-    -inf filled wherever a row may see no key). `views` come from `plan_views`."""
+    -inf filled wherever a row may see no key). `views` come from `plan_views`. `signature`:
+    the call's `_common.attention_signature`; with it the launch goes straight to the compiled
+    kernel after the first (`_launch.launch`), without it through Triton's `kernel[grid]`."""
     d = q.shape[-1]
     block_n, stages = TILES[d]
     q_desc = _descriptor(q, views[0], [WARPGROUP_ROWS, d])
@@ -818,7 +823,10 @@ def forward_sm90(q, k, v, out, lse, views, geom, *, softmax_scale, causal, botto
         geom.k.max_len, head_row_bytes(k, v), num_heads_q // num_heads_kv,
         geom.batch * num_heads_q,
     )  # fmt: skip
-    _attn_fwd_sm90[grid](
+    if signature is not None:
+        # The launch order's interleave follows a module setting, not the inputs.
+        signature = (signature, int_signature(order_pairs))
+    launch(_attn_fwd_sm90, grid,
         q_desc, k_desc, v_desc, out, lse,
         geom.q.cu_seqlens, geom.q.seq_offsets, geom.q.seqlens,
         geom.k.cu_seqlens, geom.k.seq_offsets, geom.k.seqlens,
@@ -830,6 +838,7 @@ def forward_sm90(q, k, v, out, lse, views, geom, *, softmax_scale, causal, botto
         SEQ_MODE_Q=geom.q.mode, SEQ_MODE_K=geom.k.mode, IS_CAUSAL=bool(causal),
         BOTTOM_RIGHT=bool(bottom_right), CONSUMER_REGS=worker_registers[0],
         PERSISTENT=persistent, num_warps=CONSUMER_WARPS, maxnreg=max_registers,
+        signature=signature,
     )  # fmt: skip
 
 

@@ -89,8 +89,9 @@ def sm90_plan(
     return views, window_right == 0
 
 
-def run_sm90(q, k, v, geom, plan, *, softmax_scale, bottom_right):
-    """The sm_90 forward: (out, lse), allocated here.
+def run_sm90(q, k, v, geom, plan, *, softmax_scale, bottom_right, signature=None):
+    """The sm_90 forward: (out, lse), allocated here. `signature`: the call's
+    `_common.attention_signature`, for the launch (`sm90.forward_sm90`).
 
     Rows that may see no key (padding, varlen, or a bottom-right causal diagonal with more
     queries than keys) are never written by the kernel, so out / lse start as 0 / -inf there.
@@ -108,6 +109,6 @@ def run_sm90(q, k, v, geom, plan, *, softmax_scale, bottom_right):
         lse = torch.full(lse_shape, float("-inf"), dtype=torch.float32, device=q.device)
     sm90.forward_sm90(
         q, k, v, out, lse, views, geom,
-        softmax_scale=softmax_scale, causal=causal, bottom_right=bottom_right,
+        softmax_scale=softmax_scale, causal=causal, bottom_right=bottom_right, signature=signature,
     )  # fmt: skip
     return out, lse

@@ -14,9 +14,11 @@ The key is at least as fine as Triton's specialization, so one key never maps to
 kernels: constexpr values as given, launch options (num_warps, ...), and per runtime argument
 what Triton specializes on: a tensor's dtype and 16-byte alignment, an int's being 1, being a
 multiple of 16 and fitting 32 bits (only the last for an int the kernel marks
-`do_not_specialize`), None, a bool's value. Anything else (a TMA descriptor, a
-profiler's launch hook, the CPU interpreter, a Triton whose compiled kernel lacks the launcher)
-takes `kernel[grid]` every time, which is always correct.
+`do_not_specialize`), None, a bool's value, and for a host-side TMA descriptor what Triton
+types it by (class, element type, block shape, layout; the launcher builds its tensor map on
+every call), so the Gluon kernels launch directly too. Anything else (a profiler's launch hook,
+the CPU interpreter, a Triton whose compiled kernel lacks the launcher) takes `kernel[grid]`
+every time, which is always correct.
 
 Computing that key costs ~1 us per argument in Python, a third of a short attention forward's
 host time. A caller that already knows what determines the specialization passes it as
@@ -105,6 +107,15 @@ def _runtime_key(value, specialized: bool = True):
         return value
     if isinstance(value, torch.Tensor):
         return (value.dtype, value.data_ptr() % 16 == 0)
+    base = getattr(value, "base", None)
+    if isinstance(base, torch.Tensor) and hasattr(value, "block_shape"):
+        # A host-side TMA descriptor (Triton's or Gluon's `TensorDescriptor`): Triton types it
+        # by its class, element type, block shape and (Gluon) shared-memory layout; the
+        # launcher builds the CUDA tensor map from its base, shape and strides on every call.
+        return (
+            cls, base.dtype, tuple(value.block_shape), repr(getattr(value, "layout", None)),
+            getattr(value, "padding", None),
+        )  # fmt: skip
     raise _Unsupported(cls.__name__)
 
 

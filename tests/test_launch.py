@@ -212,6 +212,32 @@ def test_signature_checks_catch_a_signature_that_misses_a_specialization(kernel,
         _launch.launch(kernel, (1,), _x(), 33, 0.5, True, BLOCK=16, signature=lying)
 
 
+def _descriptor(dtype=torch.float16, block=(64, 64), rows=256, offset=0):
+    from triton.experimental.gluon.language import NVMMASharedLayout
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    base = torch.randn(rows * 64 + offset, dtype=torch.float32).to(dtype)[offset:]
+    layout = NVMMASharedLayout.get_default_for(list(block), triton.language.float16)
+    if dtype == torch.float32:
+        layout = NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
+    return TensorDescriptor(base, [rows, 64], [64, 1], list(block), layout)
+
+
+def test_tma_descriptors_are_keyed_by_what_triton_types_them_by(kernel):
+    """A Gluon TensorDescriptor launches directly from its second use: keyed by element type,
+    block shape and layout, not by its base, shape or strides (the launcher builds the tensor
+    map from those on every call)."""
+    key = _launch._runtime_key
+    assert key(_descriptor()) == key(_descriptor(rows=512)) == key(_descriptor(offset=8))
+    assert key(_descriptor()) != key(_descriptor(block=(128, 64)))
+    assert key(_descriptor()) != key(_descriptor(dtype=torch.bfloat16))
+    assert key(_descriptor()) != key(_descriptor(dtype=torch.float32))
+    for rows in (256, 512):
+        _launch.launch(kernel, (1,), _descriptor(rows=rows), 32, 0.5, True, BLOCK=16)
+    assert [entry[0] for entry in kernel.log] == ["triton", "direct"]
+    assert kernel.log[1][2][9].shape == [512, 64]  # this call's descriptor reached the launcher
+
+
 def test_int_signature_follows_tritons_int_specialization():
     assert _launch.int_signature(32) == _launch.int_signature(64)
     assert len({_launch.int_signature(n) for n in (1, 2, 16, 17, 2**40)}) == 4
