@@ -30,6 +30,9 @@ Offers:
         (torch.library ops `fusedlayers::norm_fwd` and `fusedlayers::norm_bwd`): fp16/bf16/fp32
         input, parameters of any of those dtypes, optional bias, TE's zero-centered gamma, fp32
         statistics, deterministic dweight/dbias (no atomics); n up to `MAX_NORM_HIDDEN`.
+    add_layer_norm(x, residual, weight, bias, eps, *, rms, zero_centered_gamma) -> (y, h)
+        The same norm of h = x + residual, with h, in one pass (op `fusedlayers::add_norm_fwd`):
+        a transformer block's residual add fused into its next norm.
     fused_activation(x, activation) -> y
         TransformerEngine's MLP activations (`KERNEL_ACTIVATIONS`: gelu (tanh form), relu, qgelu,
         srelu, silu and the gated geglu, reglu, qgeglu, sreglu, swiglu) in one kernel forward and
@@ -59,7 +62,7 @@ from ._norm import SUPPORTED_DTYPES as NORM_DTYPES
 from ._rope import SUPPORTED_DTYPES as ROPE_DTYPES
 from .activation_ops import fused_activation
 from .attention_ops import flash_attention
-from .norm_ops import layer_norm
+from .norm_ops import add_layer_norm, layer_norm
 from .rope_ops import rope
 
 KERNEL_ACTIVATIONS = tuple(_ACTIVATIONS)
@@ -78,6 +81,7 @@ __all__ = [
     "flash_attention",
     "fused_activation",
     "layer_norm",
+    "add_layer_norm",
     "rope",
     "rotate_and_append",
     "set_backward_path",

@@ -3,6 +3,7 @@
 Shapes: x [..., n] is flattened to [m, n] rows (a view when the leading dims collapse, else a copy;
 the last dim must be contiguous, rows may have any stride). weight, bias [n].
     forward   x [m, n] -> y [m, n] (x's dtype), mean [m] (fp32, LayerNorm only), rstd [m] (fp32)
+    add+norm  x, residual [m, n] -> y = norm(h), h = x + residual [m, n] (x's dtype), mean, rstd
     backward  dy [m, n] -> dx [m, n] (x's dtype), dweight [n], dbias [n] (the parameters' dtypes)
 
     LayerNorm: y = (x - mean) * rstd * gamma + beta,  rstd = 1 / sqrt(mean((x - mean)^2) + eps)
@@ -70,12 +71,15 @@ def _row_stats(x, cols_ok, inv_n, eps, IS_RMS: tl.constexpr):
 
 @triton.jit
 def _norm_fwd_kernel(
-    X, W, B, Y, Mean, Rstd,
-    stride_xm, stride_ym,
+    X, R, H, W, B, Y, Mean, Rstd,
+    stride_xm, stride_rm, stride_ym,
     n_rows, n_cols, inv_n, eps,
     IS_RMS: tl.constexpr, HAS_BIAS: tl.constexpr, ZERO_CENTERED: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
+    """y = norm(x), or with HAS_RESIDUAL h = x + r (rounded to H's dtype, stored) and y = norm(h):
+    the residual add a transformer block does before its next norm, in one pass. H and Y are
+    contiguous [m, n] (row stride n_cols)."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_N)
     rows_ok = rows < n_rows
@@ -84,6 +88,11 @@ def _norm_fwd_kernel(
     # int64 row offsets: m * stride passes 2**31 elements on large activations.
     rows64 = rows.to(tl.int64)
     x = tl.load(X + rows64[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(R + rows64[:, None] * stride_rm + cols[None, :], mask=mask, other=0.0)
+        # Rounded as the separate add would round it, so the norm sees the same h.
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(H.dtype.element_ty)
+        tl.store(H + rows64[:, None] * stride_ym + cols[None, :], x, mask=mask)
     xc, mean, rstd = _row_stats(x.to(tl.float32), cols_ok, inv_n, eps, IS_RMS)
 
     w = tl.load(W + cols, mask=cols_ok, other=0.0).to(tl.float32)
@@ -188,24 +197,51 @@ def norm_forward(
 
     Assumes validated input: x fp16/bf16/fp32 with 0 < n <= MAX_HIDDEN, weight/bias [n].
     """
+    y, _, mean, rstd = _forward(x, None, weight, bias, eps, rms, zero_centered_gamma)
+    return y, mean, rstd
+
+
+def add_norm_forward(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    eps: float,
+    rms: bool,
+    zero_centered_gamma: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(y, h, mean, rstd): h = x + residual (contiguous, x's dtype, rounded as `x + residual`
+    rounds) and y = norm(h), in one pass; mean and rstd as in `norm_forward`.
+
+    Assumes validated input as `norm_forward`, and residual of x's shape, dtype and device.
+    """
+    return _forward(x, residual, weight, bias, eps, rms, zero_centered_gamma)
+
+
+def _forward(x, residual, weight, bias, eps, rms, zero_centered_gamma):
+    """The forward launch of `norm_forward` (residual None) and `add_norm_forward`."""
     n_cols = x.shape[-1]
     x2 = rows_view(x, n_cols)
+    r2 = None if residual is None else rows_view(residual, n_cols)
     n_rows = x2.shape[0]
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    h = None if residual is None else torch.empty_like(y)
     rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
     mean = rstd.new_empty(0 if rms else n_rows)
     if n_rows == 0:
-        return y, mean, rstd
+        return y, h, mean, rstd
     block_m, block_n, num_warps = _geometry(n_cols, _FWD_TILE, _FWD_WARP_ELEMS)
+    # Without a residual, x stands in for the pointers the kernel never reads.
     launch(_norm_fwd_kernel, (cdiv(n_rows, block_m),),
-        x2, weight, weight if bias is None else bias, y, rstd if rms else mean, rstd,
-        x2.stride(0), n_cols,
+        x2, x2 if r2 is None else r2, y if h is None else h, weight,
+        weight if bias is None else bias, y, rstd if rms else mean, rstd,
+        x2.stride(0), x2.stride(0) if r2 is None else r2.stride(0), n_cols,
         n_rows, n_cols, 1.0 / n_cols, eps,
         IS_RMS=rms, HAS_BIAS=bias is not None, ZERO_CENTERED=zero_centered_gamma,
-        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
-        signature=call_signature((x2, weight, bias), (eps,)),
+        HAS_RESIDUAL=r2 is not None, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
+        signature=call_signature((x2, r2, weight, bias), (eps,)),
     )  # fmt: skip
-    return y, mean, rstd
+    return y, h, mean, rstd
 
 
 def norm_backward(

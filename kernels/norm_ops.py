@@ -1,6 +1,7 @@
 """The kernel entry `layer_norm`, as torch.library custom ops (the pattern of `attention_ops.py`).
 
-Two ops, `fusedlayers::norm_fwd` and `fusedlayers::norm_bwd`, wrap the launchers of `_norm.py`.
+Three ops, `fusedlayers::norm_fwd`, `fusedlayers::add_norm_fwd` (a residual add fused into the
+norm: `add_layer_norm`) and `fusedlayers::norm_bwd`, wrap the launchers of `_norm.py`.
 Each has a fake (meta) implementation, so torch.compile(fullgraph=True) traces through them, and
 the forward op carries its own autograd formula that calls the backward op. Eager calls take the
 same formula as an autograd.Function, or the bare launch (kernels/_routes.py).
@@ -11,7 +12,7 @@ The saved statistics (mean, rstd: fp32 [m], m = x.numel() // n) are not differen
 
 import torch
 
-from ._norm import norm_backward, norm_forward
+from ._norm import add_norm_forward, norm_backward, norm_forward
 from ._routes import eager_function, pick_forward
 
 Tensor = torch.Tensor
@@ -134,4 +135,95 @@ def layer_norm(
     return y
 
 
-__all__ = ["layer_norm", "norm_fwd", "norm_bwd"]
+def _add_forward_impl(
+    x: Tensor,
+    residual: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    eps: float,
+    rms: bool,
+    zero_centered_gamma: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(y, h, mean, rstd) with h = x + residual and y = norm(h)."""
+    return add_norm_forward(x, residual, weight, bias, eps, rms, zero_centered_gamma)
+
+
+add_norm_fwd = torch.library.custom_op("fusedlayers::add_norm_fwd", mutates_args=())(
+    _add_forward_impl
+)
+
+
+@add_norm_fwd.register_fake
+def _(x, residual, weight, bias, eps, rms, zero_centered_gamma):
+    rows = x.numel() // x.shape[-1]
+    rstd = x.new_empty(rows, dtype=torch.float32)
+    mean = x.new_empty(0 if rms else rows, dtype=torch.float32)
+    return x.new_empty(x.shape), x.new_empty(x.shape), mean, rstd
+
+
+def _add_setup_context(ctx, inputs, output) -> None:
+    _x, _residual, weight, bias, _eps, rms, zero_centered_gamma = inputs
+    _y, h, mean, rstd = output
+    ctx.mark_non_differentiable(mean, rstd)
+    ctx.save_for_backward(h, weight, bias, mean, rstd)
+    ctx.rms, ctx.zero_centered_gamma = rms, zero_centered_gamma
+
+
+def _add_backward(ctx, dy, dh, _dmean, _drstd, backward_op=norm_bwd):
+    """The norm's backward on h, plus h's own gradient; x and residual both get the sum."""
+    h, weight, bias, mean, rstd = ctx.saved_tensors
+    dx, dweight, dbias = backward_op(
+        dy, h, weight, bias, mean, rstd, ctx.rms, ctx.zero_centered_gamma
+    )
+    if dh is not None:
+        dx = dx + dh
+    needs_x, needs_residual, needs_weight, needs_bias = ctx.needs_input_grad[:4]
+    return (
+        dx if needs_x else None,
+        dx if needs_residual else None,
+        dweight if needs_weight else None,
+        dbias if bias is not None and needs_bias else None,
+        None,
+        None,
+        None,
+    )
+
+
+add_norm_fwd.register_autograd(_add_backward, setup_context=_add_setup_context)
+_EagerAddNorm = eager_function(
+    "_EagerAddNorm",
+    _add_forward_impl,
+    _add_setup_context,
+    lambda ctx, dy, dh, dmean, drstd: _add_backward(
+        ctx, dy, dh, dmean, drstd, backward_op=_backward_impl
+    ),
+)
+
+
+def add_layer_norm(
+    x: Tensor,
+    residual: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    eps: float,
+    *,
+    rms: bool,
+    zero_centered_gamma: bool,
+) -> tuple[Tensor, Tensor]:
+    """`(layer_norm(h), h)` with `h = x + residual`, in one kernel pass, on validated input.
+
+    x and residual: [..., n] of one shape, dtype and device (any strides, as `layer_norm`'s x);
+    the rest as `layer_norm`. h is rounded to x's dtype as `x + residual` rounds it, so y equals
+    `layer_norm(x + residual)` bit for bit. Both outputs are contiguous and differentiable; x
+    and residual get the same gradient.
+    """
+    forward = pick_forward(
+        add_norm_fwd, _EagerAddNorm, _add_forward_impl, (x, residual, weight, bias)
+    )
+    y, h, _mean, _rstd = forward(
+        x, residual, weight, bias, float(eps), bool(rms), bool(zero_centered_gamma)
+    )
+    return y, h
+
+
+__all__ = ["add_layer_norm", "layer_norm", "norm_fwd", "add_norm_fwd", "norm_bwd"]

@@ -30,7 +30,7 @@ from .._backend import choose_backend
 from .._logging import debug_enabled, log_decision
 from ..reference_switch import ReferenceSwitch
 from .linear import TEExtraState, default_init_method, linear
-from .normalization import apply_normalization, check_normalization
+from .normalization import apply_add_normalization, apply_normalization, check_normalization
 
 try:
     from ..kernels import ACTIVATION_DTYPES, fused_activation
@@ -178,18 +178,22 @@ class LayerNormMLP(TEExtraState, ReferenceSwitch):
             (init_method or default_init_method)(self.fc1_weight)
             (output_layer_init_method or default_init_method)(self.fc2_weight)
 
-    def forward(self, inp: torch.Tensor):
+    def forward(self, inp: torch.Tensor, residual: torch.Tensor | None = None):
         """`inp [..., hidden]` -> `out [..., hidden]`, then `fc2_bias` if `return_bias`, then the
-        normalized input if `return_layernorm_output` (a tuple when anything is added)."""
-        ln_out = apply_normalization(
-            inp,
-            self.layer_norm_weight,
-            self.layer_norm_bias,
-            self.eps,
-            self.normalization,
+        normalized input if `return_layernorm_output` (a tuple when anything is added).
+
+        `residual` (fusedlayers' own, not TE's; inp's shape and dtype): the MLP runs on
+        `residual + inp` and that sum is returned last, for the block's next residual add. On
+        the kernel path the add is fused into the norm (`apply_add_normalization`)."""
+        norm_args = (
+            self.layer_norm_weight, self.layer_norm_bias, self.eps, self.normalization,
             self.zero_centered_gamma,
-            backend="reference" if self.reference_active else "auto",
-        )
+        )  # fmt: skip
+        backend = "reference" if self.reference_active else "auto"
+        if residual is None:
+            ln_out = apply_normalization(inp, *norm_args, backend=backend)
+        else:
+            ln_out, inp = apply_add_normalization(inp, residual, *norm_args, backend=backend)
         hidden = apply_activation(
             linear(ln_out, self.fc1_weight, self.fc1_bias),
             self.activation,
@@ -201,6 +205,8 @@ class LayerNormMLP(TEExtraState, ReferenceSwitch):
             outputs += (self.fc2_bias,)
         if self.return_layernorm_output:
             outputs += (ln_out,)
+        if residual is not None:
+            outputs += (inp,)
         return outputs if len(outputs) > 1 else out
 
 

@@ -25,9 +25,10 @@ from .._logging import debug_enabled, log_decision
 from ..reference_switch import ReferenceSwitch
 
 try:
-    from ..kernels import MAX_NORM_HIDDEN, NORM_DTYPES, layer_norm
+    from ..kernels import MAX_NORM_HIDDEN, NORM_DTYPES, add_layer_norm, layer_norm
 except ImportError as error:  # Triton missing (no Linux wheel) or broken: the reference serves
-    layer_norm, _KERNELS_MISSING = None, f"kernels unavailable ({error})"
+    layer_norm = add_layer_norm = None
+    _KERNELS_MISSING = f"kernels unavailable ({error})"
     MAX_NORM_HIDDEN, NORM_DTYPES = 0, ()
 else:
     _KERNELS_MISSING = None
@@ -150,6 +151,45 @@ def apply_normalization(
     if not use_kernel:
         return normalization_reference(x, weight, bias, eps, normalization, zero_centered_gamma)
     return layer_norm(x, weight, bias, eps, rms=rms, zero_centered_gamma=zero_centered_gamma)
+
+
+def apply_add_normalization(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    eps: float,
+    normalization: str = "LayerNorm",
+    zero_centered_gamma: bool = False,
+    backend: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(apply_normalization(h, ...), h)` with `h = residual + x`: a transformer block's residual
+    add and the next norm. On the kernel path the two are one pass (`add_layer_norm`); h is
+    rounded to x's dtype as the separate add rounds it, so the result is the same either way.
+
+    x, residual: `[..., hidden]` of one shape, dtype and device; the rest as
+    `apply_normalization`, whose rules pick the path (on h's shape).
+    """
+    if residual.shape != x.shape or residual.dtype != x.dtype or residual.device != x.device:
+        raise ValueError(
+            f"residual ({tuple(residual.shape)}, {residual.dtype}, {residual.device}) must "
+            f"match x ({tuple(x.shape)}, {x.dtype}, {x.device})"
+        )
+    check_normalization(normalization)
+    _check_inputs(x, weight, bias)
+    rms = normalization == "RMSNorm"
+    if rms:
+        bias = None
+    use_kernel, why = _use_kernel(backend, x, weight, bias)
+    if debug_enabled():
+        log_decision(normalization, ("kernel, with the residual add: " if use_kernel
+                                     else "reference: ") + why)  # fmt: skip
+    if not use_kernel:
+        h = residual + x
+        return normalization_reference(h, weight, bias, eps, normalization, zero_centered_gamma), h
+    return add_layer_norm(
+        x, residual, weight, bias, eps, rms=rms, zero_centered_gamma=zero_centered_gamma
+    )
 
 
 class _Norm(ReferenceSwitch):

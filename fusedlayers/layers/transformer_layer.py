@@ -10,6 +10,9 @@ Data flow (pre-LN by default; `x` the input, `drop` the hidden dropout):
     y = a + drop(layernorm_mlp(a))               # layernorm_mlp normalizes its input
     y = layernorm(y)                             # output_layernorm only
 
+Without dropout on the hidden states (`hidden_dropout=0` or eval), the last add before the MLP
+runs inside the MLP's norm (`layernorm_mlp(out, residual=a)`; one kernel pass on the kernel path).
+
 With `apply_residual_connection_post_layernorm` the residuals are the normalized inputs of each
 block instead. With `output_layernorm` the self-attention has no input norm (`self_attention.qkv`)
 and a final `layernorm` follows, as in TE.
@@ -180,6 +183,18 @@ class TransformerLayer(ReferenceSwitch):
     def _residual(self, out: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         return residual + F.dropout(out, p=self.hidden_dropout, training=self.training)
 
+    def _fuse_mlp_residual(self, out: torch.Tensor, residual: torch.Tensor) -> bool:
+        """Whether the residual add before the MLP can move into the MLP's norm: the residual
+        is the sum itself (not a post-LN output), no dropout applies, and both sides share
+        shape, dtype and device (under autocast they may not; torch's add then promotes)."""
+        return (
+            not self.apply_residual_connection_post_layernorm
+            and (self.hidden_dropout == 0 or not self.training)
+            and out.shape == residual.shape
+            and out.dtype == residual.dtype
+            and out.device == residual.device
+        )
+
     def forward(
         self,
         hidden_states: torch.Tensor,
@@ -230,8 +245,8 @@ class TransformerLayer(ReferenceSwitch):
             attention_out, residual = self_outputs
         else:
             attention_out, residual = self_outputs, hidden_states
-        hidden = self._residual(attention_out, residual)
         if self.layer_type == "decoder":
+            hidden = self._residual(attention_out, residual)
             cross_outputs = self.inter_attention(
                 hidden,
                 attention_mask=enc_dec_attn_mask,
@@ -247,12 +262,17 @@ class TransformerLayer(ReferenceSwitch):
                 attention_out, residual = cross_outputs
             else:
                 attention_out, residual = cross_outputs, hidden
-            hidden = self._residual(attention_out, residual)
-        mlp_outputs = self.layernorm_mlp(hidden)
-        if self.apply_residual_connection_post_layernorm:
-            mlp_out, residual = mlp_outputs
+        if self._fuse_mlp_residual(attention_out, residual):
+            # The residual add before the MLP runs inside its norm (one kernel pass on the
+            # kernel path); the MLP hands the sum back for the next residual.
+            mlp_out, residual = self.layernorm_mlp(attention_out, residual=residual)
         else:
-            mlp_out, residual = mlp_outputs, hidden
+            hidden = self._residual(attention_out, residual)
+            mlp_outputs = self.layernorm_mlp(hidden)
+            if self.apply_residual_connection_post_layernorm:
+                mlp_out, residual = mlp_outputs
+            else:
+                mlp_out, residual = mlp_outputs, hidden
         output = self._residual(mlp_out, residual)
         if self.output_layernorm:
             output = self.layernorm(output)
