@@ -12,8 +12,11 @@ d = 128, 192 at d = 64). Causal launches run one program per tile; non-causal on
 alternate direction, `_round_tile`), its producer streaming the next tile's K, V and Q while the
 consumers finish the previous tile (the stage ring and the ping-pong turns run on across
 tiles; each consumer warpgroup hands its Q buffer back once its last S product of a tile has
-landed). A program's work is split over partitions (`gl.warp_specialize`), FlashAttention-3's
-design:
+landed). With `PERSISTENT_CAUSAL`, causal launches run persistent too, their programs taking
+tiles from a counter in the launch order (longest first) as they free up: the producer takes
+the next tile with an atomic add and hands its index to the consumers through shared memory
+(`_publish_tile`, `_receive_tile`). A program's work is split over partitions
+(`gl.warp_specialize`), FlashAttention-3's design:
 - a producer warpgroup streams each consumer's Q rows once a tile and the K and V tiles of every
   visible key block by TMA into a NUM_STAGES-deep shared-memory ring, each stage guarded by a
   "ready" mbarrier (the TMA's transaction count) and an "empty" one (every consumer's release);
@@ -104,11 +107,10 @@ REGISTERS = {2: (168, [240, 24]), 3: (128, [160, 160, 24])}
 # the GPU's block scheduler, which starts each program as an SM frees up, balances them better
 # than a fixed stride does.
 PERSISTENT = {64: True, 128: True}
-# The same for causal launches (their tiles dealt in a snake, `_round_tile`): off. On the H100
-# it ran the d=128 causal forward at 0.72x one program per tile at s = 4k and 16k, d=64 at
-# 0.92-0.98x (same s): a fixed deal of uneven tiles leaves SMs idle that the block scheduler
-# would have refilled. A dynamic scheduler (programs taking the next tile from a counter) is
-# what it needs.
+# The same for causal launches, whose programs take their tiles from a counter (a dynamic
+# scheduler: a fixed deal of the uneven causal tiles, in a snake, ran the d=128 causal forward at
+# 0.72x one program per tile at s = 4k and 16k on the H100, d=64 at 0.92-0.98x). Off until the
+# dynamic grid is measured against one program per tile.
 PERSISTENT_CAUSAL = {64: False, 128: False}
 
 
@@ -502,18 +504,71 @@ if GLUON_AVAILABLE:
         return r * step + first + (r % 2) * (step - 1 - 2 * first)
 
     @gluon.jit
+    def _publish_tile(sched, r, tile):
+        """The producer hands round r's tile index to the consumers (dynamic scheduler): into
+        slot r % 2 once every consumer has read what the slot held two rounds before."""
+        slots, ready, empty = sched
+        slot = r % 2
+        mbarrier.wait(empty.index(slot), ((r // 2) & 1) ^ 1)  # fresh barriers: no wait
+        one: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+        slots.index(slot).store(gl.full([1], tile, gl.int32, one))
+        _release(ready.index(slot))  # every producer thread's store, then the arrive
+
+    @gluon.jit
+    def _receive_tile(sched, r):
+        """A consumer warpgroup's round-r tile index from the producer (`_publish_tile`); the
+        slot goes back once all four warps have read it."""
+        slots, ready, empty = sched
+        slot = r % 2
+        mbarrier.wait(ready.index(slot), (r // 2) & 1)
+        one: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+        tile = gl.max(slots.index(slot).load(one), axis=0)
+        _release(empty.index(slot))
+        return tile
+
+    @gluon.jit
     def _persistent_producer(
         q_desc, k_desc, v_desc, smem, bars, first, step, num_tiles, num_m, num_pairs,
         order_pairs, cu_q_ptr, offsets_q_ptr, seqlens_q_ptr, cu_k_ptr, offsets_k_ptr,
         seqlens_k_ptr, strides, num_heads_q, group, full_len_q, full_len_k, out_ptr, lse_ptr,
-        qk_scale, SEQ_MODE_Q, SEQ_MODE_K, IS_CAUSAL, BOTTOM_RIGHT, WG,
+        qk_scale, sched, tile_counter, SEQ_MODE_Q, SEQ_MODE_K, IS_CAUSAL, BOTTOM_RIGHT, WG,
+        DYNAMIC,
     ):  # fmt: skip
         """The persistent grid's producer: this program's tile of every round (`_round_tile`),
-        in order (the consumers walk the same list); out_ptr, lse_ptr, qk_scale, WG unused."""
+        in order (the consumers walk the same list), or with DYNAMIC the tiles it takes from
+        `tile_counter` (its first is its program index; each later one is `step` plus the
+        counter's old value), handed to the consumers through `sched` (`_publish_tile`).
+        out_ptr, lse_ptr, qk_scale, WG unused."""
         BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
         BLOCK_M: gl.constexpr = smem[0].type.shape[0] * WG_ROWS
         ring_base = 0
         tile_count = 0
+        if DYNAMIC:
+            tile = first
+            r = 0
+            while tile < num_tiles:
+                _publish_tile(sched, r, tile)
+                work = _tile_work(
+                    tile, num_m, num_pairs, order_pairs, cu_q_ptr, offsets_q_ptr, seqlens_q_ptr,
+                    cu_k_ptr, offsets_k_ptr, seqlens_k_ptr, strides, num_heads_q, group,
+                    full_len_q, full_len_k, BLOCK_M, BLOCK_N, SEQ_MODE_Q, SEQ_MODE_K, IS_CAUSAL,
+                    BOTTOM_RIGHT,
+                )  # fmt: skip
+                num_blocks = work[4]
+                if num_blocks > 0:
+                    q_row, q_col, k_row, k_col, v_row, v_col = work[6]
+                    _produce_tile(
+                        q_desc, k_desc, v_desc, smem, bars, q_row, q_col, k_row, k_col, v_row,
+                        v_col, num_blocks, ring_base, tile_count,
+                    )  # fmt: skip
+                    ring_base += num_blocks
+                    tile_count += 1
+                # The next tile is taken once this one's loads are all issued: the consumers
+                # are then still on it (or the one before), so it is in hand when they finish.
+                tile = step + gl.atomic_add(tile_counter, 1)
+                r += 1
+            _publish_tile(sched, r, tile)  # past the last tile: the consumers stop
+            return
         for r in range(0, gl.cdiv(num_tiles, step)):
             tile = _round_tile(r, first, step)
             work = _tile_work(
@@ -539,17 +594,42 @@ if GLUON_AVAILABLE:
         q_desc, k_desc, v_desc, smem, bars, first, step, num_tiles, num_m, num_pairs,
         order_pairs, cu_q_ptr, offsets_q_ptr, seqlens_q_ptr, cu_k_ptr, offsets_k_ptr,
         seqlens_k_ptr, strides, num_heads_q, group, full_len_q, full_len_k, out_ptr, lse_ptr,
-        qk_scale, SEQ_MODE_Q, SEQ_MODE_K, IS_CAUSAL, BOTTOM_RIGHT, WG,
+        qk_scale, sched, tile_counter, SEQ_MODE_Q, SEQ_MODE_K, IS_CAUSAL, BOTTOM_RIGHT, WG,
+        DYNAMIC,
     ):  # fmt: skip
         """Consumer warpgroup WG (a constexpr) of the persistent grid: the tiles the producer
-        streams, in the same order. Each tile takes num_blocks + 1 ping-pong turns, so the turn
-        count so far is the ring position plus the tiles done."""
+        streams, in the same order (with DYNAMIC, as `_receive_tile` hands them over). Each
+        tile takes num_blocks + 1 ping-pong turns, so the turn count so far is the ring
+        position plus the tiles done; tile_counter unused."""
         BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
         BLOCK_M: gl.constexpr = smem[0].type.shape[0] * WG_ROWS
         stride_ls = strides[13]
         stride_os = strides[14]
         ring_base = 0
         tile_count = 0
+        if DYNAMIC:
+            r = 0
+            tile = _receive_tile(sched, r)
+            while tile < num_tiles:
+                start_m, len_q, len_k, diag, num_blocks, first_masked, _, o_base, lse_base = (
+                    _tile_work(
+                        tile, num_m, num_pairs, order_pairs, cu_q_ptr, offsets_q_ptr,
+                        seqlens_q_ptr, cu_k_ptr, offsets_k_ptr, seqlens_k_ptr, strides,
+                        num_heads_q, group, full_len_q, full_len_k, BLOCK_M, BLOCK_N,
+                        SEQ_MODE_Q, SEQ_MODE_K, IS_CAUSAL, BOTTOM_RIGHT,
+                    )
+                )  # fmt: skip
+                if num_blocks > 0:
+                    _consume_tile(
+                        smem, bars, start_m, len_q, len_k, diag, num_blocks, first_masked,
+                        qk_scale, out_ptr, lse_ptr, o_base, lse_base, stride_os, stride_ls, WG,
+                        ring_base, ring_base + tile_count, tile_count, True,
+                    )  # fmt: skip
+                    ring_base += num_blocks
+                    tile_count += 1
+                r += 1
+                tile = _receive_tile(sched, r)
+            return
         for r in range(0, gl.cdiv(num_tiles, step)):
             tile = _round_tile(r, first, step)
             start_m, len_q, len_k, diag, num_blocks, first_masked, _, o_base, lse_base = (
@@ -578,15 +658,17 @@ if GLUON_AVAILABLE:
         stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
         stride_vb, stride_vs, stride_vh, stride_ob, stride_os, stride_oh,
         stride_lb, stride_lh, stride_ls,
-        num_heads_q, group, full_len_q, full_len_k, qk_scale, order_pairs, num_pairs,
+        num_heads_q, group, full_len_q, full_len_k, qk_scale, order_pairs, num_pairs, tile_counter,
         HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
         NUM_STAGES: gl.constexpr, SEQ_MODE_Q: gl.constexpr, SEQ_MODE_K: gl.constexpr,
         IS_CAUSAL: gl.constexpr, BOTTOM_RIGHT: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-        PERSISTENT: gl.constexpr,
+        PERSISTENT: gl.constexpr, DYNAMIC: gl.constexpr,
     ):  # fmt: skip
         """BLOCK_M query rows of one (sequence, query head) per tile, 64 per consumer warpgroup;
         num_pairs: sequences x query heads; CONSUMER_REGS: registers of each worker consumer
-        (`REGISTERS`); order_pairs: the causal launch order's interleave (`_interleaved_tile`).
+        (`REGISTERS`); order_pairs: the causal launch order's interleave (`_interleaved_tile`);
+        tile_counter: a zeroed int32 the DYNAMIC persistent grid takes its tiles from (else
+        None).
 
         One tile per program, or with PERSISTENT a program per SM taking one tile per round of
         the launch order (`_round_tile`): the producer streams the next tile's K, V and Q while
@@ -647,6 +729,16 @@ if GLUON_AVAILABLE:
             # top of a partition's argument list to stay constant: so each list is spelled out,
             # where the one-tile grid's consumers take (producer's arguments, warpgroup index).
             first, step, num_tiles = gl.program_id(0), gl.num_programs(0), num_m * num_pairs
+            # The dynamic scheduler's two tile-index slots and their barriers (`_publish_tile`).
+            slot_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
+            tile_slots = gl.allocate_shared_memory(gl.int32, [2, 1], slot_layout)
+            tile_ready = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
+            tile_empty = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
+            for i in gl.static_range(2):
+                mbarrier.init(tile_ready.index(i), count=1)
+                mbarrier.init(tile_empty.index(i), count=NUM_WG)
+            fence_async_shared()
+            sched = (tile_slots, tile_ready, tile_empty)
             if NUM_WG == 2:
                 gl.warp_specialize(
                     [
@@ -654,20 +746,23 @@ if GLUON_AVAILABLE:
                             q_desc, k_desc, v_desc, smem, bars, first, step, num_tiles, num_m,
                             num_pairs, order_pairs, cu_q_ptr, offsets_q_ptr, seqlens_q_ptr,
                             cu_k_ptr, offsets_k_ptr, seqlens_k_ptr, strides, num_heads_q, group,
-                            full_len_q, full_len_k, out_ptr, lse_ptr, qk_scale, SEQ_MODE_Q,
-                            SEQ_MODE_K, IS_CAUSAL, BOTTOM_RIGHT, 0)),
+                            full_len_q, full_len_k, out_ptr, lse_ptr, qk_scale, sched,
+                            tile_counter, SEQ_MODE_Q, SEQ_MODE_K, IS_CAUSAL, BOTTOM_RIGHT, 0,
+                            DYNAMIC)),
                         (_persistent_consumer, (
                             q_desc, k_desc, v_desc, smem, bars, first, step, num_tiles, num_m,
                             num_pairs, order_pairs, cu_q_ptr, offsets_q_ptr, seqlens_q_ptr,
                             cu_k_ptr, offsets_k_ptr, seqlens_k_ptr, strides, num_heads_q, group,
-                            full_len_q, full_len_k, out_ptr, lse_ptr, qk_scale, SEQ_MODE_Q,
-                            SEQ_MODE_K, IS_CAUSAL, BOTTOM_RIGHT, 1)),
+                            full_len_q, full_len_k, out_ptr, lse_ptr, qk_scale, sched,
+                            tile_counter, SEQ_MODE_Q, SEQ_MODE_K, IS_CAUSAL, BOTTOM_RIGHT, 1,
+                            DYNAMIC)),
                         (_persistent_producer, (
                             q_desc, k_desc, v_desc, smem, bars, first, step, num_tiles, num_m,
                             num_pairs, order_pairs, cu_q_ptr, offsets_q_ptr, seqlens_q_ptr,
                             cu_k_ptr, offsets_k_ptr, seqlens_k_ptr, strides, num_heads_q, group,
-                            full_len_q, full_len_k, out_ptr, lse_ptr, qk_scale, SEQ_MODE_Q,
-                            SEQ_MODE_K, IS_CAUSAL, BOTTOM_RIGHT, 0)),
+                            full_len_q, full_len_k, out_ptr, lse_ptr, qk_scale, sched,
+                            tile_counter, SEQ_MODE_Q, SEQ_MODE_K, IS_CAUSAL, BOTTOM_RIGHT, 0,
+                            DYNAMIC)),
                     ],
                     [4, 4],
                     [CONSUMER_REGS, 24],
@@ -679,26 +774,30 @@ if GLUON_AVAILABLE:
                             q_desc, k_desc, v_desc, smem, bars, first, step, num_tiles, num_m,
                             num_pairs, order_pairs, cu_q_ptr, offsets_q_ptr, seqlens_q_ptr,
                             cu_k_ptr, offsets_k_ptr, seqlens_k_ptr, strides, num_heads_q, group,
-                            full_len_q, full_len_k, out_ptr, lse_ptr, qk_scale, SEQ_MODE_Q,
-                            SEQ_MODE_K, IS_CAUSAL, BOTTOM_RIGHT, 0)),
+                            full_len_q, full_len_k, out_ptr, lse_ptr, qk_scale, sched,
+                            tile_counter, SEQ_MODE_Q, SEQ_MODE_K, IS_CAUSAL, BOTTOM_RIGHT, 0,
+                            DYNAMIC)),
                         (_persistent_consumer, (
                             q_desc, k_desc, v_desc, smem, bars, first, step, num_tiles, num_m,
                             num_pairs, order_pairs, cu_q_ptr, offsets_q_ptr, seqlens_q_ptr,
                             cu_k_ptr, offsets_k_ptr, seqlens_k_ptr, strides, num_heads_q, group,
-                            full_len_q, full_len_k, out_ptr, lse_ptr, qk_scale, SEQ_MODE_Q,
-                            SEQ_MODE_K, IS_CAUSAL, BOTTOM_RIGHT, 1)),
+                            full_len_q, full_len_k, out_ptr, lse_ptr, qk_scale, sched,
+                            tile_counter, SEQ_MODE_Q, SEQ_MODE_K, IS_CAUSAL, BOTTOM_RIGHT, 1,
+                            DYNAMIC)),
                         (_persistent_consumer, (
                             q_desc, k_desc, v_desc, smem, bars, first, step, num_tiles, num_m,
                             num_pairs, order_pairs, cu_q_ptr, offsets_q_ptr, seqlens_q_ptr,
                             cu_k_ptr, offsets_k_ptr, seqlens_k_ptr, strides, num_heads_q, group,
-                            full_len_q, full_len_k, out_ptr, lse_ptr, qk_scale, SEQ_MODE_Q,
-                            SEQ_MODE_K, IS_CAUSAL, BOTTOM_RIGHT, 2)),
+                            full_len_q, full_len_k, out_ptr, lse_ptr, qk_scale, sched,
+                            tile_counter, SEQ_MODE_Q, SEQ_MODE_K, IS_CAUSAL, BOTTOM_RIGHT, 2,
+                            DYNAMIC)),
                         (_persistent_producer, (
                             q_desc, k_desc, v_desc, smem, bars, first, step, num_tiles, num_m,
                             num_pairs, order_pairs, cu_q_ptr, offsets_q_ptr, seqlens_q_ptr,
                             cu_k_ptr, offsets_k_ptr, seqlens_k_ptr, strides, num_heads_q, group,
-                            full_len_q, full_len_k, out_ptr, lse_ptr, qk_scale, SEQ_MODE_Q,
-                            SEQ_MODE_K, IS_CAUSAL, BOTTOM_RIGHT, 0)),
+                            full_len_q, full_len_k, out_ptr, lse_ptr, qk_scale, sched,
+                            tile_counter, SEQ_MODE_Q, SEQ_MODE_K, IS_CAUSAL, BOTTOM_RIGHT, 0,
+                            DYNAMIC)),
                     ],
                     [4, 4, 4],
                     [CONSUMER_REGS, CONSUMER_REGS, 24],
@@ -819,6 +918,9 @@ def forward_sm90(
         return
     persistent = (PERSISTENT_CAUSAL if causal else PERSISTENT)[d]
     grid = (min(tiles, multiprocessors(q.device)) if persistent else tiles,)
+    # Causal tiles differ in length: a persistent causal launch takes them from a counter.
+    dynamic = persistent and causal
+    tile_counter = torch.zeros(1, dtype=torch.int32, device=q.device) if dynamic else None
     order_pairs = causal_order_heads(
         geom.k.max_len, head_row_bytes(k, v), num_heads_q // num_heads_kv,
         geom.batch * num_heads_q,
@@ -833,12 +935,12 @@ def forward_sm90(
         sq[0], sq[1], sq[2], sk[0], sk[1], sk[2], sv[0], sv[1], sv[2], so[0], so[1], so[2],
         *lse_strides(lse, geom.varlen),
         num_heads_q, num_heads_q // num_heads_kv, geom.q.max_len, geom.k.max_len,
-        float(softmax_scale) * LOG2E, order_pairs, num_pairs,
+        float(softmax_scale) * LOG2E, order_pairs, num_pairs, tile_counter,
         HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n, NUM_STAGES=stages,
         SEQ_MODE_Q=geom.q.mode, SEQ_MODE_K=geom.k.mode, IS_CAUSAL=bool(causal),
         BOTTOM_RIGHT=bool(bottom_right), CONSUMER_REGS=worker_registers[0],
-        PERSISTENT=persistent, num_warps=CONSUMER_WARPS, maxnreg=max_registers,
-        signature=signature,
+        PERSISTENT=persistent, DYNAMIC=dynamic, num_warps=CONSUMER_WARPS,
+        maxnreg=max_registers, signature=signature,
     )  # fmt: skip
 
 
