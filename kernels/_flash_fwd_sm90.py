@@ -7,14 +7,14 @@ Shapes (docs/internals.md), as for the portable kernel in `_flash_fwd.py`:
     varlen q [t_q, h_q, d], k [t_k, h_kv, d], v [t_k, h_kv, d] -> out [t_q, h_q, d], lse [h_q, t_q]
 
 A tile is BLOCK_M = 64 x `CONSUMERS[d]` query rows of one (sequence, query head) (128 at
-d = 128, 192 at d = 64). Causal launches run one program per tile; non-causal ones
-(`PERSISTENT`) one program per SM, each taking one tile per round of the launch order (rounds
-alternate direction, `_round_tile`), its producer streaming the next tile's K, V and Q while the
-consumers finish the previous tile (the stage ring and the ping-pong turns run on across
-tiles; each consumer warpgroup hands its Q buffer back once its last S product of a tile has
-landed). With `PERSISTENT_CAUSAL`, causal launches run persistent too, their programs taking
-tiles from a counter in the launch order (longest first) as they free up: the producer takes
-the next tile with an atomic add and hands its index to the consumers through shared memory
+d = 128, 192 at d = 64). Launches run one program per SM (`PERSISTENT`; `PERSISTENT_CAUSAL`
+for causal ones), its producer streaming the next tile's K, V and Q while the consumers finish
+the previous tile (the stage ring and the ping-pong turns run on across tiles; each consumer
+warpgroup hands its Q buffer back once its last S product of a tile has landed). Non-causal
+programs take one tile per round of the launch order (rounds alternate direction,
+`_round_tile`). Causal tiles differ in length, so causal programs take theirs from a counter in
+the launch order (longest first) as they free up: the producer takes the next tile with an
+atomic add and hands its index to the consumers through shared memory
 (`_publish_tile`, `_receive_tile`). A program's work is split over partitions
 (`gl.warp_specialize`), FlashAttention-3's design:
 - a producer warpgroup streams each consumer's Q rows once a tile and the K and V tiles of every
@@ -103,15 +103,14 @@ REGISTERS = {2: (168, [240, 24]), 3: (128, [160, 160, 24])}
 # so the producer streams the next tile's K, V and Q under the previous tile's last products and
 # epilogue). On the H100, best of three same-process rounds against one tile per program: d=128
 # 1.02-1.06x at s = 1k-16k, d=64 1.01-1.09x (docs/performance.md, "A persistent grid for the
-# sm_90 forward"). Causal launches keep one program per tile: their tiles differ in length, and
-# the GPU's block scheduler, which starts each program as an SM frees up, balances them better
-# than a fixed stride does.
+# sm_90 forward").
 PERSISTENT = {64: True, 128: True}
-# The same for causal launches, whose programs take their tiles from a counter (a dynamic
-# scheduler: a fixed deal of the uneven causal tiles, in a snake, ran the d=128 causal forward at
-# 0.72x one program per tile at s = 4k and 16k on the H100, d=64 at 0.92-0.98x). Off until the
-# dynamic grid is measured against one program per tile.
-PERSISTENT_CAUSAL = {64: False, 128: False}
+# The same for causal launches, whose tiles differ in length: their programs take each next tile
+# from a counter (a dynamic scheduler), so an SM that finishes early starts another at once. A
+# fixed deal of the tiles (a snake) ran the d=128 causal forward at 0.72x one program per tile;
+# the counter runs d=128 and d=64 at 1.03-1.04x (s = 4k and 16k, H100, medians of five
+# same-process rounds; docs/performance.md, "A dynamic tile scheduler").
+PERSISTENT_CAUSAL = {64: True, 128: True}
 
 
 def tile_for(head_dim: int) -> tuple[int, int]:
