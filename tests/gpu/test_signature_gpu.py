@@ -13,7 +13,13 @@ import dataclasses
 import pytest
 import torch
 from attention_testing import Case, check_case
-from fusedlayers.kernels import _launch, set_backward_path, set_forward_path
+from fusedlayers.kernels import (
+    _flash_bwd_sm90,
+    _flash_fwd_sm90,
+    _launch,
+    set_backward_path,
+    set_forward_path,
+)
 
 import fusedlayers
 
@@ -45,6 +51,60 @@ def test_bound_launch_slots_on_fresh_data(case, monkeypatch):
     monkeypatch.setattr(_launch, "_check_signatures", False)
     for seed in range(5):
         check_case(dataclasses.replace(case, seed=seed), "cuda")
+
+
+# The sm_90 kernels: their first arguments are TMA descriptors, keyed by what Triton types them
+# by (`_launch._runtime_key`), so their repeated calls launch directly too. Causal forwards run
+# the persistent grid with a fresh tile counter per call; a counter left over from the previous
+# call would skip tiles.
+SM90_CASES = [
+    Case(b=2, s_q=1024, s_k=1024, h=4, h_kv=2, d=128, dtype=BF16, window=(-1, 0)),
+    Case(b=3, s_q=700, s_k=900, h=6, h_kv=2, d=64, dtype=F16, layout="varlen"),
+]
+
+
+def _sm90_ready() -> bool:
+    return (
+        torch.cuda.is_available()
+        and torch.cuda.get_device_capability() == (9, 0)
+        and _flash_fwd_sm90.GLUON_AVAILABLE
+    )
+
+
+@pytest.fixture
+def sm90_kernels():
+    """Pins the sm_90 forward and backward for one test, whatever the key lengths."""
+    previous = set_forward_path("sm90"), set_backward_path("sm90")
+    yield
+    set_forward_path(previous[0])
+    set_backward_path(previous[1])
+
+
+@pytest.mark.skipif(not _sm90_ready(), reason="needs an sm_90 GPU and Triton's Gluon")
+@pytest.mark.parametrize("checked", [True, False], ids=["checked", "unchecked"])
+@pytest.mark.parametrize("case", SM90_CASES, ids=Case.label)
+def test_sm90_one_signature_on_fresh_data(case, checked, sm90_kernels, monkeypatch):
+    """Four calls of one signature on the sm_90 kernels, each on new inputs and checked: from the
+    second call on, the forward and the backward launch straight through their compiled
+    kernels, with this call's descriptors. With the checks on, each such launch is also
+    verified against the per-argument key."""
+    monkeypatch.setattr(_launch, "_check_signatures", checked)
+    launched = []
+    for module in (_flash_fwd_sm90, _flash_bwd_sm90):
+
+        def spy(kernel, *args, _launch_fn=module.launch, **kwargs):
+            launched.append(kernel)
+            return _launch_fn(kernel, *args, **kwargs)
+
+        monkeypatch.setattr(module, "launch", spy)
+    for seed in range(4):
+        check_case(dataclasses.replace(case, seed=seed), "cuda")
+    for kernel in (_flash_fwd_sm90._attn_fwd_sm90, _flash_bwd_sm90._attn_bwd_sm90):
+        assert launched.count(kernel) == 4, f"{kernel.fn.__name__} ran {launched.count(kernel)}x"
+        launches = _launch._LAUNCHES.get(id(kernel))
+        assert launches is not None and launches.compiled, (
+            f"{kernel.fn.__name__} never took the direct launcher's keyed path"
+        )
 
 
 @pytest.fixture
