@@ -3,7 +3,8 @@
 Small problems are launch-bound: when the host needs longer to issue a call than the GPU needs to
 run it, the GPU waits, and that wait is what a user sees. On CUDA this script times, on tiny
 shapes where GPU time is negligible, the host time per call of `flash_attn_func` and of SDPA
-(flash backend), then profiles the fusedlayers call so the expensive Python frames are named.
+(flash backend), on an sm_90 GPU also of the Hopper kernels (direct launcher against Triton's),
+then profiles the fusedlayers call so the expensive Python frames are named.
 
 `--stubbed` needs no GPU: the Triton launches are replaced by no-ops (CPU tensors, interpreter
 mode), so what remains is fusedlayers' own host time; the commit history and
@@ -88,6 +89,58 @@ def decode_rows(device, dtype, calls: int) -> list[tuple[str, float]]:
         ("decode_attention (kernel entry), 1 query, 1k cache", host_us_per_call(entry, calls)),
         ("flash_attn_with_kvcache, same call", host_us_per_call(api, calls)),
     ]
+
+
+def sm90_rows(calls: int) -> list[tuple[str, float]]:
+    """The Hopper kernels' host time (sm_90 GPUs with Gluon only): a causal forward and
+    forward+backward pinned to the sm_90 kernels, on a shape small enough for the GPU to
+    finish first (b=1, s=2048, one head, d=128), through the direct launcher and through
+    Triton's `kernel[grid]`, beside SDPA-flash on the same shape."""
+    import torch.nn.functional as F
+    from fusedlayers.kernels import _flash_fwd_sm90, set_backward_path, set_forward_path
+    from fusedlayers.kernels._launch import set_direct_launch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    import fusedlayers
+
+    if torch.cuda.get_device_capability() != (9, 0) or not _flash_fwd_sm90.GLUON_AVAILABLE:
+        return []
+    q, k, v = (
+        torch.randn(1, 2048, 1, 128, device="cuda", dtype=torch.bfloat16).requires_grad_()
+        for _ in range(3)
+    )
+    dout = torch.randn_like(q)
+
+    def fwd():
+        with torch.no_grad():
+            return fusedlayers.flash_attn_func(q, k, v, causal=True)
+
+    def fwdbwd():
+        torch.autograd.grad(fusedlayers.flash_attn_func(q, k, v, causal=True), (q, k, v), dout)
+
+    def sdpa_fwdbwd():
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            out = F.scaled_dot_product_attention(
+                *(t.transpose(1, 2) for t in (q, k, v)), is_causal=True
+            )
+        torch.autograd.grad(out, (q, k, v), dout.transpose(1, 2))
+
+    rows = []
+    paths = set_forward_path("sm90"), set_backward_path("sm90")
+    try:
+        for direct in (True, False):
+            previous = set_direct_launch(direct)
+            how = "direct launcher" if direct else "Triton's launcher"
+            rows += [
+                (f"sm_90 kernels, s=2k d=128: fwd, no grad ({how})", host_us_per_call(fwd, calls)),
+                (f"sm_90 kernels, s=2k d=128: fwd+bwd ({how})", host_us_per_call(fwdbwd, calls)),
+            ]
+            set_direct_launch(previous)
+    finally:
+        set_forward_path(paths[0])
+        set_backward_path(paths[1])
+    rows.append(("sdpa-flash, s=2k d=128: fwd+bwd", host_us_per_call(sdpa_fwdbwd, calls)))
+    return rows
 
 
 def backward_breakdown(q, k, v, dout, calls: int, top: int) -> tuple[list, str]:
@@ -257,6 +310,7 @@ def main(calls: int = 1000, top: int = 30, stubbed: bool = False) -> None:
         ]
         breakdown, worker_profile = backward_breakdown(q, k, v, dout, calls // 2, top)
         rows += breakdown
+        rows += sm90_rows(calls // 2)
     print(f"| call ({'launches stubbed, CPU' if stubbed else 'CUDA'}) | host us/call |")
     print("|---|---|")
     for name, us in rows:
