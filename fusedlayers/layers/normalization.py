@@ -140,6 +140,15 @@ def apply_normalization(
     `TRITON_INTERPRET=1`); `reference` is the fp32 torch path. The modules pass `reference` when
     their `use_reference` switch is on, else `auto`.
     """
+    bias, rms, use_kernel = _choose_path(x, weight, bias, normalization, backend, "kernel")
+    if not use_kernel:
+        return normalization_reference(x, weight, bias, eps, normalization, zero_centered_gamma)
+    return layer_norm(x, weight, bias, eps, rms=rms, zero_centered_gamma=zero_centered_gamma)
+
+
+def _choose_path(x, weight, bias, normalization, backend, kernel_label):
+    """The checks and the path choice both entry points share: (bias, rms, use_kernel), the
+    bias dropped for RMSNorm; the choice is logged under `kernel_label` when debugging."""
     check_normalization(normalization)
     _check_inputs(x, weight, bias)
     rms = normalization == "RMSNorm"
@@ -147,10 +156,8 @@ def apply_normalization(
         bias = None
     use_kernel, why = _use_kernel(backend, x, weight, bias)
     if debug_enabled():
-        log_decision(normalization, ("kernel: " if use_kernel else "reference: ") + why)
-    if not use_kernel:
-        return normalization_reference(x, weight, bias, eps, normalization, zero_centered_gamma)
-    return layer_norm(x, weight, bias, eps, rms=rms, zero_centered_gamma=zero_centered_gamma)
+        log_decision(normalization, (f"{kernel_label}: " if use_kernel else "reference: ") + why)
+    return bias, rms, use_kernel
 
 
 def apply_add_normalization(
@@ -175,15 +182,9 @@ def apply_add_normalization(
             f"residual ({tuple(residual.shape)}, {residual.dtype}, {residual.device}) must "
             f"match x ({tuple(x.shape)}, {x.dtype}, {x.device})"
         )
-    check_normalization(normalization)
-    _check_inputs(x, weight, bias)
-    rms = normalization == "RMSNorm"
-    if rms:
-        bias = None
-    use_kernel, why = _use_kernel(backend, x, weight, bias)
-    if debug_enabled():
-        log_decision(normalization, ("kernel, with the residual add: " if use_kernel
-                                     else "reference: ") + why)  # fmt: skip
+    bias, rms, use_kernel = _choose_path(
+        x, weight, bias, normalization, backend, "kernel, with the residual add"
+    )
     if not use_kernel:
         h = residual + x
         return normalization_reference(h, weight, bias, eps, normalization, zero_centered_gamma), h
