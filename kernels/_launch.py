@@ -14,11 +14,11 @@ The key is at least as fine as Triton's specialization, so one key never maps to
 kernels: constexpr values as given, launch options (num_warps, ...), and per runtime argument
 what Triton specializes on: a tensor's dtype and 16-byte alignment, an int's being 1, being a
 multiple of 16 and fitting 32 bits (only the last for an int the kernel marks
-`do_not_specialize`), None, a bool's value, and for a host-side TMA descriptor what Triton
-types it by (class, element type, block shape, layout; the launcher builds its tensor map on
-every call), so the Gluon kernels launch directly too. Anything else (a profiler's launch hook,
-the CPU interpreter, a Triton whose compiled kernel lacks the launcher) takes `kernel[grid]`
-every time, which is always correct.
+`do_not_specialize`), None, a bool's value, a `tl.constexpr`'s value, and for a host-side TMA
+descriptor what Triton types it by (class, element type, block shape, layout; the launcher
+builds its tensor map on every call), so the Gluon kernels launch directly too. Anything else
+(a profiler's launch hook, the CPU interpreter, a Triton whose compiled kernel lacks the
+launcher) takes `kernel[grid]` every time, which is always correct.
 
 Computing that key costs ~1 us per argument in Python, a third of a short attention forward's
 host time. A caller that already knows what determines the specialization passes it as
@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import torch
 import triton
+import triton.language as tl
 
 try:
     from triton import knobs
@@ -105,6 +106,11 @@ def _runtime_key(value, specialized: bool = True):
         return float
     if value is None or cls is bool:
         return value
+    if cls is tl.constexpr:
+        # A constexpr in a runtime parameter's place (a host expression such as
+        # `scale * LOG2E` with `LOG2E` a `tl.constexpr` yields one): Triton compiles its value
+        # into the kernel and the launcher skips it, so its value is the key.
+        return (tl.constexpr, value.value)
     if isinstance(value, torch.Tensor):
         return (value.dtype, value.data_ptr() % 16 == 0)
     base = getattr(value, "base", None)

@@ -316,3 +316,52 @@ def test_config_slot_gives_each_autotuner_pick_its_own_part():
     # not handed out for it
     slot[id(second)] = (first, {0: "stale"})
     assert _launch.config_slot(slot, second) == {}
+
+
+def test_a_constexpr_in_a_runtime_parameter_is_keyed_by_its_value(kernel):
+    """`scale * LOG2E` with `LOG2E` a `tl.constexpr` is a constexpr: Triton compiles its value in,
+    so two values are two kernels and one value launches directly from its second call."""
+    for scale in (tl.constexpr(0.5), tl.constexpr(0.25), tl.constexpr(0.25)):
+        _launch.launch(kernel, (1,), _x(), 32, scale, True, BLOCK=16)
+    assert [entry[0] for entry in kernel.log] == ["triton", "triton", "direct"]
+    assert kernel.compiles == 2
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_every_argument_of_the_sm90_launches_has_a_key(causal, monkeypatch):
+    """The Gluon kernels launch directly only if each of their runtime arguments has a key; an
+    argument without one sends every call through `kernel[grid]`. Built here as on an sm_90
+    GPU (the launch itself replaced: this machine cannot run Gluon), forward and backward."""
+    from fusedlayers.kernels import (
+        _backward_paths,
+        _flash_bwd_sm90,
+        _flash_fwd_sm90,
+        _forward_paths,
+        set_backward_path,
+        set_forward_path,
+    )
+
+    if not _flash_fwd_sm90.GLUON_AVAILABLE:
+        pytest.skip("this Triton has no Gluon")
+    monkeypatch.setattr(_forward_paths, "_on_sm90", lambda t: True)
+    monkeypatch.setattr(_backward_paths, "_on_sm90", lambda t: True)
+    keyed = []
+
+    def key_only(kernel, grid, *args, signature=None, slot=None, **kwargs):
+        launches = _launch._KernelLaunches(kernel)
+        launches.key(launches.values(args, kwargs), kwargs, 0)  # raises when one has no key
+        keyed.append(kernel)
+
+    monkeypatch.setattr(_flash_fwd_sm90, "launch", key_only)
+    monkeypatch.setattr(_flash_bwd_sm90, "launch", key_only)
+    previous = set_forward_path("sm90"), set_backward_path("sm90")
+    try:
+        from fusedlayers import flash_attn_func
+
+        q = torch.randn(1, 128, 4, 64, dtype=torch.float16, requires_grad=True)
+        k, v = (torch.randn(1, 128, 2, 64, dtype=torch.float16) for _ in range(2))
+        flash_attn_func(q, k, v, causal=causal).sum().backward()
+    finally:
+        set_forward_path(previous[0])
+        set_backward_path(previous[1])
+    assert keyed == [_flash_fwd_sm90._attn_fwd_sm90, _flash_bwd_sm90._attn_bwd_sm90]
