@@ -14,7 +14,8 @@ Time: triton.testing.do_bench median (L2 flushed before each run). The kernel en
 which the others do not do. With --cuda-graph every provider's call is captured once in a CUDA
 graph and its replay is timed: the GPU's time without the host's, as a server that captures its
 decode step sees it (a provider that cannot be captured is a note). Bandwidth: K/V bytes read /
-time, next to a device-to-device copy's (bytes read + written) / time measured in the same run.
+time, next to a device-to-device copy's (bytes read + written) / time measured in the same run,
+and the timing floor: the time this harness reads for a one-element kernel, which no call beats.
 `vs best` = the best other provider's time / ours (>= 1.0: ours is as fast or faster).
 
     python examples/benchmark_decode.py                     # the full grid, < 3 min on an H100
@@ -95,12 +96,23 @@ def _cell(result: dict | None) -> str:
     return f"{result['us']:.1f} us / {result['gbps']:.0f}"
 
 
-def markdown(rows: list[dict], copy_gbps: float | None, header: str, notes: list[str]) -> str:
+def markdown(
+    rows: list[dict],
+    copy_gbps: float | None,
+    header: str,
+    notes: list[str],
+    floor_us: float | None = None,
+) -> str:
     """The results table: per provider `time / GB/s`, then the ratios."""
     names = [p for p in PROVIDERS if any(p in r["providers"] for r in rows)]
     lines = [header, ""]
     if copy_gbps is not None:
         lines.append(f"Device copy bandwidth (read + write) in this run: {copy_gbps:.0f} GB/s")
+        lines.append("")
+    if floor_us is not None:
+        lines.append(
+            f"Timing floor (one 1-element kernel, timed as the providers are): {floor_us:.1f} us"
+        )
         lines.append("")
     lines.append("| b | cache | K/V MB | " + " | ".join(names) + " | vs best | paged/contig |")
     lines.append("|---" * (len(names) + 5) + "|")
@@ -131,6 +143,17 @@ def copy_bandwidth(warmup: int, rep: int) -> float:
     dst = torch.empty_like(src)
     ms = bench_ms(lambda: dst.copy_(src), warmup, rep)
     return 2 * 2**30 / (ms * 1e-3) / GB
+
+
+def timing_floor(cuda_graph: bool, warmup: int, rep: int) -> float:
+    """us that this harness reads for one kernel that does almost nothing: the launch (or the
+    graph replay) and the timing events. No decode call can read less, so a small cache's
+    bandwidth is set by this floor, not by how the kernel streams K/V."""
+    import torch
+
+    x = torch.zeros(1, device="cuda")
+    call = _graphed(lambda: x.add_(1)) if cuda_graph else (lambda: x.add_(1))
+    return 1e3 * bench_ms(call, warmup, rep)
 
 
 def _providers(q, k_cache, v_cache, seqlens, page_size: int, wanted) -> dict[str, Callable]:
@@ -303,6 +326,7 @@ def main(argv: list[str] | None = None) -> None:
                            args.max_gb)  # fmt: skip
     notes = [f"skipped b={b} s={s}: {why}" for b, s, why in skipped]
     copy_gbps = copy_bandwidth(args.warmup, args.rep)
+    floor_us = timing_floor(args.cuda_graph, args.warmup, args.rep)
     rows = []
     for b, s in combos:
         if time.time() - started > args.time_limit:
@@ -316,9 +340,11 @@ def main(argv: list[str] | None = None) -> None:
         f"(torch {torch.__version__}, triton {triton.__version__})"
         + (", each call captured in a CUDA graph and replayed" if args.cuda_graph else "")
     )
-    print(markdown(rows, copy_gbps, header, notes))
+    print(markdown(rows, copy_gbps, header, notes, floor_us))
     if args.json:
-        payload = dict(header=header, copy_gbps=copy_gbps, rows=rows, notes=notes)
+        payload = dict(
+            header=header, copy_gbps=copy_gbps, floor_us=floor_us, rows=rows, notes=notes
+        )
         Path(args.json).write_text(json.dumps(payload, indent=1))
         print(f"wrote {args.json}", file=sys.stderr)
 
