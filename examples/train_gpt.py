@@ -72,7 +72,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--grad-clip", type=float, default=1.0)
     p.add_argument("--eval-interval", type=int, default=100)
-    p.add_argument("--eval-batches", type=int, default=8)
+    p.add_argument("--eval-batches", type=int, default=8, help="0: no validation")
     p.add_argument("--ckpt-interval", type=int, default=500)
     p.add_argument("--out-dir", type=Path, default=ROOT / "runs" / "gpt")
     p.add_argument("--resume", action="store_true", help="continue from OUT_DIR/last.safetensors")
@@ -150,6 +150,18 @@ def load_corpus(path: Path = CORPUS) -> tuple[torch.Tensor, torch.Tensor]:
     data = torch.frombuffer(bytearray(gzip.decompress(path.read_bytes())), dtype=torch.uint8)
     n_val = int(len(data) * VAL_FRACTION)
     return data[:-n_val], data[-n_val:]
+
+
+def check_context_fits(data: tuple[torch.Tensor, torch.Tensor], ctx: int, evaluate: bool) -> None:
+    """A sequence and its next-byte targets must fit inside the split they are drawn from: the
+    held-out tail is ~5% of the corpus, so long contexts outgrow it first."""
+    splits = (("training", data[0], True), ("held-out", data[1], evaluate))
+    for name, split, used in splits:
+        if used and ctx + 1 >= len(split):
+            hint = "; --eval-batches 0 trains without validation" if name == "held-out" else ""
+            raise SystemExit(
+                f"--context-length {ctx} does not fit the {name} split ({len(split)} bytes){hint}"
+            )
 
 
 def get_batch(
@@ -309,6 +321,7 @@ def train(args: argparse.Namespace) -> None:
     args.torch_device = device
     data = load_corpus()
     core, config = build(args, device)
+    check_context_fits(data, config.context_length, evaluate=args.eval_batches > 0)
     cp_group = setup_parallel(args, rank, world, config.context_length)
     if cp_group is not None:
         core.set_context_parallel_group(cp_group, args.cp_ranks)
@@ -359,6 +372,8 @@ def run(model, core, optimizer, data, args, step, history, rank, world) -> int:
     )
 
     def validate() -> None:
+        if args.eval_batches == 0:
+            return
         val = evaluate(model, val_data, args, ctx, rank, world, autocast)
         history.append({"step": step, "val_loss": val})
         if rank == 0:  # above the progress bar, which tqdm clears and redraws

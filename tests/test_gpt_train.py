@@ -90,3 +90,16 @@ def test_ddp_two_processes_match_one(train_gpt, tmp_path):
     for a, b in zip(one, two):
         key = "train_loss" if "train_loss" in a else "val_loss"
         assert abs(a[key] - b[key]) < 1e-4, (a, b)
+
+
+def test_context_longer_than_the_held_out_split_is_a_clear_error(train_gpt, tmp_path):
+    """The held-out tail is ~5% of the corpus: a context longer than it fails up front, naming
+    the flag, unless validation is off; with --eval-batches 0 the run logs no validation."""
+    n_val = len(train_gpt.load_corpus()[1])
+    long = ["--context-length", str(n_val), "--steps", "1", "--out-dir", str(tmp_path)]
+    with pytest.raises(SystemExit, match=f"--context-length {n_val} does not fit the held-out"):
+        train_gpt.main([*ARGS, *long])
+    args = [*ARGS, "--context-length", "32", "--eval-batches", "0", "--out-dir", str(tmp_path)]
+    train_gpt.main(args)
+    history = _history(tmp_path)
+    assert len(history) == 6 and all("val_loss" not in h for h in history)
