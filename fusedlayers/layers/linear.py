@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from ..reference_switch import ReferenceSwitch
-from .normalization import apply_normalization, check_normalization
+from .normalization import apply_add_normalization, apply_normalization, check_normalization
 
 # TE's `get_default_init_method()`: normal(0, 0.023).
 DEFAULT_INIT_STD = 0.023
@@ -286,18 +286,23 @@ class LayerNormLinear(_SplitWeights):
             in_features, out_features, bias, init_method, parameters_split, params_dtype, device
         )
 
-    def forward(self, inp: torch.Tensor):
+    def forward(self, inp: torch.Tensor, residual: torch.Tensor | None = None):
         """`inp [..., in]` -> `out [..., out]`, then `bias` if `return_bias`, then the normalized
-        input if `return_layernorm_output` (a tuple when anything is added)."""
-        ln_out = apply_normalization(
-            inp,
-            self.layer_norm_weight,
-            self.layer_norm_bias,
-            self.eps,
-            self.normalization,
+        input if `return_layernorm_output` (a tuple when anything is added).
+
+        `residual` (fusedlayers' own, not TE's; inp's shape, dtype and device): the layer runs
+        on `residual + inp` and that sum `[..., in]` is returned last, for the block's next
+        residual add. On the kernel path the add is fused into the norm
+        (`apply_add_normalization`), as `LayerNormMLP`'s `residual` is."""
+        norm_args = (
+            self.layer_norm_weight, self.layer_norm_bias, self.eps, self.normalization,
             self.zero_centered_gamma,
-            backend="reference" if self.reference_active else "auto",
-        )
+        )  # fmt: skip
+        backend = "reference" if self.reference_active else "auto"
+        if residual is None:
+            ln_out = apply_normalization(inp, *norm_args, backend=backend)
+        else:
+            ln_out, inp = apply_add_normalization(inp, residual, *norm_args, backend=backend)
         bias = self.joined_bias()
         out = linear(ln_out, self.joined_weight(), None if self.return_bias else bias)
         outputs = (out,)
@@ -305,6 +310,8 @@ class LayerNormLinear(_SplitWeights):
             outputs += (bias,)
         if self.return_layernorm_output:
             outputs += (ln_out,)
+        if residual is not None:
+            outputs += (inp,)
         return outputs if len(outputs) > 1 else out
 
 

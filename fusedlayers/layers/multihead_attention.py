@@ -234,29 +234,34 @@ class MultiheadAttention(ReferenceSwitch):
         kv_spec = QKVSpec(("key", "value"), (groups, groups), groups, head_dim)
         install_qkv_storage_hooks(self.key_value, kv_spec, form)
 
-    def _project(self, hidden_states, encoder_output):
-        """-> q, k, v views (see `split_qkv`) and the normalized input (or None)."""
+    def _project(self, hidden_states, encoder_output, residual):
+        """-> q, k, v views (see `split_qkv`), the normalized input (or None) and, with a
+        `residual`, the sum `residual + hidden_states` the input norm ran on (else None)."""
         heads, groups = self.num_attention_heads, self.num_gqa_groups
         head_dim, interleaved = self.hidden_size_per_attention_head, self.qkv_weight_interleaved
-        ln_out = None
         if self.attention_type == "self":
             if self.input_layernorm:
-                mixed = self.layernorm_qkv(hidden_states)
-                if self.return_layernorm_output:
-                    mixed, ln_out = mixed
+                mixed, ln_out, total = self._normed(self.layernorm_qkv, hidden_states, residual)
             else:
-                mixed = self.qkv(hidden_states)
-            return (*split_qkv(mixed, heads, groups, head_dim, interleaved), ln_out)
+                mixed, ln_out, total = self.qkv(hidden_states), None, None
+            return (*split_qkv(mixed, heads, groups, head_dim, interleaved), ln_out, total)
         if encoder_output is None:
             raise ValueError("cross-attention needs encoder_output")
         k, v = split_kv(self.key_value(encoder_output), groups, head_dim, interleaved)
         if self.input_layernorm:
-            query = self.layernorm_query(hidden_states)
-            if self.return_layernorm_output:
-                query, ln_out = query
+            query, ln_out, total = self._normed(self.layernorm_query, hidden_states, residual)
         else:
-            query = self.query_layer(hidden_states)
-        return query.view(*query.shape[:-1], heads, head_dim), k, v, ln_out
+            query, ln_out, total = self.query_layer(hidden_states), None, None
+        return query.view(*query.shape[:-1], heads, head_dim), k, v, ln_out, total
+
+    def _normed(self, projection: LayerNormLinear, hidden_states, residual):
+        """`projection(hidden_states, residual=residual)` unpacked: (output, normalized input
+        or None, the residual sum or None)."""
+        outputs = projection(hidden_states, residual=residual)
+        if not isinstance(outputs, tuple):
+            return outputs, None, None
+        ln_out = outputs[1] if self.return_layernorm_output else None
+        return outputs[0], ln_out, None if residual is None else outputs[-1]
 
     def _rotate(self, q, k, rotary_pos_emb, inference_params, cu_seqlens_q, cu_seqlens_kv):
         """Apply RoPE to the new q and k; with a KV cache positions start at the cache offset."""
@@ -298,6 +303,7 @@ class MultiheadAttention(ReferenceSwitch):
         max_seqlen_kv: int | None = None,
         cu_seqlens_q_padded: torch.Tensor | None = None,
         cu_seqlens_kv_padded: torch.Tensor | None = None,
+        residual: torch.Tensor | None = None,
     ):
         """Attention block; shapes per `qkv_format` in the module docstring.
 
@@ -308,15 +314,27 @@ class MultiheadAttention(ReferenceSwitch):
         KV cache (self-attention, sbhd/bshd). `checkpoint_core_attention`: recompute attention in
         the backward instead of keeping its activations.
 
+        `residual` (fusedlayers' own, not TE's; hidden_states' shape, dtype and device; needs
+        `input_layernorm`): the block runs on `residual + hidden_states`, the add fused into the
+        input norm on the kernel path (`apply_add_normalization`), and that sum is returned
+        last, for the next residual add of a pre-LN block.
+
         Returns `out`, then the projection bias if `return_bias`, then the normalized input if
-        `input_layernorm and return_layernorm_output` (a tuple when anything is added).
+        `input_layernorm and return_layernorm_output`, then the residual sum if `residual` is
+        given (a tuple when anything is added).
         """
+        if residual is not None and not self.input_layernorm:
+            raise ValueError(
+                f"residual ({tuple(residual.shape)}, {residual.dtype}, {residual.device}) is "
+                "added inside the input norm, and this MultiheadAttention has none "
+                "(input_layernorm=False): add it to hidden_states before the call"
+            )
         attn_mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
         window_size = self.window_size if window_size is None else window_size
         if self.qkv_format == "thd" and self.attention_type == "self" and cu_seqlens_kv is None:
             cu_seqlens_kv, max_seqlen_kv = cu_seqlens_q, max_seqlen_q
             cu_seqlens_kv_padded = cu_seqlens_q_padded
-        q, k, v, ln_out = self._project(hidden_states, encoder_output)
+        q, k, v, ln_out, total = self._project(hidden_states, encoder_output, residual)
         if inference_params is not None and self.attention_type == "self":
             if self.core_attention.cp_group is not None:
                 raise ValueError("inference_params (KV cache) is not supported with cp_group")
@@ -329,7 +347,7 @@ class MultiheadAttention(ReferenceSwitch):
                 core_attention_bias=core_attention_bias, alibi_slopes=alibi_slopes,
                 checkpoint_core_attention=checkpoint_core_attention,
             )  # fmt: skip
-            return self._finish(context, ln_out)
+            return self._finish(context, ln_out, total)
         if rotary_pos_emb is not None:
             # Positions count from each sequence's first row in memory (padded offsets if any).
             cu_q = cu_seqlens_q if cu_seqlens_q_padded is None else cu_seqlens_q_padded
@@ -354,14 +372,17 @@ class MultiheadAttention(ReferenceSwitch):
         context = self.core_attention(
             q, k, v, checkpoint_core_attention=checkpoint_core_attention, **options
         )
-        return self._finish(context, ln_out)
+        return self._finish(context, ln_out, total)
 
-    def _finish(self, context, ln_out):
-        """Output projection, plus its bias and the normalized input when asked for."""
+    def _finish(self, context, ln_out, total):
+        """Output projection, plus its bias, the normalized input and the residual sum when
+        asked for."""
         projected = self.proj(context)
         outputs = projected if self.return_bias else (projected,)
         if self.input_layernorm and self.return_layernorm_output:
             outputs += (ln_out,)
+        if total is not None:
+            outputs += (total,)
         return outputs if len(outputs) > 1 else outputs[0]
 
 

@@ -160,6 +160,13 @@ def _choose_path(x, weight, bias, normalization, backend, kernel_label):
     return bias, rms, use_kernel
 
 
+def fusible_add(x: torch.Tensor, residual: torch.Tensor) -> bool:
+    """Whether `apply_add_normalization` takes this pair: one shape, dtype and device. Under
+    autocast a branch output may be bf16 on an fp32 residual stream; callers then add
+    explicitly, as torch's add promotes."""
+    return residual.shape == x.shape and residual.dtype == x.dtype and residual.device == x.device
+
+
 def apply_add_normalization(
     x: torch.Tensor,
     residual: torch.Tensor,
@@ -177,7 +184,7 @@ def apply_add_normalization(
     x, residual: `[..., hidden]` of one shape, dtype and device; the rest as
     `apply_normalization`, whose rules pick the path (on h's shape).
     """
-    if residual.shape != x.shape or residual.dtype != x.dtype or residual.device != x.device:
+    if not fusible_add(x, residual):
         raise ValueError(
             f"residual ({tuple(residual.shape)}, {residual.dtype}, {residual.device}) must "
             f"match x ({tuple(x.shape)}, {x.dtype}, {x.device})"
@@ -225,17 +232,17 @@ class _Norm(ReferenceSwitch):
             if self.bias is not None:
                 self.bias.zero_()
 
-    def forward(self, inp: torch.Tensor) -> torch.Tensor:
-        """`inp [..., hidden]` -> same shape and dtype."""
-        return apply_normalization(
-            inp,
-            self.weight,
-            self.bias,
-            self.eps,
-            self.normalization,
-            self.zero_centered_gamma,
-            backend="reference" if self.reference_active else "auto",
-        )
+    def forward(self, inp: torch.Tensor, residual: torch.Tensor | None = None):
+        """`inp [..., hidden]` -> same shape and dtype.
+
+        `residual` (fusedlayers' own, not TE's; inp's shape, dtype and device): normalize
+        `residual + inp` instead and return `(normalized, residual + inp)`, the add fused into
+        the norm on the kernel path (`apply_add_normalization`)."""
+        args = (self.weight, self.bias, self.eps, self.normalization, self.zero_centered_gamma)
+        backend = "reference" if self.reference_active else "auto"
+        if residual is None:
+            return apply_normalization(inp, *args, backend=backend)
+        return apply_add_normalization(inp, residual, *args, backend=backend)
 
     def extra_repr(self) -> str:
         return f"{self.hidden_size}, eps={self.eps}, zero_centered_gamma={self.zero_centered_gamma}"
