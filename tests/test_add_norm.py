@@ -130,7 +130,7 @@ def test_transformer_layer_fuses_only_without_dropout(dropout, training, fused, 
     out = layer(x)
     assert calls == [fused]
     if fused:
-        monkeypatch.setattr(TransformerLayer, "_fuse_mlp_residual", lambda *a: False)
+        monkeypatch.setattr(TransformerLayer, "_fuse_residual", lambda *a: False)
         assert torch.equal(out, layer(x))
 
 

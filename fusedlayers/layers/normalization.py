@@ -167,6 +167,23 @@ def fusible_add(x: torch.Tensor, residual: torch.Tensor) -> bool:
     return residual.shape == x.shape and residual.dtype == x.dtype and residual.device == x.device
 
 
+def residual_for_fusion(
+    x: torch.Tensor, residual: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`(x, residual)` ready for a fused add and norm: unchanged, or `(residual + x, None)`
+    where only their dtypes differ (under autocast a branch output is bf16 while the residual
+    stream stays fp32), added as torch's add promotes: what an explicit add before the norm
+    computes. A shape or device mismatch passes through, for the norm's ValueError."""
+    if (
+        residual is not None
+        and residual.dtype != x.dtype
+        and residual.shape == x.shape
+        and residual.device == x.device
+    ):
+        return residual + x, None
+    return x, residual
+
+
 def apply_add_normalization(
     x: torch.Tensor,
     residual: torch.Tensor,

@@ -10,8 +10,19 @@ Data flow (pre-LN by default; `x` the input, `drop` the hidden dropout):
     y = a + drop(layernorm_mlp(a))               # layernorm_mlp normalizes its input
     y = layernorm(y)                             # output_layernorm only
 
-Without dropout on the hidden states (`hidden_dropout=0` or eval), the last add before the MLP
-runs inside the MLP's norm (`layernorm_mlp(out, residual=a)`; one kernel pass on the kernel path).
+Without dropout on the hidden states (`hidden_dropout=0` or eval), the add before the
+cross-attention and the one before the MLP run inside that block's input norm
+(`layernorm_mlp(out, residual=a)`; one kernel pass on the kernel path).
+
+The residual stream (fusedlayers' extension; pre-LN layers without `output_layernorm` or
+`apply_residual_connection_post_layernorm`) moves the two adds at the layer's edges into norms
+too: `residual=r` makes the input `x = h + r`, added inside self_attention's norm, and
+`return_residual=True` returns the last add's operands instead of their sum, for the next layer
+or a final norm to add inside its kernel:
+
+    h, r = layer_1(x, return_residual=True)               # h = drop(layernorm_mlp(a)), r = a
+    h, r = layer_2(h, residual=r, return_residual=True)   # layer_2's input is h + r
+    y, _ = final_norm(h, residual=r)                      # = final_norm(layer_2(layer_1(x)))
 
 With `apply_residual_connection_post_layernorm` the residuals are the normalized inputs of each
 block instead. With `output_layernorm` the self-attention has no input norm (`self_attention.qkv`)
@@ -33,7 +44,7 @@ from ..reference_switch import ReferenceSwitch
 from .inference import InferenceParams
 from .mlp import LayerNormMLP
 from .multihead_attention import MultiheadAttention
-from .normalization import make_norm
+from .normalization import fusible_add, make_norm, residual_for_fusion
 
 
 class TransformerLayer(ReferenceSwitch):
@@ -180,20 +191,39 @@ class TransformerLayer(ReferenceSwitch):
                 **norm,
             )
 
+    @property
+    def supports_residual_stream(self) -> bool:
+        """Whether `forward` takes `residual=` / `return_residual=True`: a pre-LN layer whose
+        self-attention has an input norm to add in (no `output_layernorm`) and whose residuals
+        are the sums themselves (no `apply_residual_connection_post_layernorm`)."""
+        return not (self.output_layernorm or self.apply_residual_connection_post_layernorm)
+
     def _residual(self, out: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         return residual + F.dropout(out, p=self.hidden_dropout, training=self.training)
 
-    def _fuse_mlp_residual(self, out: torch.Tensor, residual: torch.Tensor) -> bool:
-        """Whether the residual add before the MLP can move into the MLP's norm: the residual
-        is the sum itself (not a post-LN output), no dropout applies, and both sides share
-        shape, dtype and device (under autocast they may not; torch's add then promotes)."""
+    def _fuse_residual(self, out: torch.Tensor, residual: torch.Tensor) -> bool:
+        """Whether the residual add before a block (cross-attention, MLP) can move into the
+        block's input norm: the residual is the sum itself (not a post-LN output), no dropout
+        applies, and both sides share shape, dtype and device (under autocast they may not;
+        torch's add then promotes)."""
         return (
             not self.apply_residual_connection_post_layernorm
             and (self.hidden_dropout == 0 or not self.training)
-            and out.shape == residual.shape
-            and out.dtype == residual.dtype
-            and out.device == residual.device
+            and fusible_add(out, residual)
         )
+
+    def _add_then(self, block: torch.nn.Module, out, residual, **kwargs):
+        """`block` (it normalizes its input) on `residual + drop(out)` -> (its output, the next
+        residual: that sum, or with post-LN residuals the block's normalized input). Without
+        dropout the add runs inside the block's norm (one kernel pass on the kernel path), and
+        the block hands the sum back."""
+        if self._fuse_residual(out, residual):
+            return block(out, residual=residual, **kwargs)
+        hidden = self._residual(out, residual)
+        outputs = block(hidden, **kwargs)
+        if self.apply_residual_connection_post_layernorm:
+            return outputs
+        return outputs, hidden
 
     def forward(
         self,
@@ -213,7 +243,9 @@ class TransformerLayer(ReferenceSwitch):
         cu_seqlens_kv: torch.Tensor | None = None,
         max_seqlen_q: int | None = None,
         max_seqlen_kv: int | None = None,
-    ) -> torch.Tensor:
+        residual: torch.Tensor | None = None,
+        return_residual: bool = False,
+    ):
         """One layer; `hidden_states` and the output are `[s, b, hidden]` / `[b, s, hidden]` /
         `[t, hidden]` per `attn_input_format`.
 
@@ -221,10 +253,24 @@ class TransformerLayer(ReferenceSwitch):
         `arbitrary` mask types; `enc_dec_attn_mask` feeds cross-attention (a `(q_mask, kv_mask)`
         pair of `[b, 1, 1, s]` padding masks, or None for no mask). For `thd`, `cu_seqlens_q`
         describes this layer's sequences and `cu_seqlens_kv` the encoder's (cross-attention).
+
+        The residual stream (fusedlayers' extension, not TE's; `supports_residual_stream`
+        layers only, else a ValueError): `residual` (hidden_states' shape) makes the layer's
+        input `hidden_states + residual`, added inside self-attention's input norm.
+        `return_residual=True` returns `(mlp_out, residual)`, both hidden_states' shape, instead
+        of their sum: the MLP's output after hidden dropout and the residual it joins, for the
+        next layer's `residual=` or a final norm's `residual=` to add inside its kernel.
         """
+        if (residual is not None or return_residual) and not self.supports_residual_stream:
+            raise ValueError(
+                "residual= and return_residual=True need a pre-LN TransformerLayer (got "
+                f"output_layernorm={self.output_layernorm}, apply_residual_connection_post_"
+                f"layernorm={self.apply_residual_connection_post_layernorm}; both must be False)"
+            )
         mask_type = self.self_attn_mask_type if self_attn_mask_type is None else self_attn_mask_type
         window_size = self.window_size if window_size is None else window_size
         thd = self.attn_input_format == "thd"
+        hidden_states, residual = residual_for_fusion(hidden_states, residual)
         self_outputs = self.self_attention(
             hidden_states,
             attention_mask=attention_mask,
@@ -240,15 +286,20 @@ class TransformerLayer(ReferenceSwitch):
             cu_seqlens_kv=cu_seqlens_q if thd else None,
             max_seqlen_q=max_seqlen_q,
             max_seqlen_kv=max_seqlen_q if thd else None,
+            residual=residual,
         )
-        if self.apply_residual_connection_post_layernorm and not self.output_layernorm:
+        if residual is not None or (
+            self.apply_residual_connection_post_layernorm and not self.output_layernorm
+        ):
+            # (output, the layer's input residual + hidden_states) or (output, normalized input)
             attention_out, residual = self_outputs
         else:
             attention_out, residual = self_outputs, hidden_states
         if self.layer_type == "decoder":
-            hidden = self._residual(attention_out, residual)
-            cross_outputs = self.inter_attention(
-                hidden,
+            attention_out, residual = self._add_then(
+                self.inter_attention,
+                attention_out,
+                residual,
                 attention_mask=enc_dec_attn_mask,
                 encoder_output=encoder_output,
                 attn_mask_type="padding" if enc_dec_attn_mask is not None or thd else "no_mask",
@@ -258,21 +309,9 @@ class TransformerLayer(ReferenceSwitch):
                 max_seqlen_q=max_seqlen_q,
                 max_seqlen_kv=max_seqlen_kv,
             )
-            if self.apply_residual_connection_post_layernorm:
-                attention_out, residual = cross_outputs
-            else:
-                attention_out, residual = cross_outputs, hidden
-        if self._fuse_mlp_residual(attention_out, residual):
-            # The residual add before the MLP runs inside its norm (one kernel pass on the
-            # kernel path); the MLP hands the sum back for the next residual.
-            mlp_out, residual = self.layernorm_mlp(attention_out, residual=residual)
-        else:
-            hidden = self._residual(attention_out, residual)
-            mlp_outputs = self.layernorm_mlp(hidden)
-            if self.apply_residual_connection_post_layernorm:
-                mlp_out, residual = mlp_outputs
-            else:
-                mlp_out, residual = mlp_outputs, hidden
+        mlp_out, residual = self._add_then(self.layernorm_mlp, attention_out, residual)
+        if return_residual:
+            return F.dropout(mlp_out, p=self.hidden_dropout, training=self.training), residual
         output = self._residual(mlp_out, residual)
         if self.output_layernorm:
             output = self.layernorm(output)
