@@ -21,7 +21,7 @@ from fusedlayers.attention.context_parallel import context_parallel_positions
 from fusedlayers.attention.validation import is_whole
 from fusedlayers.layers.decode_graph import DecodeGraph
 from fusedlayers.layers.inference import InferenceParams
-from fusedlayers.layers.normalization import make_norm
+from fusedlayers.layers.normalization import make_norm, residual_for_fusion
 from fusedlayers.layers.rope import RotaryPositionEmbedding
 from fusedlayers.layers.transformer_layer import TransformerLayer
 from fusedlayers.reference_switch import ReferenceSwitch
@@ -188,11 +188,31 @@ class GPT(ReferenceSwitch):
             extra["rotary_pos_emb"] = (
                 self.rope(limit) if inference_params is None else self._decode_rope_table()
             )
-        for layer in self.layers:
-            h = layer(h, inference_params=inference_params, **extra)
-        h = self._from_format(self.final_norm(h), b, s)
+        h = self._from_format(self._layers_and_norm(h, inference_params, extra), b, s)
         weight = self.tok_emb.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(h, weight).float()
+
+    def _layers_and_norm(self, h: torch.Tensor, inference_params, extra: dict) -> torch.Tensor:
+        """The layers and the final norm on `h` (the layers' format) -> the normalized output.
+
+        The residual stream: each layer returns its MLP output and the residual unsummed and
+        the next layer (or the final norm) adds them inside its norm kernel, one launch fewer
+        per layer. Layers that cannot take it (post-LN forms) run the plain chain."""
+        if not all(layer.supports_residual_stream for layer in self.layers):
+            for layer in self.layers:
+                h = layer(h, inference_params=inference_params, **extra)
+            return self.final_norm(h)
+        residual = None
+        for layer in self.layers:
+            h, residual = layer(
+                h,
+                inference_params=inference_params,
+                residual=residual,
+                return_residual=True,
+                **extra,
+            )
+        h, residual = residual_for_fusion(h, residual)
+        return self.final_norm(h) if residual is None else self.final_norm(h, residual)[0]
 
     def _decode_rope_table(self) -> torch.Tensor:
         """The RoPE table, built once per device and buffer version for generation: the layers
