@@ -92,32 +92,22 @@ def check_page_size(page_size: int) -> None:
         )
 
 
-# Cached: decode calls repeat a handful of (tiles, capacity) pairs, and the search below is ~30
-# Python calls (a few microseconds of the eager decode entry's host time).
+# Cached: decode calls repeat a handful of (tiles, capacity) pairs.
 @functools.lru_cache(maxsize=4096)
 def num_splits_heuristic(tiles: int, max_len_k: int, device: torch.device) -> int:
     """Splits per (sequence, KV head, row block) for `tiles` such programs over up to
     `max_len_k` keys (the cache's capacity: the lengths stay on the device).
 
-    At least two waves over the GPU's multiprocessors (a memory-bound kernel needs many loads in
-    flight), then, up to twice that, the count whose last wave is fullest (b = 8 with 8 KV heads
-    is 64 programs: 5 splits leave the third wave 40% full, 6 fill it to 90%). No split gets
-    fewer than `_MIN_BLOCKS_PER_SPLIT` key blocks: a shorter one costs more in its partial
-    write and the combine than it saves.
+    One wave: as many splits as keep every program on a multiprocessor of its own. Measured on
+    the H100 (`examples/perf/decode_splits.py`, docs/performance.md): at b = 1 with 8 KV heads,
+    16 splits (128 programs) beat 33 (two programs a multiprocessor) by 3-6% from 8k to 128k
+    keys, and 24 (a ragged second wave) was slowest; with more tiles than multiprocessors one
+    split is fastest or within 3%. No split gets fewer than `_MIN_BLOCKS_PER_SPLIT` key blocks:
+    a shorter one costs more in its partial write and the combine than it saves.
     """
-    sms = multiprocessors(device)
-    tiles = max(tiles, 1)
     key_blocks = cdiv(max(max_len_k, 1), _NOMINAL_BLOCK_N)
     cap = max(1, min(key_blocks // _MIN_BLOCKS_PER_SPLIT, MAX_SPLITS))
-    target = min(cdiv(2 * sms, tiles), cap)
-    if target <= 1:
-        return 1
-
-    def fill(splits: int) -> float:
-        programs = tiles * splits
-        return programs / (cdiv(programs, sms) * sms)
-
-    return max(range(target, min(2 * target, cap) + 1), key=lambda n: (min(fill(n), 0.95), -n))
+    return max(1, min(multiprocessors(device) // max(tiles, 1), cap))
 
 
 def _configs() -> list[triton.Config]:

@@ -169,9 +169,10 @@ def test_debug_log_names_the_path(monkeypatch, caplog):
 def test_split_heuristic():
     cpu = torch.device("cpu")  # stands in for the H100: 132 multiprocessors
     assert _flash_decode.num_splits_heuristic(64 * 8, 32768, cpu) == 1  # enough programs
-    assert _flash_decode.num_splits_heuristic(8, 131072, cpu) == 33  # ~2 waves of 132
+    assert _flash_decode.num_splits_heuristic(8, 131072, cpu) == 16  # one wave of 132
     assert _flash_decode.num_splits_heuristic(8, 256, cpu) == 2  # no split under 2 blocks
-    assert _flash_decode.num_splits_heuristic(64, 8192, cpu) == 6  # 5 would leave a 40% wave
+    assert _flash_decode.num_splits_heuristic(64, 8192, cpu) == 2  # 128 programs
+    assert _flash_decode.num_splits_heuristic(12, 1280, cpu) == 10  # 20 blocks: 2 a split
     assert _flash_decode.num_splits_heuristic(1, 1 << 20, cpu) == _flash_decode.MAX_SPLITS
 
 
