@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from ..reference_switch import ReferenceSwitch
-from .normalization import apply_add_normalization, apply_normalization, check_normalization
+from .normalization import check_normalization, normalize_input
 
 # TE's `get_default_init_method()`: normal(0, 0.023).
 DEFAULT_INIT_STD = 0.023
@@ -299,10 +299,7 @@ class LayerNormLinear(_SplitWeights):
             self.zero_centered_gamma,
         )  # fmt: skip
         backend = "reference" if self.reference_active else "auto"
-        if residual is None:
-            ln_out = apply_normalization(inp, *norm_args, backend=backend)
-        else:
-            ln_out, inp = apply_add_normalization(inp, residual, *norm_args, backend=backend)
+        ln_out, inp = normalize_input(inp, residual, *norm_args, backend=backend)
         bias = self.joined_bias()
         out = linear(ln_out, self.joined_weight(), None if self.return_bias else bias)
         outputs = (out,)

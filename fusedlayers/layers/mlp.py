@@ -30,7 +30,7 @@ from .._backend import choose_backend
 from .._logging import debug_enabled, log_decision
 from ..reference_switch import ReferenceSwitch
 from .linear import TEExtraState, default_init_method, linear
-from .normalization import apply_add_normalization, apply_normalization, check_normalization
+from .normalization import check_normalization, normalize_input
 
 try:
     from ..kernels import ACTIVATION_DTYPES, fused_activation
@@ -190,10 +190,7 @@ class LayerNormMLP(TEExtraState, ReferenceSwitch):
             self.zero_centered_gamma,
         )  # fmt: skip
         backend = "reference" if self.reference_active else "auto"
-        if residual is None:
-            ln_out = apply_normalization(inp, *norm_args, backend=backend)
-        else:
-            ln_out, inp = apply_add_normalization(inp, residual, *norm_args, backend=backend)
+        ln_out, inp = normalize_input(inp, residual, *norm_args, backend=backend)
         hidden = apply_activation(
             linear(ln_out, self.fc1_weight, self.fc1_bias),
             self.activation,

@@ -217,6 +217,17 @@ def apply_add_normalization(
     )
 
 
+def normalize_input(
+    x: torch.Tensor, residual: torch.Tensor | None, *norm_args, backend: str = "auto"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A block's input norm: `(apply_normalization(x, ...), x)`, or with a residual
+    `apply_add_normalization(x, residual, ...)`, whose second value is the sum `residual + x`.
+    `norm_args`: weight, bias, eps, normalization, zero_centered_gamma."""
+    if residual is None:
+        return apply_normalization(x, *norm_args, backend=backend), x
+    return apply_add_normalization(x, residual, *norm_args, backend=backend)
+
+
 class _Norm(ReferenceSwitch):
     """Shared body of LayerNorm and RMSNorm: `weight [hidden]` (and `bias [hidden]`)."""
 
