@@ -204,7 +204,7 @@ def apply_add_normalization(
     if not fusible_add(x, residual):
         raise ValueError(
             f"residual ({tuple(residual.shape)}, {residual.dtype}, {residual.device}) must "
-            f"match x ({tuple(x.shape)}, {x.dtype}, {x.device})"
+            f"match the input it is added to ({tuple(x.shape)}, {x.dtype}, {x.device})"
         )
     bias, rms, use_kernel = _choose_path(
         x, weight, bias, normalization, backend, "kernel, with the residual add"
