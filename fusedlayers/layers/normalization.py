@@ -268,9 +268,8 @@ class _Norm(ReferenceSwitch):
         the norm on the kernel path (`apply_add_normalization`)."""
         args = (self.weight, self.bias, self.eps, self.normalization, self.zero_centered_gamma)
         backend = "reference" if self.reference_active else "auto"
-        if residual is None:
-            return apply_normalization(inp, *args, backend=backend)
-        return apply_add_normalization(inp, residual, *args, backend=backend)
+        normed, total = normalize_input(inp, residual, *args, backend=backend)
+        return normed if residual is None else (normed, total)
 
     def extra_repr(self) -> str:
         return f"{self.hidden_size}, eps={self.eps}, zero_centered_gamma={self.zero_centered_gamma}"
