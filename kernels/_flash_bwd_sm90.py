@@ -120,6 +120,16 @@ TILES_M128 = {64: (128, 2)}
 # H100 (forward+backward, one process): d = 128 +2-3% at 4k and 16k (causal 4k -1%); d = 64,
 # whose 128-row step has a dK product twice as long, -2-3% (docs/performance.md).
 DQ_BEFORE_DK = {128: True, 64: False}
+# Per head dim: where a consumer waits until its previous dQ reduce has read the staging tile.
+# True: just before it stores the next share there; False: at the step's start, behind the
+# S^T and dP^T issue (ptxas hoists that wait between their wgmma chains).
+DQ_WAIT_LATE = {128: True, 64: True}
+# Per head dim: dV += P^T dO takes P^T from registers (True; wgmma's A operand may be) or from
+# shared memory (False). From registers saves the tile's trip through shared memory (a store,
+# the product's read, a fence and a barrier a step, per half of a 128-row step), whose
+# bandwidth the consumers wait on (Nsight Compute: MIO-queue stalls lead theirs at d=128), for
+# 16 more registers a thread held until dV lands.
+P_FROM_REGISTERS = {128: True, 64: True}
 SUPPORTED_HEAD_DIMS = tuple(TILES)
 
 
@@ -251,6 +261,23 @@ if GLUON_AVAILABLE:
             return step >= 0
 
     @gluon.jit
+    def _wait_dv(pending: gl.constexpr, dv_tok, other_tok, p_ops, P_IN_REGS: gl.constexpr):
+        """(dV, the other product) once at most `pending` wgmma groups are outstanding; with
+        P_IN_REGS the registers of P^T, dV's A operand (`p_ops`: one tile, or the two halves
+        of a 128-row step), stay live until then."""
+        if P_IN_REGS:
+            p_a, p_b = p_ops
+            if p_b is None:
+                dv, other, p_a = warpgroup_mma_wait(pending, deps=[dv_tok, other_tok, p_a])
+            else:
+                dv, other, p_a, p_b = warpgroup_mma_wait(
+                    pending, deps=[dv_tok, other_tok, p_a, p_b]
+                )
+        else:
+            dv, other = warpgroup_mma_wait(pending, deps=[dv_tok, other_tok])
+        return dv, other
+
+    @gluon.jit
     def _probs(s_t, lse_rows, qk_scale, masked, key0, m0, len_q, len_k, diag):
         """P^T = exp2(S^T * scale * log2e - LSE * log2e) of [keys from key0, queries from m0],
         invisible pairs 0. Rows that saw no key carry LSE -inf; their P is masked to 0, and
@@ -274,12 +301,17 @@ if GLUON_AVAILABLE:
         return ds_t
 
     @gluon.jit
-    def _scores_by_halves(k_wg, v_wg, q_t, do_t, p_wg, ds_wg, rows, dv, qk_scale, masked, bounds):
+    def _scores_by_halves(
+        k_wg, v_wg, q_t, do_t, p_wg, ds_wg, rows, dv, qk_scale, masked, bounds,
+        WAIT_LATE: gl.constexpr, P_IN_REGS: gl.constexpr,
+    ):  # fmt: skip
         """A 128-query step's S^T, dP^T, P^T and dS^T for one warpgroup's 64 keys, as two
         [64 keys, 64 queries] halves; P^T and dS^T go into `p_wg` and `ds_wg` (each
         [64 keys, 128 queries]), and dV += P^T dO is issued per half. Returns the dV token
-        (pending); the caller fences and orders the dS^T stores, then issues dK += dS^T Q over
-        all 128 queries.
+        (pending); with P_IN_REGS (P^T from registers, `P_FROM_REGISTERS`) also the second
+        half's P^T operand, which must stay live until dV lands (the first half's is released
+        at the wait that sees its product land); the caller fences and orders the dS^T stores,
+        then issues dK += dS^T Q over all 128 queries.
 
         Registers (240 a thread): dK and dV take 2 x 32; each half's S^T and dP^T 2 x 32, and
         its LSE and delta vectors 16 each, loaded where used. Only one half's tiles are live at
@@ -296,6 +328,9 @@ if GLUON_AVAILABLE:
         )
         KEYS: gl.constexpr = k_wg.type.shape[0]
         zero = gl.zeros([KEYS, HALF], gl.float32, layout)
+        p_op_layout: gl.constexpr = gl.DotOperandLayout(
+            operand_index=0, parent=dv.type.layout, k_width=2
+        )
         q_a = q_t.slice(0, HALF).permute((1, 0))
         q_b = q_t.slice(HALF, HALF).permute((1, 0))
         do_a = do_t.slice(0, HALF).permute((1, 0))
@@ -305,47 +340,71 @@ if GLUON_AVAILABLE:
         # are live, so the peak is the 64-row step's (2 x 32 + dK and dV).
         s_a_tok = warpgroup_mma(k_wg, q_a, zero, use_acc=False, is_async=True)
         dp_a_tok = warpgroup_mma(v_wg, do_a, zero, use_acc=False, is_async=True)
-        # The previous step's dQ reduce has read the staging tile before it is stored into
-        # again (at this step's end, after the P^T barrier below orders every thread after this).
-        tma.store_wait(0)
+        if not WAIT_LATE:
+            # The previous step's dQ reduce has read the staging tile before it is stored into
+            # again (at this step's end, after the P^T barrier below orders every thread after
+            # this).
+            tma.store_wait(0)
         # wgmma groups retire in issue order: N outstanding means all but the last N landed.
         s_a = warpgroup_mma_wait(1, deps=[s_a_tok])
         p_a = _probs(s_a, lse_rows.slice(0, HALF), qk_scale, masked, key0, m0, len_q, len_k, diag)
-        p_wg.slice(0, HALF, dim=1).store(p_a.to(dtype))
-        fence_async_shared()
-        _partition_barrier()
-        dv_tok = warpgroup_mma(p_wg.slice(0, HALF, dim=1), do_t.slice(0, HALF), dv, is_async=True)
+        if P_IN_REGS:
+            p_a_op = gl.convert_layout(p_a.to(dtype), p_op_layout)
+            dv_tok = warpgroup_mma(p_a_op, do_t.slice(0, HALF), dv, is_async=True)
+        else:
+            p_wg.slice(0, HALF, dim=1).store(p_a.to(dtype))
+            fence_async_shared()
+            _partition_barrier()
+            dv_tok = warpgroup_mma(
+                p_wg.slice(0, HALF, dim=1), do_t.slice(0, HALF), dv, is_async=True
+            )
         dp_a = warpgroup_mma_wait(1, deps=[dp_a_tok])
         ds_a = _dscores(p_a, dp_a, delta_rows.slice(0, HALF), masked, key0, m0, len_q, len_k, diag)
         # dS^T into this warpgroup's rows of the shared tile (the caller fences and waits).
         ds_wg.slice(0, HALF, dim=1).store(ds_a.to(dtype))
         s_b_tok = warpgroup_mma(k_wg, q_b, zero, use_acc=False, is_async=True)
         dp_b_tok = warpgroup_mma(v_wg, do_b, zero, use_acc=False, is_async=True)
-        s_b = warpgroup_mma_wait(1, deps=[s_b_tok])
+        if P_IN_REGS:
+            # One outstanding (dP^T of this half): the first half's dV has landed too.
+            s_b, p_a_op = warpgroup_mma_wait(1, deps=[s_b_tok, p_a_op])
+        else:
+            s_b = warpgroup_mma_wait(1, deps=[s_b_tok])
         p_b = _probs(
             s_b, lse_rows.slice(HALF, HALF), qk_scale, masked, key0, m0 + HALF, len_q, len_k,
             diag,
         )  # fmt: skip
-        p_wg.slice(HALF, HALF, dim=1).store(p_b.to(dtype))
-        fence_async_shared()
-        _partition_barrier()
-        dv_tok = warpgroup_mma(
-            p_wg.slice(HALF, HALF, dim=1), do_t.slice(HALF, HALF), dv_tok, is_async=True
-        )
+        if P_IN_REGS:
+            p_b_op = gl.convert_layout(p_b.to(dtype), p_op_layout)
+            dv_tok = warpgroup_mma(p_b_op, do_t.slice(HALF, HALF), dv_tok, is_async=True)
+        else:
+            p_wg.slice(HALF, HALF, dim=1).store(p_b.to(dtype))
+            fence_async_shared()
+            _partition_barrier()
+            dv_tok = warpgroup_mma(
+                p_wg.slice(HALF, HALF, dim=1), do_t.slice(HALF, HALF), dv_tok, is_async=True
+            )
         dp_b = warpgroup_mma_wait(1, deps=[dp_b_tok])
         ds_b = _dscores(
             p_b, dp_b, delta_rows.slice(HALF, HALF), masked, key0, m0 + HALF, len_q, len_k,
             diag,
         )  # fmt: skip
         ds_wg.slice(HALF, HALF, dim=1).store(ds_b.to(dtype))
-        return dv_tok
+        if P_IN_REGS:
+            pending = (dv_tok, p_b_op)
+        else:
+            pending = dv_tok
+        return pending
 
     @gluon.jit
-    def _consumer(args, WG: gl.constexpr, DQ_FIRST: gl.constexpr):
+    def _consumer(
+        args, WG: gl.constexpr, DQ_FIRST: gl.constexpr, WAIT_LATE: gl.constexpr,
+        P_IN_REGS: gl.constexpr,
+    ):  # fmt: skip
         """One warpgroup: dK and dV of its 64 keys, and its half of each step's dQ share (its
         64 columns at d = 128, every other step's share at d = 64, its 64 rows of each step's
         at BLOCK_M = 128). `args` is the producer's argument list (a partition's constants
-        must sit at the top of its own); DQ_FIRST: see `DQ_BEFORE_DK`."""
+        must sit at the top of its own); DQ_FIRST: see `DQ_BEFORE_DK`; WAIT_LATE: see
+        `DQ_WAIT_LATE`; P_IN_REGS: see `P_FROM_REGISTERS`."""
         descs, smem, bars, seq, strides, ptrs, scales = args
         q_smem, k_smem, v_smem, do_smem, lse_smem, delta_smem, ds_smem, p_smem, dq_smem = smem
         kv_bar, ready, empty, ds_ready = bars
@@ -382,6 +441,9 @@ if GLUON_AVAILABLE:
         )
         dq_layout: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, DQ_COLS, 16]
+        )
+        p_op_layout: gl.constexpr = gl.DotOperandLayout(
+            operand_index=0, parent=acc_layout, k_width=2
         )
 
         # Query-indexed vectors of a key-major tile hold BLOCK_M / 4 values a thread: LSE and
@@ -421,6 +483,7 @@ if GLUON_AVAILABLE:
             stage = it % NUM_STAGES
             g = it // m_count
             m0 = m_lo + (it - g * m_count) * BLOCK_M
+            p_ops = (None, None)  # P^T's registers while dV is in flight (P_IN_REGS)
             mbarrier.wait(ready.index(stage), (it // NUM_STAGES) & 1)
             q_t = q_smem.index(stage)
             do_t = do_smem.index(stage)
@@ -435,9 +498,15 @@ if GLUON_AVAILABLE:
                 # `res` (0): key indices the compiler cannot hoist out of the loop (their
                 # predicates, kept across it, spilled)
                 bounds = (start_n + WG * KEYS + res, m0, len_q, len_k, diag)
-                dv_tok = _scores_by_halves(
-                    k_wg, v_wg, q_t, do_t, p_wg, ds_wg, rows, dv, qk_scale, masked, bounds
-                )
+                pending = _scores_by_halves(
+                    k_wg, v_wg, q_t, do_t, p_wg, ds_wg, rows, dv, qk_scale, masked, bounds,
+                    WAIT_LATE, P_IN_REGS,
+                )  # fmt: skip
+                if P_IN_REGS:
+                    dv_tok, p_last = pending
+                    p_ops = (p_last, None)
+                else:
+                    dv_tok = pending
             else:
                 s_tok = warpgroup_mma(
                     k_wg, q_t.permute((1, 0)), zero_s, use_acc=False, is_async=True
@@ -445,10 +514,11 @@ if GLUON_AVAILABLE:
                 dp_tok = warpgroup_mma(
                     v_wg, do_t.permute((1, 0)), zero_s, use_acc=False, is_async=True
                 )
-                # The previous step's dQ reduce has read `dq_wg` before it is stored into again
-                # (at this step's end, after the P^T barrier below orders every thread after
-                # this).
-                tma.store_wait(0)
+                if not WAIT_LATE:
+                    # The previous step's dQ reduce has read `dq_wg` before it is stored into
+                    # again (at this step's end, after the P^T barrier below orders every thread
+                    # after this).
+                    tma.store_wait(0)
                 # Rows that saw no key carry LSE -inf; their P is masked to 0, and any finite
                 # stand-in keeps exp2 from producing NaN first.
                 lse = lse_smem.index(stage).load(q_vec)
@@ -459,10 +529,17 @@ if GLUON_AVAILABLE:
                 masked = key_edge | (m0 + BLOCK_M > len_q) | (m0 < diag_rows)
                 if masked:
                     p_t = _visible_keys(p_t, start_n + WG * KEYS, m0, len_q, len_k, diag)
-                p_wg.store(p_t.to(dtype))
-                fence_async_shared()
-                _partition_barrier()
-                dv_tok = warpgroup_mma(p_wg, do_t, dv, is_async=True)
+                if P_IN_REGS:
+                    # P^T [keys, queries] is the A operand of dV += P^T dO as it stands: its
+                    # registers go to the product, kept live until dV lands (`_wait_dv`).
+                    p_op = gl.convert_layout(p_t.to(dtype), p_op_layout)
+                    dv_tok = warpgroup_mma(p_op, do_t, dv, is_async=True)
+                    p_ops = (p_op, None)
+                else:
+                    p_wg.store(p_t.to(dtype))
+                    fence_async_shared()
+                    _partition_barrier()
+                    dv_tok = warpgroup_mma(p_wg, do_t, dv, is_async=True)
                 delta = delta_smem.index(stage).load(q_vec)
                 # wgmma groups retire in issue order: one outstanding (dV) means dP^T landed.
                 dp_t = warpgroup_mma_wait(1, deps=[dp_tok])
@@ -500,21 +577,23 @@ if GLUON_AVAILABLE:
                     # run while the tensor cores work on dK (groups retire in issue order: one
                     # outstanding means dV and dQ landed).
                     dk_tok = warpgroup_mma(ds_wg, q_t, dk, is_async=True)
-                    dv, dq = warpgroup_mma_wait(1, deps=[dv_tok, dq_tok])
+                    dv, dq = _wait_dv(1, dv_tok, dq_tok, p_ops, P_IN_REGS)
                 else:
-                    dv, dk = warpgroup_mma_wait(1, deps=[dv_tok, dk_tok])
+                    dv, dk = _wait_dv(1, dv_tok, dk_tok, p_ops, P_IN_REGS)
                     _release(empty.index(stage))
                     dq = warpgroup_mma_wait(0, deps=[dq_tok])
-                if SPLIT_ROWS:
-                    # The accumulator is contiguous (`dq_accumulator`): a sequence's rows start
-                    # at a whole grid row and head h at column h * stride_h, so no 64-bit
-                    # division (a subroutine call in the loop) is needed.
-                    dq_row = z * (stride_dqb // stride_dqs) + start_q + m0 + dq_row0
-                    dq_col = (h_kv * group + g) * stride_dqh
-                else:
-                    dq_row, dq_col = _tile_origin(
-                        z, h_kv * group + g, start_q + m0, stride_dqb, stride_dqh, stride_dqs
-                    )
+                # The accumulator is contiguous (`dq_accumulator`): a sequence's rows start at a
+                # whole grid row and head h at column h * stride_h, so no division (a 64-bit one
+                # is a subroutine call; a 32-bit one some twenty instructions a step) is needed.
+                dq_row = z * (stride_dqb // stride_dqs) + start_q + m0 + dq_row0
+                dq_col = (h_kv * group + g) * stride_dqh
+                if WAIT_LATE:
+                    # The previous step's reduce has read `dq_wg` (its issuing thread waits, the
+                    # barrier tells the others): waited for here, a step after the reduce was
+                    # issued, not at the step's start, where the wait held up the S^T and dP^T
+                    # products' issue behind the TMA unit's backlog (Nsight Compute, d=128).
+                    tma.store_wait(0)
+                    _partition_barrier()
                 _reduce_dq(dq, dq_wg, dq_desc, dq_row, dq_col + dq_col0)
                 if DQ_FIRST:
                     dk = warpgroup_mma_wait(0, deps=[dk_tok])
@@ -522,7 +601,7 @@ if GLUON_AVAILABLE:
             else:
                 if DQ_FIRST:
                     dk_tok = warpgroup_mma(ds_wg, q_t, dk, is_async=True)
-                dv, dk = warpgroup_mma_wait(0, deps=[dv_tok, dk_tok])
+                dv, dk = _wait_dv(0, dv_tok, dk_tok, p_ops, P_IN_REGS)
                 _release(empty.index(stage))
         tma.store_wait(0)  # the last reduce's read of shared memory, before the program ends
 
@@ -559,6 +638,7 @@ if GLUON_AVAILABLE:
         HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
         NUM_STAGES: gl.constexpr, SEQ_MODE_Q: gl.constexpr, SEQ_MODE_K: gl.constexpr,
         IS_CAUSAL: gl.constexpr, BOTTOM_RIGHT: gl.constexpr, DQ_FIRST: gl.constexpr,
+        WAIT_LATE: gl.constexpr, P_IN_REGS: gl.constexpr,
     ):  # fmt: skip
         """One program: BLOCK_N keys of one (sequence, KV head), over its GQA group's queries;
         order_pairs: the causal launch order's interleave (`_interleaved_tile`)."""
@@ -634,7 +714,11 @@ if GLUON_AVAILABLE:
             (lse_ptr, delta_ptr, dk_ptr, dv_ptr), (qk_scale, sm_scale),
         )  # fmt: skip
         gl.warp_specialize(
-            [(_consumer, (args, 0, DQ_FIRST)), (_consumer, (args, 1, DQ_FIRST)), (_producer, args)],
+            [
+                (_consumer, (args, 0, DQ_FIRST, WAIT_LATE, P_IN_REGS)),
+                (_consumer, (args, 1, DQ_FIRST, WAIT_LATE, P_IN_REGS)),
+                (_producer, args),
+            ],  # fmt: skip
             [4, 4],  # consumer warpgroup 1, and the producer as a whole warpgroup (forward)
             # The default partition gets the rest: 3 x 168 - 240 - 24 = 240. With 128-row steps
             # the producer gets 32: values the partitions share stay live through all three
@@ -729,7 +813,9 @@ def backward_sm90(
         float(softmax_scale) * LOG2E, float(softmax_scale), order_pairs,
         HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=BLOCK_N, NUM_STAGES=stages,
         SEQ_MODE_Q=geom.q.mode, SEQ_MODE_K=geom.k.mode, IS_CAUSAL=bool(causal),
-        BOTTOM_RIGHT=bool(bottom_right), DQ_FIRST=DQ_BEFORE_DK[d], num_warps=CONSUMER_WARPS,
+        BOTTOM_RIGHT=bool(bottom_right), DQ_FIRST=DQ_BEFORE_DK[d], WAIT_LATE=DQ_WAIT_LATE[d],
+        P_IN_REGS=P_FROM_REGISTERS[d],
+        num_warps=CONSUMER_WARPS,
         maxnreg=MAX_REGISTERS, signature=signature,
     )  # fmt: skip
     return dq_acc

@@ -5,6 +5,8 @@
         [--dims 64,128] [--seqlens 1024,2048,4096,16384] [--rounds 3] [--json PATH]
     python examples/perf/ab_sm90_variants.py --set persistent [--causal 0,1] --dims 128,64
     python examples/perf/ab_sm90_variants.py --set dq_order --passes fwdbwd --causal 0,1
+    python examples/perf/ab_sm90_variants.py --set dq_wait --passes fwdbwd --dims 128,64
+    python examples/perf/ab_sm90_variants.py --set p_regs --passes fwdbwd --dims 128,64
 
 A variant set flips module settings in this process (`variants`):
 - `consumers`: the sm_90 forward with two and with three consumer warpgroups
@@ -17,6 +19,12 @@ A variant set flips module settings in this process (`variants`):
   forward.
 - `dq_order`: the sm_90 backward issuing each step's dK product before dQ and after it
   (`_flash_bwd_sm90.DQ_BEFORE_DK`), and the portable backward.
+- `dq_wait`: the sm_90 backward's consumers waiting for their previous dQ reduce at the step's
+  start and just before the next store into its staging tile (`_flash_bwd_sm90.DQ_WAIT_LATE`),
+  and the portable backward.
+- `p_regs`: the sm_90 backward's dV product taking P^T from shared memory and from registers
+  (`_flash_bwd_sm90.P_FROM_REGISTERS`), at d = 128 the latter also with three pipeline stages
+  (`_flash_bwd_sm90.TILES`, which fit once P^T leaves shared memory), and the portable backward.
 To compare another variant, add its flip to `variants`.
 
 bf16, b = 16384 / s, h = 2048 / d, inputs needing gradients as a training step has them. Each
@@ -53,8 +61,15 @@ SAVED = {
     "order": _common.CAUSAL_ORDER_L2_BYTES,
     "persistent": dict(_flash_fwd_sm90.PERSISTENT),
     "persistent_causal": dict(_flash_fwd_sm90.PERSISTENT_CAUSAL),
-    "dq_order": dict(_flash_bwd_sm90.DQ_BEFORE_DK),
 }
+# The sm_90 backward's per-head-dim switches a variant may flip, by `select` keyword.
+BACKWARD_SWITCHES = {
+    "dq_first": _flash_bwd_sm90.DQ_BEFORE_DK,
+    "wait_late": _flash_bwd_sm90.DQ_WAIT_LATE,
+    "p_regs": _flash_bwd_sm90.P_FROM_REGISTERS,
+    "tile": _flash_bwd_sm90.TILES,
+}
+SAVED.update({name: dict(table) for name, table in BACKWARD_SWITCHES.items()})
 
 
 def timed(fn, grads=None) -> float:
@@ -66,7 +81,8 @@ def restore() -> None:
     _common.CAUSAL_ORDER_L2_BYTES = SAVED["order"]
     _flash_fwd_sm90.PERSISTENT.update(SAVED["persistent"])
     _flash_fwd_sm90.PERSISTENT_CAUSAL.update(SAVED["persistent_causal"])
-    _flash_bwd_sm90.DQ_BEFORE_DK.update(SAVED["dq_order"])
+    for name, table in BACKWARD_SWITCHES.items():
+        table.update(SAVED[name])
     set_forward_path("auto")
     set_backward_path("auto")
 
@@ -74,7 +90,7 @@ def restore() -> None:
 def variants(which: str, d: int) -> dict:
     """name -> a function that selects that variant before a call; the first is the reference."""
 
-    def select(path, consumers=None, order=None, persistent=None, dq_first=None):
+    def select(path, consumers=None, order=None, persistent=None, **backward):
         def apply():
             restore()
             set_forward_path(path)
@@ -86,8 +102,8 @@ def variants(which: str, d: int) -> dict:
             if persistent is not None:
                 _flash_fwd_sm90.PERSISTENT[d] = persistent
                 _flash_fwd_sm90.PERSISTENT_CAUSAL[d] = persistent
-            if dq_first is not None:
-                _flash_bwd_sm90.DQ_BEFORE_DK[d] = dq_first
+            for name, value in backward.items():
+                BACKWARD_SWITCHES[name][d] = value
 
         return apply
 
@@ -108,6 +124,22 @@ def variants(which: str, d: int) -> dict:
             "portable": select("portable"),
             "sm90-dk-first": select("sm90", dq_first=False),
             "sm90-dq-first": select("sm90", dq_first=True),
+        }
+    if which == "p_regs":
+        block_m = _flash_bwd_sm90.TILES[d][0]
+        chosen = {
+            "portable": select("portable"),
+            "sm90-p-smem": select("sm90", p_regs=False, tile=(block_m, 2)),
+            "sm90-p-regs": select("sm90", p_regs=True, tile=(block_m, 2)),
+        }
+        if d == 128:  # d = 64's 128-row step has no room for a third stage either way
+            chosen["sm90-p-regs-3-stages"] = select("sm90", p_regs=True, tile=(block_m, 3))
+        return chosen
+    if which == "dq_wait":
+        return {
+            "portable": select("portable"),
+            "sm90-wait-at-start": select("sm90", wait_late=False),
+            "sm90-wait-before-store": select("sm90", wait_late=True),
         }
     return {
         "portable-pairwise": select("portable", order=0),
@@ -176,9 +208,8 @@ def measure(which: str, d: int, s: int, causal: bool, passes: list[str], rounds:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument(
-        "--set", choices=("consumers", "order", "persistent", "dq_order"), default="consumers"
-    )
+    sets = ("consumers", "order", "persistent", "dq_order", "dq_wait", "p_regs")
+    parser.add_argument("--set", choices=sets, default="consumers")
     parser.add_argument("--dims", default="64")
     parser.add_argument("--seqlens", default="1024,4096,16384")
     parser.add_argument("--causal", default="0,1", help="which of 0 (no mask) and 1 to run")
