@@ -25,9 +25,10 @@ _path = "auto"
 # examples/perf/tune_sm90_backward.py (bf16, b*s = 16k tokens, h*d = 2048, docs/performance.md,
 # "The sm_90 backward"): with the TMA reduce of dQ, d=128 backward 1.04-1.11x the portable one at
 # s = 1k and 2k, causal and not (shorter lengths not measured), and more from 4k on. d=64, with
-# 128-row query steps (`_flash_bwd_sm90.TILES`): 0.81-0.86x the portable backward at 1k, level
-# at 4k, 1.04x non-causal and level causal at 8k, 1.05-1.06x at 16k, so from 8k.
-SM90_BWD_MIN_KEYS: dict[int, int | None] = {128: 1024, 64: 8192}
+# 128-row query steps (`_flash_bwd_sm90.TILES`): 0.81-0.86x the portable backward at 1k; since
+# the dQ reduce's wait moved and P^T feeds dV from registers (2026-11-26), forward+backward
+# 1.08x and 0.98x (causal) at 2k, 1.14x and 1.09x at 4k, 1.14-1.15x at 16k, so from 4k.
+SM90_BWD_MIN_KEYS: dict[int, int | None] = {128: 1024, 64: 4096}
 # "auto" also wants this many waves of programs (one per 128 keys of each sequence and KV head,
 # one program per SM): the measured launches had 15; unlike the portable dK/dV pass, which
 # deals a GQA group over several programs when there are few (`_flash_bwd.group_splits`), this
