@@ -13,8 +13,24 @@ program are the s_q queries times the `group = h_q // h_kv` query heads that rea
 packed into one [BLOCK_M, d] tile (row r = query i * group + head g), so each K/V tile is read
 once per KV head, not once per query head. The visible key range of the tile is cut into
 `num_splits` equal runs of key blocks, one per program; each program writes its rows' partial
-output (normalized by its own softmax sum) and partial LSE in fp32, and `_decode_combine` merges
-the splits by LSE. With one split the main kernel writes the final output directly.
+output (normalized by its own softmax sum) and partial LSE in fp32, and the splits are merged by
+LSE: with `FUSED_COMBINE`, where one program can load all of a tile's partials at once
+(`_fuses_merge`), by the tile's last split program to finish, in the same launch; else by a
+second launch, `_decode_combine`. With one split the main kernel writes the final output
+directly (one launch either way).
+
+The fused merge: each split program, after its partial stores, takes a ticket from its tile's
+int32 counter (an atomic add, acquire-release); the one drawing num_splits - 1 reads all the
+tile's partials, writes out and lse, and sets the counter back to 0. The counters are one
+zeroed buffer per device kept by this module (`_ticket_counters`), so a call allocates and
+zeroes nothing for them and a CUDA graph replays with the counters it captured.
+Assumption: fused split calls on one device do not overlap in time, i.e. they run on one
+stream or on streams ordered by events (as every decode path of this library does:
+`flash_attn_with_kvcache`, `MultiheadAttention` decoding through `InferenceParams`,
+`GPT.generate` and `DecodeGraph`, whose warm-up stream is joined both ways and whose replays
+run on the caller's stream). Two such calls running concurrently on unordered streams would
+share tile counters and could merge a tile before all its splits are in; set
+`FUSED_COMBINE = False` for such use.
 
 Positions: key j is cache row j of its sequence (paged: row j % page_size of page
 block_table[z, j // page_size]); query i sits at position seqlens_k - s_q + i (bottom-right
@@ -81,6 +97,20 @@ _CANDIDATES = [
 ]
 _INTERPRET_CONFIG = (16, 4, 1)
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+# Split calls merge their splits in the main launch (its last program per tile) when True and
+# the merge fits one load (`_fuses_merge`), else in a second launch. Read per call, so one
+# process can time both (examples/perf/decode_splits.py --combine). On the H100 (graph
+# replays, GQA 32:8, d = 128, the heuristic's split count) the fused merge read 0.9-1.2 us
+# faster per call at b = 1 and 8 with 1k-32k keys (11.5 against 12.4 us at b = 1, 1k keys);
+# a merge stepping through rows or splits in one program read ~8 us slower at b = 1, 8k keys,
+# 33 splits (docs/performance.md, "The split merge in the decode kernel").
+FUSED_COMBINE = True
+# The fused merge loads [rows, splits, BLOCK_D] fp32 partials at once, at most this many
+# elements (64 registers a thread at 4 warps); larger merges take the second launch.
+_COMBINE_ELEMENTS = 8192
+# Ticket counters per device: the smallest buffer made, so growing is rare (4 KiB).
+_MIN_TICKETS = 1024
 
 
 def check_page_size(page_size: int) -> None:
@@ -194,7 +224,7 @@ def _split_range(lo, hi, split, num_splits, BLOCK_N: tl.constexpr):
 
 @triton.jit
 def _decode_fwd(
-    q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, o_part_ptr, lse_part_ptr,
+    q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, o_part_ptr, lse_part_ptr, ticket_ptr,
     seqlens_ptr, batch_idx_ptr, leftpad_ptr, table_ptr, alibi_ptr,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
@@ -210,13 +240,18 @@ def _decode_fwd(
     PAGED: tl.constexpr, HAS_BATCH_IDX: tl.constexpr, HAS_LEFTPAD: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    FUSED_COMBINE: tl.constexpr, BLOCK_S: tl.constexpr, COMBINE_ROWS: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     """One program: BLOCK_M packed query rows of (sequence z, KV head) over one split's keys.
 
     Grid (b * h_kv * num_m, num_splits). SPLIT: write normalized partial rows and LSEs to
     o_part [b, s_q, h_q, splits, BLOCK_D] / lse_part [b, s_q, h_q, splits] (strides p*, qp*);
-    else the final out and lse. CACHE_BUCKET only keys the autotuner.
+    else the final out and lse. FUSED_COMBINE (with SPLIT): the program that finishes its tile
+    last also merges the tile's partials into out and lse (`_combine_tile`), counting finished
+    splits in ticket int32 [>= b * h_kv * num_m] (one counter per tile, zero between calls);
+    BLOCK_S = next_pow2(num_splits), COMBINE_ROWS = next_pow2(rows of a tile) its load shape.
+    Otherwise ticket_ptr and those two are unused. CACHE_BUCKET only keys the autotuner.
     """
     tl.static_assert(BLOCK_D >= HEAD_DIM)
     pid = tl.program_id(0)
@@ -319,11 +354,103 @@ def _decode_fwd(
         tl.store(o_part_ptr + part[:, None] + offs_d[None, :], out, mask=row_ok[:, None])
         part_l = z64 * stride_qpb + qi64 * stride_qps + h64 * stride_qph + split
         tl.store(lse_part_ptr + part_l, lse, mask=row_ok)
+        if FUSED_COMBINE:
+            # Every split program of the tile, empty or not, takes exactly one ticket: the one
+            # that draws num_splits - 1 knows all the tile's partials are stored.
+            if _last_split_done(ticket_ptr + pid, num_splits):
+                _combine_tile(
+                    out_ptr, lse_ptr, o_part_ptr, lse_part_ptr, z64, h_kv, m_blk * BLOCK_M,
+                    tl.minimum(m_blk * BLOCK_M + BLOCK_M, n_rows), group, num_splits,
+                    stride_ob, stride_os, stride_oh, stride_lb, stride_lh, stride_ls,
+                    stride_pb, stride_ps, stride_ph, stride_pp, stride_qpb, stride_qps,
+                    stride_qph, HEAD_DIM, BLOCK_D, BLOCK_S, COMBINE_ROWS,
+                )  # fmt: skip
+                # Every split of this tile has counted itself, so nothing in this launch reads
+                # the counter again; the next launch on the stream (or graph replay) starts
+                # after this store, so it finds 0 without a memset.
+                tl.store(ticket_ptr + pid, 0)
     else:
-        o_rows = z64 * stride_ob + qi64 * stride_os + h64 * stride_oh
-        tl.store(out_ptr + o_rows[:, None] + offs_d[None, :], out.to(out_ptr.dtype.element_ty),
-                 mask=row_ok[:, None] & dim_ok[None, :])  # fmt: skip
-        tl.store(lse_ptr + z64 * stride_lb + h64 * stride_lh + qi64 * stride_ls, lse, mask=row_ok)
+        _store_rows(out_ptr, lse_ptr, z64, qi64, h64, row_ok, dim_ok, offs_d, out, lse,
+                    stride_ob, stride_os, stride_oh, stride_lb, stride_lh, stride_ls)  # fmt: skip
+
+
+@triton.jit
+def _store_rows(out_ptr, lse_ptr, z64, qi64, h64, row_ok, dim_ok, offs_d, out, lse,
+                stride_ob, stride_os, stride_oh, stride_lb, stride_lh, stride_ls):  # fmt: skip
+    """Final rows: out [R, BLOCK_D] (fp32, stored in out's dtype, the head dim's padding
+    dropped) and lse [R] of query qi64 [R], head h64 [R] of sequence z64."""
+    o_rows = z64 * stride_ob + qi64 * stride_os + h64 * stride_oh
+    tl.store(out_ptr + o_rows[:, None] + offs_d[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & dim_ok[None, :])  # fmt: skip
+    tl.store(lse_ptr + z64 * stride_lb + h64 * stride_lh + qi64 * stride_ls, lse, mask=row_ok)
+
+
+@triton.jit
+def _last_split_done(ticket_ptr, num_splits):
+    """Count this program's split as finished in its tile's counter; True in the program whose
+    count completes the tile (ticket num_splits - 1), after which it may read every partial.
+
+    Why the partials are visible to that program on the GPU: the barrier first orders every
+    thread's partial stores before the one thread that runs the (scalar) atomic; the atomic's
+    release half publishes them, cumulatively, at GPU scope. The adds on one counter form a
+    single order, each reading the one before it, so the last ticket's acquire half
+    synchronizes with every earlier split's release and orders all their stores before this
+    thread's later loads; the barrier after it extends that to the program's other threads
+    (Triton also broadcasts the scalar result through shared memory behind a barrier), and
+    `_combine_tile` reads with `.cg` (from L2, never a stale line in the SM's L1) besides.
+    Under the interpreter programs run one after another and the barriers do nothing.
+    """
+    tl.debug_barrier()
+    ticket = tl.atomic_add(ticket_ptr, 1, sem="acq_rel", scope="gpu")
+    tl.debug_barrier()
+    return ticket == num_splits - 1
+
+
+@triton.jit
+def _combine_tile(
+    out_ptr, lse_ptr, o_part_ptr, lse_part_ptr, z64, h_kv, row_lo, row_hi, group, num_splits,
+    stride_ob, stride_os, stride_oh, stride_lb, stride_lh, stride_ls,
+    stride_pb, stride_ps, stride_ph, stride_pp, stride_qpb, stride_qps, stride_qph,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+    COMBINE_ROWS: tl.constexpr,
+):  # fmt: skip
+    """`_decode_combine`'s merge for the packed rows [row_lo, row_hi) of one tile (sequence
+    z64, KV head h_kv), in one program: out = sum_s w_s o_s, w_s = exp(lse_s - lse),
+    lse = log sum_s exp(lse_s); splits with LSE -inf weigh 0, all -inf gives 0 and -inf.
+
+    The tile's rows (at most COMBINE_ROWS) load their LSEs [rows, BLOCK_S] and partials
+    [rows, BLOCK_S, BLOCK_D] together, one round trip to L2: the plan fuses the merge only where
+    that load fits the register budget (`_fuses_merge`), since a program stepping through the
+    rows or splits waits for L2 once per step, which measured slower than the second launch
+    (docs/performance.md, "The split merge in the decode kernel").
+    """
+    offs_d = tl.arange(0, BLOCK_D)
+    dim_ok = offs_d < HEAD_DIM
+    offs_s = tl.arange(0, BLOCK_S)
+    rows = row_lo + tl.arange(0, COMBINE_ROWS)
+    row_ok = rows < row_hi
+    qi64 = (rows // group).to(tl.int64)
+    h64 = (h_kv * group + rows % group).to(tl.int64)
+    lse_rows = lse_part_ptr + z64 * stride_qpb + qi64 * stride_qps + h64 * stride_qph
+    o_rows = o_part_ptr + z64 * stride_pb + qi64 * stride_ps + h64 * stride_ph
+    s_ok = row_ok[:, None] & (offs_s < num_splits)[None, :]
+    lse_s = tl.load(lse_rows[:, None] + offs_s[None, :], mask=s_ok, other=float("-inf"),
+                    cache_modifier=".cg")  # fmt: skip
+    m = tl.max(lse_s, 1)
+    m_shift = tl.where(m == float("-inf"), 0.0, m)
+    o = tl.load(
+        o_rows[:, None, None] + offs_s[None, :, None] * stride_pp + offs_d[None, None, :],
+        mask=s_ok[:, :, None], other=0.0, cache_modifier=".cg",
+    )  # fmt: skip
+    w = tl.exp(lse_s - m_shift[:, None])  # 0 for empty splits and padding
+    total = tl.sum(w, 1)
+    acc = tl.sum(o * w[:, :, None], 1)
+    has_keys = total > 0.0
+    t_safe = tl.where(has_keys, total, 1.0)
+    out = tl.where(has_keys[:, None], acc / t_safe[:, None], 0.0)
+    lse = tl.where(has_keys, m_shift + tl.log(t_safe), float("-inf"))
+    _store_rows(out_ptr, lse_ptr, z64, qi64, h64, row_ok, dim_ok, offs_d, out, lse,
+                stride_ob, stride_os, stride_oh, stride_lb, stride_lh, stride_ls)  # fmt: skip
 
 
 @triton.jit
@@ -367,7 +494,8 @@ def _decode_combine(
 
 _decode_fwd_tuned = triton.autotune(
     configs=_configs(),
-    key=["HEAD_DIM", "BLOCK_M", "PAGED", "page_size", "SPLIT", "num_splits", "CACHE_BUCKET"],
+    key=["HEAD_DIM", "BLOCK_M", "PAGED", "page_size", "SPLIT", "FUSED_COMBINE"]
+    + ["num_splits", "CACHE_BUCKET"],
     prune_configs_by={"early_config_prune": _prune_configs},
 )(_decode_fwd)
 
@@ -380,22 +508,29 @@ _decode_fwd_tuned = triton.autotune(
 class DecodePlan(NamedTuple):
     """What `decode_attention`'s launches derive from a call's signature (shapes, strides,
     dtypes, devices of every input, the scalar arguments and `MAX_BLOCK_M`), made once per
-    signature by `_make_plan`. Per call there is left: three allocations and the launches."""
+    signature by `_make_plan`. Per call there is left: three allocations (out, lse, the
+    partials) and the launches; the main launch's constexprs, tuning key and slot come in two
+    versions for a split call, the separate combine's (`constexprs`, ...) and the fused one's
+    (`fused_constexprs`, ...), picked per call by `FUSED_COMBINE`."""
 
     out_shape: tuple[int, ...]
     lse_shape: tuple[int, ...]
     num_splits: int  # after the heuristic (`num_splits_heuristic`) and the caps
     workspace: int  # fp32 elements of the split partials: o_part, then lse_part (0: no split)
     lse_part_at: int  # where lse_part starts in the workspace
-    grid: tuple[int, int]
+    grid: tuple[int, int]  # (tiles, num_splits): the fused merge takes one counter per tile
     ints: tuple  # the main launch's arguments after its tensors
-    constexprs: dict
+    constexprs: dict  # no split, or split with the separate combine launch
     tuning: tuple  # the key of the autotuner's pick in `_PICKED`
     combine_grid: tuple[int]
     combine_ints: tuple  # the combine pass's arguments after its tensors
     combine_kwargs: dict
     slot: dict  # `_launch.launch_slot` of the main launch (per autotuner pick)
     combine_slot: dict
+    # split with the merge in the main launch (None: no split, or a merge too large to fuse)
+    fused_constexprs: dict | None
+    fused_tuning: tuple | None
+    fused_slot: dict | None
 
 
 # Plans by (signature, MAX_BLOCK_M); bounded by `remember`.
@@ -431,6 +566,8 @@ def decode_attention(
     view (stride_b may be 0). num_splits: 0 = heuristic, 1 = no combine pass.
     Returns out [b, s_q, h_q, d] in q's dtype and lse fp32 [b, h_q, s_q]. No host sync.
     Everything the launches derive from the call's signature is planned once (`DecodePlan`).
+    A split call is one launch with `FUSED_COMBINE` (see the module docstring for its stream
+    assumption), else two.
     """
     # The kernel indexes these with unit strides; copies only when a caller passed strided views.
     q = q if q.stride(-1) == 1 else q.contiguous()
@@ -465,8 +602,12 @@ def decode_attention(
     else:
         o_part = lse_part = lse  # unused placeholders
     dummy = seqlens_k
+    tickets = None
+    if plan.fused_constexprs is not None and FUSED_COMBINE:
+        tickets = _ticket_counters(q.device, plan.grid[0])  # None: the separate merge this once
     args = (
-        q, k_cache, v_cache, out, lse, o_part, lse_part, seqlens_k,
+        q, k_cache, v_cache, out, lse, o_part, lse_part,
+        tickets if tickets is not None else dummy, seqlens_k,
         cache_batch_idx if cache_batch_idx is not None else dummy,
         cache_leftpad if cache_leftpad is not None else dummy,
         block_table if block_table is not None else dummy,
@@ -475,6 +616,10 @@ def decode_attention(
     )  # fmt: skip
     # The resolved split count joins the signature: a runtime int the launches specialize on.
     signature = (signature, plan.num_splits)
+    if tickets is not None:
+        _launch(plan.grid, args, plan.fused_constexprs, signature, plan.fused_tuning,
+                plan.fused_slot)  # fmt: skip
+        return out, lse
     _launch(plan.grid, args, plan.constexprs, signature, plan.tuning, plan.slot)
     if plan.workspace:
         launch(_decode_combine, plan.combine_grid,
@@ -482,6 +627,57 @@ def decode_attention(
             **plan.combine_kwargs, signature=signature, slot=plan.combine_slot,
         )  # fmt: skip
     return out, lse
+
+
+# The fused merge's ticket counters: one zeroed int32 buffer per device, replaced by a larger one
+# when a call has more tiles than it holds. Every launch leaves its counters at 0, so the buffer
+# is zeroed once, when made, and never again. Replaced buffers are kept, never freed: a CUDA
+# graph captured earlier still replays on the one it captured.
+_TICKETS: dict[torch.device, torch.Tensor] = {}
+_RETIRED_TICKETS: list[torch.Tensor] = []
+
+
+def _ticket_counters(device: torch.device, count: int) -> torch.Tensor | None:
+    """This device's counter buffer with at least `count` counters, all 0 when the call's
+    launch runs; None while the current stream captures a CUDA graph and the buffer is too small
+    (the caller merges in a second launch then, see `_grow_ticket_counters`)."""
+    counters = _TICKETS.get(device)
+    if counters is not None and counters.numel() >= count:
+        return counters
+    return _grow_ticket_counters(device, count)
+
+
+def _grow_ticket_counters(device: torch.device, count: int) -> torch.Tensor | None:
+    """Make the device's counter buffer (or a larger one), zeroed; outside any hot path: once
+    per device and then only when a call has more tiles than ever before.
+
+    Not under CUDA graph capture: there the zero-fill would be recorded into the graph instead
+    of run, so the buffer would hold garbage for the eager calls after the capture. A call
+    captured before any eager call of its size (the library's decode graphs always warm up
+    eagerly first) merges in a second launch instead, which is always correct."""
+    cuda = device.type == "cuda"
+    if cuda and torch.cuda.is_current_stream_capturing():
+        return None
+    old = _TICKETS.get(device)
+    size = max(next_pow2(count), _MIN_TICKETS, 2 * old.numel() if old is not None else 0)
+    counters = torch.zeros(size, dtype=torch.int32, device=device)
+    if cuda:
+        # The zero-fill ran on this stream; later calls may come on another one (DecodeGraph
+        # warms up on a side stream, then replays on the caller's). Waiting for it here, once,
+        # makes the zeros visible to every stream without events.
+        torch.cuda.current_stream(device).synchronize()
+    if old is not None:
+        _RETIRED_TICKETS.append(old)
+    _TICKETS[device] = counters
+    return counters
+
+
+def _fuses_merge(tile_rows: int, block_s: int, block_d: int) -> bool:
+    """Whether a split call merges in its main launch: only where one program loads all of a
+    tile's partials at once, [next_pow2(rows), block_s, block_d] fp32 within
+    `_COMBINE_ELEMENTS` (b = 1, GQA 32:8, d = 128: up to 16 splits). Larger merges take the
+    second launch, whose programs each merge one row."""
+    return next_pow2(tile_rows) * block_s * block_d <= _COMBINE_ELEMENTS
 
 
 def _make_plan(
@@ -534,25 +730,34 @@ def _make_plan(
         HAS_LEFT=window_left >= 0, HAS_RIGHT=window_right >= 0, HAS_SOFTCAP=softcap > 0,
         HAS_ALIBI=alibi_slopes is not None, SPLIT=split,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        FUSED_COMBINE=False, BLOCK_S=1, COMBINE_ROWS=1,
     )  # fmt: skip
+    block_s = next_pow2(num_splits)
+    fused_constexprs = None
+    tile_rows = min(n_rows, block_m)
+    if split and _fuses_merge(tile_rows, block_s, block_d):
+        fused_constexprs = dict(constexprs, FUSED_COMBINE=True, BLOCK_S=block_s,
+                                COMBINE_ROWS=next_pow2(tile_rows))  # fmt: skip
     # The autotuner's key, finer: every constexpr, the dtypes of the tensor arguments in order
-    # (out has q's, lse and the partials fp32; seqlens_k stands in for absent ones) and its
-    # runtime keys (page_size, num_splits, the cache bucket).
+    # (out has q's, lse and the partials fp32, the tickets int32 as seqlens_k, which stands in
+    # for absent ones) and its runtime keys (page_size, num_splits, the cache bucket).
     dtypes = (q.dtype, k_cache.dtype, v_cache.dtype, q.dtype, torch.float32, torch.float32,
               torch.float32, *(t.dtype if t is not None else seqlens_k.dtype for t in
-                               (seqlens_k, cache_batch_idx, cache_leftpad, block_table,
-                                alibi_slopes)))  # fmt: skip
-    block_s = next_pow2(num_splits)
+                               (seqlens_k, seqlens_k, cache_batch_idx, cache_leftpad,
+                                block_table, alibi_slopes)))  # fmt: skip
+    runtime_keys = (page_size, num_splits, bucket)
     return DecodePlan(
         out_shape=tuple(out.shape), lse_shape=tuple(lse.shape), num_splits=num_splits,
         workspace=workspace, lse_part_at=lse_part_at, grid=(tiles, num_splits), ints=ints,
-        constexprs=constexprs,
-        tuning=(tuple(constexprs.values()), dtypes, (page_size, num_splits, bucket)),
+        constexprs=constexprs, tuning=(tuple(constexprs.values()), dtypes, runtime_keys),
         combine_grid=(b * s_q * h_q,),
         combine_ints=(*out.stride()[:3], *lse.stride(), *part_strides, s_q, h_q, num_splits),
         combine_kwargs=dict(HEAD_DIM=d, BLOCK_D=block_d, BLOCK_S=block_s,
                             num_warps=4 if block_s * block_d <= 4096 else 8),
-        slot=launch_slot(), combine_slot=launch_slot(),
+        slot=launch_slot(), combine_slot=launch_slot(), fused_constexprs=fused_constexprs,
+        fused_tuning=None if fused_constexprs is None else (
+            tuple(fused_constexprs.values()), dtypes, runtime_keys),
+        fused_slot=None if fused_constexprs is None else launch_slot(),
     )  # fmt: skip
 
 

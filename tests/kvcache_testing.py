@@ -133,6 +133,38 @@ def make_kv_inputs(case: KVCase, device) -> dict:
     return dict(moved, logical_k=logical_k, logical_v=logical_v, lens=lens, pads=pads)
 
 
+# The two ways a split call merges its splits (kernels/_flash_decode.py, `FUSED_COMBINE`).
+COMBINES = ("fused", "separate")
+
+
+def pin_combine(monkeypatch, combine: str) -> list[str]:
+    """Pin the split merge to `combine` for a test; returns the list that every later
+    `_decode_combine` launch (the separate merge) appends its kernel name to."""
+    from fusedlayers.kernels import _flash_decode
+
+    assert combine in COMBINES
+    monkeypatch.setattr(_flash_decode, "FUSED_COMBINE", combine == "fused")
+    merges: list[str] = []
+    original = _flash_decode.launch
+
+    def spy(kernel, *args, **kwargs):
+        if kernel is _flash_decode._decode_combine:
+            merges.append(kernel.fn.__name__)
+        return original(kernel, *args, **kwargs)
+
+    monkeypatch.setattr(_flash_decode, "launch", spy)
+    return merges
+
+
+def tickets_all_zero() -> bool:
+    """Every ticket counter of the fused merge, on every device, current buffers and replaced
+    ones alike, is back at 0 (true also when none was made)."""
+    from fusedlayers.kernels import _flash_decode
+
+    buffers = [*_flash_decode._TICKETS.values(), *_flash_decode._RETIRED_TICKETS]
+    return not any(counters.any().item() for counters in buffers)
+
+
 def call_kernel(case: KVCase, inputs: dict, **overrides):
     """flash_attn_with_kvcache on `inputs` (the caches are updated in place) -> (out, lse)."""
     args = {

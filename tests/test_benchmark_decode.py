@@ -1,4 +1,5 @@
-"""The decode benchmark's CPU-checkable parts: byte counts, the memory plan, ratios, the table."""
+"""The decode benchmark's CPU-checkable parts: byte counts, the memory plan, ratios, the table;
+and examples/perf/decode_splits.py's arguments."""
 
 from __future__ import annotations
 
@@ -10,6 +11,10 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 
 import benchmark_decode as bd  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples" / "perf"))
+
+import decode_splits  # noqa: E402
 
 
 def test_kv_bytes_counts_both_caches():
@@ -63,3 +68,14 @@ def test_pipeline_on_the_interpreter(monkeypatch):
     assert set(row["providers"]) == {"ours", "ours-paged", "sdpa"}
     assert all(r["us"] == 250.0 and r["max_error"] < 2e-2 for r in row["providers"].values())
     assert row["vs_best"] == pytest.approx(1.0) and row["paged_vs_contiguous"] == pytest.approx(1.0)
+
+
+def test_decode_splits_times_both_merges_by_default():
+    assert decode_splits.parse_args([]).combine == ["fused", "separate"]
+    assert decode_splits.parse_args(["--combine", "separate,fused"]).combine == [
+        "separate",
+        "fused",
+    ]
+    assert decode_splits.parse_args(["--combine", "fused"]).combine == ["fused"]
+    with pytest.raises(SystemExit):
+        decode_splits.parse_args(["--combine", "fused,both"])

@@ -15,6 +15,7 @@ import os
 import pytest
 import torch
 from decode_testing import check_decode, make_mha, rope_table, run_cached, run_full_high
+from kvcache_testing import COMBINES, pin_combine, tickets_all_zero
 
 import fusedlayers.attention.frontend as front_end
 from fusedlayers.layers.inference import InferenceParams
@@ -105,6 +106,18 @@ STEPS = [7, 1, 3, 1]
 )
 def test_decode_on_the_kernel_matches_full_recompute(kernels_on_cpu, fmt, groups, paged, dtype):
     check_decode(make_mha(groups, fmt, dtype, "cpu"), 2, STEPS, paged=paged, s_max=32)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("combine", COMBINES)
+@pytest.mark.parametrize("paged", [False, True])
+def test_decode_steps_with_split_keys(kernels_on_cpu, monkeypatch, paged, combine):
+    """A cache of 256 rows: the split heuristic gives the decode kernel two splits, merged in
+    its own launch (fused) or a second one; either matches full recomputation."""
+    merges = pin_combine(monkeypatch, combine)
+    check_decode(make_mha(2, "bshd", F32, "cpu"), 2, STEPS, paged=paged, s_max=256)
+    assert tickets_all_zero()
+    assert (merges == []) == (combine == "fused")
 
 
 @needs_interpreter

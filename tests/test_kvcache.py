@@ -2,19 +2,29 @@
 
 Each case checks the cache after the append (the rows that must change and every byte that must
 not) and out/LSE against an fp64 oracle (tests/kvcache_testing.py). Then: paged against
-contiguous, split counts against each other, rows with no key, the split heuristic, and every bad
+contiguous, split counts against each other, rows with no key, the split heuristic, the two ways
+of merging splits (in the main launch's last program per tile, or a second launch), and every bad
 input raising before any write.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import re
 
 import pytest
 import torch
 from fusedlayers.kernels import _flash_decode, rotate_and_append
-from kvcache_testing import KVCase, call_kernel, check_kv_case, make_kv_inputs
+from kvcache_testing import (
+    COMBINES,
+    KVCase,
+    call_kernel,
+    check_kv_case,
+    make_kv_inputs,
+    pin_combine,
+    tickets_all_zero,
+)
 
 from fusedlayers import flash_attn_with_kvcache
 
@@ -45,8 +55,10 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("combine", COMBINES)
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.label())
-def test_matches_reference(case):
+def test_matches_reference(case, combine, monkeypatch):
+    pin_combine(monkeypatch, combine)
     check_kv_case(case, "cpu")
 
 
@@ -178,6 +190,111 @@ def test_split_heuristic():
     assert _flash_decode.num_splits_heuristic(8, 131072, cpu, paged=True) == 33
     assert _flash_decode.num_splits_heuristic(64, 8192, cpu, paged=True) == 6  # 5: a 40% wave
     assert _flash_decode.num_splits_heuristic(64 * 8, 32768, cpu, paged=True) == 1
+
+
+# --------------------------------------------------------------------------------------------------
+# Merging the splits: in the main launch (fused, the last split program of each tile) or a second
+# --------------------------------------------------------------------------------------------------
+
+# Explicit split counts from 1 to MAX_SPLITS-like (one key block per split under the interpreter's
+# 16-key blocks): random lengths, left pads and windows leave some split programs with no key.
+SPLIT_CASES = [
+    KVCase(num_splits=1),  # no merge at all
+    KVCase(num_splits=2),  # GQA 4:2, every split full
+    KVCase(page_size=16, s_new=1, causal=True, num_splits=4, b=3),  # paged, shuffled pages
+    KVCase(dtype=F32, s_cache=256, num_splits=16, b=3, h=6, hk=2, s_q=2, s_new=2, causal=True),
+    KVCase(dtype=F32, s_cache=128, page_size=32, num_splits=8, leftpad=True, b=3, s_new=1),
+    KVCase(s_cache=96, num_splits=5, s_q=3, s_new=3, window=(20, 0)),  # 6 blocks over 5 splits
+    KVCase(h=6, hk=1, s_q=3, s_new=3, causal=True, num_splits=3),  # MQA, 18 packed rows
+    KVCase(dtype=F32, alibi=True, softcap=3.0, batch_idx=True, s_q=2, s_new=2, num_splits=3),
+    KVCase(d=40, page_size=16, s_new=1, causal=True, num_splits=4, rotary="half"),  # padded d
+    KVCase(seqlens="zero", s_q=2, num_splits=4),  # no key anywhere: out 0, LSE -inf
+]
+
+
+@pytest.mark.parametrize("combine", COMBINES)
+@pytest.mark.parametrize("case", SPLIT_CASES, ids=lambda c: c.label())
+def test_split_merge_matches_reference(case, combine, monkeypatch):
+    """Either merge against the fp64 oracle (out and the returned LSE), twice in a row on fresh
+    inputs of one signature: the fused merge leaves every ticket counter at 0 after each call,
+    so the second call starts from zero too, and it launches no second kernel."""
+    merges = pin_combine(monkeypatch, combine)
+    for seed in (0, 1):
+        check_kv_case(dataclasses.replace(case, seed=seed), "cpu")
+        assert tickets_all_zero()
+    split = case.num_splits > 1
+    assert len(merges) == (2 if split and combine == "separate" else 0)
+
+
+@pytest.mark.parametrize("max_block_m", [16, 64])
+def test_fused_and_separate_merges_agree(monkeypatch, max_block_m):
+    # 6 query heads per KV head x 3 queries = 18 packed rows: two row blocks (tiles) per KV head
+    # with 16-row tiles, each with its own counter.
+    monkeypatch.setattr(_flash_decode, "MAX_BLOCK_M", max_block_m)
+    case = KVCase(dtype=F32, h=6, hk=2, s_q=3, s_cache=128, causal=True, num_splits=6, b=3,
+                  leftpad=True)  # fmt: skip
+    results = {}
+    for combine in COMBINES:
+        pin_combine(monkeypatch, combine)
+        results[combine] = call_kernel(case, make_kv_inputs(case, "cpu"))
+    for fused, separate in zip(results["fused"], results["separate"]):
+        torch.testing.assert_close(fused, separate, rtol=1e-6, atol=1e-6)
+    assert tickets_all_zero()
+
+
+def test_merge_too_large_to_fuse_takes_the_second_launch(monkeypatch):
+    """A merge whose partials exceed one load (`_COMBINE_ELEMENTS`) runs as the separate
+    merge even with the fused one selected, and is exact; the counters stay untouched."""
+    # 6 rows (3 query heads x 2 queries) of 5 splits, d = 16: 8 x 8 x 16 elements to load
+    monkeypatch.setattr(_flash_decode, "_COMBINE_ELEMENTS", 64)
+    monkeypatch.setattr(_flash_decode, "_PLANS", {})  # plans made under the setting above
+    merges = pin_combine(monkeypatch, "fused")
+    case = KVCase(h=6, hk=2, s_q=2, s_new=2, s_cache=96, causal=True, num_splits=5, b=3)
+    check_kv_case(case, "cpu")
+    (plan,) = _flash_decode._PLANS.values()
+    assert plan.num_splits == 5 and plan.fused_constexprs is None
+    assert merges and set(merges) == {"_decode_combine"}
+    assert tickets_all_zero()
+
+
+def test_fuses_merge_only_in_one_load():
+    fuses = _flash_decode._fuses_merge
+    budget = _flash_decode._COMBINE_ELEMENTS
+    assert budget == 8192
+    assert fuses(4, 16, 128)  # b = 1, GQA 32:8, 16 splits (the one-wave rule): one load
+    assert not fuses(4, 64, 128)  # the paged two-wave rule's 33 splits
+    assert fuses(1, 64, 128) and not fuses(1, 128, 128)  # MHA: one row a tile
+    assert fuses(3, 16, 128) and not fuses(5, 16, 128)  # rows padded to a power of two
+
+
+def test_ticket_counters_grow_and_keep_the_old_buffer(monkeypatch):
+    monkeypatch.setattr(_flash_decode, "_TICKETS", {})
+    monkeypatch.setattr(_flash_decode, "_RETIRED_TICKETS", [])
+    monkeypatch.setattr(_flash_decode, "_MIN_TICKETS", 2)
+    pin_combine(monkeypatch, "fused")
+    small = KVCase(b=1, num_splits=3)  # 2 KV heads: 2 tiles
+    check_kv_case(small, "cpu")
+    first = _flash_decode._TICKETS[torch.device("cpu")]
+    assert first.numel() == 2
+    check_kv_case(KVCase(b=3, num_splits=3), "cpu")  # 6 tiles
+    grown = _flash_decode._TICKETS[torch.device("cpu")]
+    assert grown.numel() == 8 and _flash_decode._RETIRED_TICKETS == [first]
+    check_kv_case(dataclasses.replace(small, seed=1), "cpu")  # fewer tiles: the same buffer
+    assert _flash_decode._TICKETS[torch.device("cpu")] is grown
+    assert tickets_all_zero()
+
+
+def test_no_ticket_counters_means_the_separate_merge(monkeypatch):
+    """Under CUDA graph capture a buffer too small is not grown (its zero-fill would only be
+    recorded): the call merges in a second launch instead."""
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    monkeypatch.setattr(_flash_decode, "_TICKETS", {})
+    assert _flash_decode._ticket_counters(torch.device("cuda", 0), 4) is None
+    assert _flash_decode._TICKETS == {}
+    merges = pin_combine(monkeypatch, "fused")
+    monkeypatch.setattr(_flash_decode, "_ticket_counters", lambda device, count: None)
+    check_kv_case(KVCase(num_splits=3), "cpu")
+    assert merges == ["_decode_combine"]
 
 
 # --------------------------------------------------------------------------------------------------

@@ -7,9 +7,16 @@ so the heuristic can be checked against measurements. Cells: s_q = 1, bf16, GQA 
 d = --head-dim, batch x cache length. The timing floor (a captured one-element kernel) is printed
 first: no call reads less.
 
+--combine fused,separate (the default) times every cell once per way of merging the splits, one
+row each, in this process: `fused` merges in the main launch (`_flash_decode.FUSED_COMBINE`, one
+launch a call), `separate` in a second launch. One split needs no merge: its column reads the
+same kernel in both rows.
+
     python examples/perf/decode_splits.py
     python examples/perf/decode_splits.py --heads 12 --kv-heads 12 --head-dim 64 --batches 1 \
         --cache-lens 1280                                    # GPT-125M's decode attention
+    python examples/perf/decode_splits.py --batches 1 --cache-lens 8192 --splits 8,16,32 \
+        --combine separate,fused                             # the merge A/B at b = 1, 8k
 """
 
 from __future__ import annotations
@@ -25,11 +32,23 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench_utils import bench_ms, ints_arg  # noqa: E402
 from benchmark_decode import _graphed, kv_bytes, timing_floor  # noqa: E402
 
+COMBINES = ("fused", "separate")
 
-def time_cell(b: int, s: int, args) -> str:
-    """One table row: the heuristic's pick and time, each split count's time, cuDNN's time."""
+
+def combines_arg(text: str) -> list[str]:
+    """`fused,separate` -> the merges to time, in that order."""
+    names = [t for t in text.split(",") if t]
+    unknown = sorted(set(names) - set(COMBINES))
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"unknown merges {unknown}; choose from {COMBINES}")
+    return names
+
+
+def time_cell(b: int, s: int, args, combine: str = "fused") -> str:
+    """One table row: the heuristic's pick and time, each split count's time, cuDNN's time,
+    with the splits merged as `combine` says."""
     import torch.nn.functional as F
-    from fusedlayers.kernels import decode_attention
+    from fusedlayers.kernels import _flash_decode, decode_attention
     from fusedlayers.kernels._common import cdiv, next_pow2
     from fusedlayers.kernels._flash_decode import MAX_BLOCK_M, num_splits_heuristic
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -45,6 +64,9 @@ def time_cell(b: int, s: int, args) -> str:
     rows = h // h_kv  # s_q = 1: one row per query head of a KV head
     tiles = b * h_kv * cdiv(rows, max(16, min(next_pow2(rows), MAX_BLOCK_M)))  # as `_make_plan`
     pick = num_splits_heuristic(tiles, s, q.device)
+    # Read by every eager call and capture below; the warm-ups in `_graphed` make the fused
+    # merge's counters before any capture.
+    _flash_decode.FUSED_COMBINE = combine == "fused"
     ref, cells = None, []
     for n in [*args.splits, 0]:  # 0: the heuristic, timed last
 
@@ -70,11 +92,11 @@ def time_cell(b: int, s: int, args) -> str:
     best = min(range(len(cells)), key=cells.__getitem__)
     text = [f"**{t:.1f}**" if i == best else f"{t:.1f}" for i, t in enumerate(cells)]
     gbps = kv_bytes(b, s, h_kv, d, 2) / (cells[best] * 1e-6) / 1e9
-    row = f"| {b} | {s} | {pick}, {heuristic_us:.1f} | " + " | ".join(text)
+    row = f"| {b} | {s} | {combine} | {pick}, {heuristic_us:.1f} | " + " | ".join(text)
     return row + f" | {cudnn_us:.1f} | {gbps:.0f} |"
 
 
-def main(argv: list[str] | None = None) -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--batches", type=ints_arg, default=[1, 8])
     p.add_argument("--cache-lens", type=ints_arg, default=[1024, 8192, 32768, 131072])
@@ -84,19 +106,37 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--warmup", type=int, default=10, help="do_bench warm-up, ms")
     p.add_argument("--rep", type=int, default=50, help="do_bench repetition time, ms")
-    args = p.parse_args(argv)
+    p.add_argument(
+        "--combine", type=combines_arg, default=list(COMBINES),
+        help="how split calls merge, one row each: " + ",".join(COMBINES),
+    )  # fmt: skip
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    from fusedlayers.kernels import _flash_decode
+
+    args = parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA GPU")
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
     print(f"timing floor: {timing_floor(True, args.warmup, args.rep):.1f} us")
     columns = " | ".join(str(n) for n in args.splits)
-    print(f"| b | cache | heuristic: splits, us | {columns} | cuDNN us | best GB/s |")
-    print("|---" * (len(args.splits) + 5) + "|")
-    for b in args.batches:
-        for s in args.cache_lens:
-            print(time_cell(b, s, args), flush=True)
-            torch.cuda.empty_cache()
-    print("cells: us per call (graph replay, median); bold: the fastest split count")
+    print(f"| b | cache | merge | heuristic: splits, us | {columns} | cuDNN us | best GB/s |")
+    print("|---" * (len(args.splits) + 6) + "|")
+    default = _flash_decode.FUSED_COMBINE
+    try:
+        for b in args.batches:
+            for s in args.cache_lens:
+                for combine in args.combine:
+                    print(time_cell(b, s, args, combine), flush=True)
+                torch.cuda.empty_cache()
+    finally:
+        _flash_decode.FUSED_COMBINE = default
+    print(
+        "cells: us per call (graph replay, median); bold: the fastest split count of the row; "
+        "merge: fused = in the main launch, separate = a second launch"
+    )
 
 
 if __name__ == "__main__":

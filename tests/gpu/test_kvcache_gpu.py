@@ -5,7 +5,11 @@ b = 8, GQA 32:8, d = 128, caches of 1k-8k tokens contiguous and paged (page_size
 bytes, out/LSE against the fp64 oracle with the 2x-PyTorch rule). Then paged against
 contiguous, split counts, every bad input of the CPU suite on CUDA tensors (raised before any
 write), and CUDA graph captures of the kernel entry and of a whole flash_attn_with_kvcache step
-(neither may sync with the host).
+(neither may sync with the host). The reference cases run the default merge; split counts and
+capture run with both (`COMBINES`: in the main launch's last program per tile, or a second
+launch); the fused merge is also repeated many times against its own first result (a merge
+that read a partial before it landed would differ) and captured before any eager fused call
+(it must fall back to the second launch).
 
 Run: pytest -n 4 tests/gpu/test_kvcache_gpu.py
 """
@@ -16,8 +20,16 @@ import re
 
 import pytest
 import torch
-from fusedlayers.kernels import decode_attention
-from kvcache_testing import KVCase, call_kernel, check_kv_case, make_kv_inputs
+from fusedlayers.kernels import _flash_decode, decode_attention
+from kvcache_testing import (
+    COMBINES,
+    KVCase,
+    call_kernel,
+    check_kv_case,
+    make_kv_inputs,
+    pin_combine,
+    tickets_all_zero,
+)
 from test_kvcache import BAD
 
 from fusedlayers import flash_attn_with_kvcache
@@ -53,7 +65,9 @@ CASES = [
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.label())
 def test_matches_reference_gpu(case):
+    # The default merge (fused where it fits one load); the tests below run both merges.
     check_kv_case(case, "cuda")
+    assert tickets_all_zero()
 
 
 @pytest.mark.parametrize("dtype", [BF16, F16])
@@ -67,12 +81,50 @@ def test_paged_matches_contiguous_gpu(dtype):
     torch.testing.assert_close(lse_paged, lse_flat, rtol=1e-5, atol=1e-4)
 
 
-def test_split_counts_agree_gpu():
+@pytest.mark.parametrize("combine", COMBINES)
+def test_split_counts_agree_gpu(combine, monkeypatch):
+    merges = pin_combine(monkeypatch, combine)
     case = KVCase(**DECODE, dtype=BF16, s_cache=8192, seqlens="full")
-    results = [call_kernel(case, make_kv_inputs(case, "cuda"), num_splits=n) for n in (1, 3, 0)]
+    splits = (1, 3, 0, 64)
+    results = [call_kernel(case, make_kv_inputs(case, "cuda"), num_splits=n) for n in splits]
     for out, lse in results[1:]:
         torch.testing.assert_close(out, results[0][0], rtol=0, atol=2e-2)
         torch.testing.assert_close(lse, results[0][1], rtol=1e-5, atol=1e-5)
+    # Fused, the 64-split call's merge (4 rows x 64 splits x d 128) is too large for one load
+    # and takes the second launch (`_flash_decode._fuses_merge`); 3 splits and the heuristic's
+    # 2 merge in the main launch.
+    assert len(merges) == (1 if combine == "fused" else 3) and tickets_all_zero()
+
+
+@pytest.mark.parametrize(
+    "b,h,hk,d,s_cache,page,num_splits",
+    [
+        (1, 32, 8, 128, 8192, None, 16),  # the one-wave pick at b = 1: the largest fused load
+        (1, 32, 8, 128, 8192, 256, 16),  # paged, each split two pages
+        (3, 48, 8, 128, 4096, None, 8),  # 6 query heads a KV head, ragged lengths
+        (1, 8, 8, 128, 2048, None, 64),  # MHA: one row a tile, 64 splits
+        (2, 4, 4, 256, 2048, None, 32),  # d = 256
+    ],
+)
+def test_fused_merge_repeats_bitwise_gpu(b, h, hk, d, s_cache, page, num_splits, monkeypatch):
+    """The fused merge reads the partials in a fixed order, so every call on the same inputs
+    gives the same bits; a merge that ran before some split's partial reached memory would not.
+    Many calls back to back (and random lengths, so splits finish at different times), then the
+    separate merge as the reference."""
+    case = KVCase(b=b, h=h, hk=hk, d=d, dtype=BF16, s_cache=s_cache, page_size=page,
+                  num_splits=num_splits)  # fmt: skip
+    inputs = make_kv_inputs(case, "cuda")
+    merges = pin_combine(monkeypatch, "fused")
+    first = call_kernel(case, inputs)
+    assert merges == []  # merged in the main launch
+    for _ in range(300):
+        out, lse = call_kernel(case, inputs)
+        assert torch.equal(out, first[0]) and torch.equal(lse, first[1])
+    assert tickets_all_zero()
+    pin_combine(monkeypatch, "separate")
+    out, lse = call_kernel(case, inputs)
+    torch.testing.assert_close(first[0], out, rtol=0, atol=1e-2)
+    torch.testing.assert_close(first[1], lse, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("case,edit,error,match", BAD, ids=[str(i) for i in range(len(BAD))])
@@ -86,8 +138,11 @@ def test_bad_input_raises_before_any_write_gpu(case, edit, error, match):
     torch.testing.assert_close(inputs["v_cache"], caches[1], rtol=0, atol=0, equal_nan=True)
 
 
-def test_decode_step_captures_in_a_cuda_graph():
+@pytest.mark.parametrize("combine", COMBINES)
+def test_decode_step_captures_in_a_cuda_graph(combine, monkeypatch):
     # The kernel entry reads lengths on the device: a captured step replays with new lengths.
+    # Fused: the graph replays on the counters the warm-up made, which each replay leaves at 0.
+    pin_combine(monkeypatch, combine)
     g = torch.Generator(device="cuda").manual_seed(0)
     b, s, hk, d = 4, 2048, 8, 128
     q = torch.randn(b, 1, 32, d, device="cuda", dtype=BF16, generator=g)
@@ -103,16 +158,54 @@ def test_decode_step_captures_in_a_cuda_graph():
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out, lse = step()
-    lens.copy_(torch.tensor([5, 2048, 17, 1500], dtype=torch.int32))
+    for new_lens in ([5, 2048, 17, 1500], [2048, 1, 0, 999]):
+        lens.copy_(torch.tensor(new_lens, dtype=torch.int32))
+        graph.replay()
+        graph.replay()
+        want_out, want_lse = step()
+        torch.testing.assert_close(out, want_out, rtol=0, atol=0)
+        torch.testing.assert_close(lse, want_lse, rtol=0, atol=0)
+    assert tickets_all_zero()
+
+
+def test_capture_before_any_fused_call_gpu(monkeypatch):
+    """A split call captured while this device has no counters yet (its warm-up ran with the
+    separate merge): no buffer is made under capture, the captured call merges in a second
+    launch, and the first eager fused call afterwards makes the counters."""
+    monkeypatch.setattr(_flash_decode, "_TICKETS", {})
+    g = torch.Generator(device="cuda").manual_seed(0)
+    b, s, hk, d = 2, 4096, 8, 128
+    q = torch.randn(b, 1, 32, d, device="cuda", dtype=BF16, generator=g)
+    k = torch.randn(b, s, hk, d, device="cuda", dtype=BF16, generator=g)
+    v = torch.randn(b, s, hk, d, device="cuda", dtype=BF16, generator=g)
+    lens = torch.tensor([4000, 77], dtype=torch.int32, device="cuda")
+
+    def step():
+        return decode_attention(q, k, v, lens, softmax_scale=d**-0.5, num_splits=8)
+
+    pin_combine(monkeypatch, "separate")
+    want = step()  # compiles the separate merge outside the capture
+    torch.cuda.synchronize()
+    merges = pin_combine(monkeypatch, "fused")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, lse = step()
+    assert _flash_decode._TICKETS == {} and len(merges) == 1
     graph.replay()
-    want_out, want_lse = step()
-    torch.testing.assert_close(out, want_out, rtol=0, atol=0)
-    torch.testing.assert_close(lse, want_lse, rtol=0, atol=0)
+    torch.testing.assert_close(out, want[0], rtol=0, atol=0)
+    torch.testing.assert_close(lse, want[1], rtol=0, atol=0)
+    fused = step()
+    assert torch.device("cuda", torch.cuda.current_device()) in _flash_decode._TICKETS
+    torch.testing.assert_close(fused[0], want[0], rtol=0, atol=1e-2)
+    torch.testing.assert_close(fused[1], want[1], rtol=1e-5, atol=1e-5)
+    assert tickets_all_zero()
 
 
-def test_front_end_step_captures_in_a_cuda_graph():
+@pytest.mark.parametrize("combine", COMBINES)
+def test_front_end_step_captures_in_a_cuda_graph(combine, monkeypatch):
     # rotary + append + attention captured once, replayed while cache_seqlens grows in place;
     # an eager replica on cloned caches gives the same bits, cache and output.
+    pin_combine(monkeypatch, combine)
     g = torch.Generator(device="cuda").manual_seed(0)
     b, s, hk, d = 4, 1024, 8, 128
 
