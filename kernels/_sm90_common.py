@@ -1,0 +1,139 @@
+"""What the sm_90 Gluon kernels (`_flash_fwd_sm90`, `_flash_bwd_sm90`) share: the Gluon imports
+for Hopper, the device helpers both kernels call, and the host side of their TMA reads.
+
+Every operand is read through one 2-D TMA descriptor over its storage, rows of `stride_s`
+elements (`tma_view`): head h of sequence z starts at element `z * stride_b + h * stride_h`,
+i.e. at grid row `(that) // stride_s`, column `(that) % stride_s` (`_tile_origin`), so bshd,
+sbhd, thd and the packed QKV views take the same path without a copy.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+try:  # Gluon ships with Triton 3.5+; its Hopper module is what this path needs.
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    # The CTA-wide barrier is `gl.thread_barrier` in Triton 3.6 and `gl.barrier` from 3.7 on;
+    # inside a warp-specialized partition both sync only that partition's warps.
+    _partition_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
+    # The TMA load is `tma.async_copy_global_to_shared` in 3.6, `tma.async_load` later.
+    _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+    GLUON_AVAILABLE = True
+except Exception:  # noqa: BLE001 - any import failure means: no Gluon path on this install
+    GLUON_AVAILABLE = False
+
+
+if GLUON_AVAILABLE:
+
+    @gluon.jit
+    def _seq_bounds(z, cu_ptr, offsets_ptr, seqlens_ptr, full_len, SEQ_MODE: gl.constexpr):
+        """(first row in memory, length) of sequence z: the modes of `_common.seq_bounds`."""
+        if SEQ_MODE == 0:
+            start = z * 0
+            length = full_len + z * 0
+        elif SEQ_MODE == 1:
+            start = z * 0
+            length = gl.load(seqlens_ptr + z)
+        else:
+            cu_lo = gl.load(cu_ptr + z)
+            length = gl.load(cu_ptr + z + 1) - cu_lo
+            if SEQ_MODE == 3:
+                start = gl.load(offsets_ptr + z)
+            else:
+                start = cu_lo
+        return start, length
+
+    @gluon.jit
+    def _interleaved_tile(pid, num_blocks, num_pairs, order_pairs):
+        """`_common.interleaved_tile` in Gluon (a Gluon kernel calls only Gluon functions)."""
+        per_group = num_blocks * order_pairs
+        first = (pid // per_group) * order_pairs
+        pairs = gl.minimum(order_pairs, num_pairs - first)  # the last group may be smaller
+        r = pid % per_group
+        return first + r % pairs, r // pairs
+
+    @gluon.jit
+    def _tile_origin(z, h, start, stride_b, stride_h, stride_s):
+        """TMA (row, column) of row `start` of head h of sequence z, in the `tma_view` grid."""
+        base = z.to(gl.int64) * stride_b + h.to(gl.int64) * stride_h
+        row = (base // stride_s).to(gl.int32) + start
+        col = (base % stride_s).to(gl.int32)
+        return row, col
+
+    @gluon.jit
+    def _release(bar):
+        """Hand a stage back to the producer once every warp of this warpgroup is done with it
+        (the arrive is one thread's; the barrier orders the other warps' reads before it)."""
+        _partition_barrier()
+        mbarrier.arrive(bar, count=1)
+
+
+def tma_view(t: torch.Tensor, varlen: bool, block_rows: int) -> tuple[list, list] | None:
+    """(shape, strides) of the 2-D TMA grid over t's storage, or None when TMA cannot read t.
+
+    The grid's rows are `stride_s` elements wide (t's sequence stride); head h of sequence z
+    starts at element z * stride_b + h * stride_h of t. TMA needs a 16-byte aligned base and row
+    pitch, and each head's d contiguous elements must sit inside one grid row (no wrap): true
+    for bshd-like storage (stride_b a multiple of stride_s, heads within a row) and sbhd-like
+    storage (every batch entry and head within one row), packed views of either included.
+    """
+    elem = t.element_size()
+    heads, d = t.shape[-2], t.shape[-1]
+    if varlen:
+        stride_b, stride_s, stride_h, n_batch, n_seq = 0, t.stride(0), t.stride(1), 1, t.shape[0]
+    else:
+        stride_b, stride_s, stride_h = t.stride(0), t.stride(1), t.stride(2)
+        n_batch, n_seq = t.shape[0], t.shape[1]
+    if t.stride(-1) != 1 or stride_s <= 0 or stride_h < 0 or stride_b < 0:
+        return None
+    if t.data_ptr() % 16 or (stride_s * elem) % 16:
+        return None
+    heads_span = (heads - 1) * stride_h + d
+    if n_batch == 1 or stride_b % stride_s == 0:
+        fits = heads_span <= stride_s
+    else:
+        fits = (n_batch - 1) * stride_b + heads_span <= stride_s
+    if not fits:
+        return None
+    last_origin = (n_batch - 1) * stride_b + (heads - 1) * stride_h
+    rows = last_origin // stride_s + n_seq
+    # TMA zero-fills boxes past the last row; at least one full box keeps tiny inputs legal.
+    return [max(rows, block_rows), stride_s], [stride_s, 1]
+
+
+_GL_DTYPES = {}
+if GLUON_AVAILABLE:
+    _GL_DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}
+
+
+@functools.cache
+def _smem_layout(rows: int, cols: int, dtype: torch.dtype):
+    """The swizzled shared-memory layout of a [rows, cols] tile (cached: building it costs
+    ~20 us of host time, three times a call)."""
+    return gl.NVMMASharedLayout.get_default_for([rows, cols], _GL_DTYPES[dtype])
+
+
+def _descriptor(t: torch.Tensor, view: tuple[list, list], block: list[int]):
+    shape, strides = view
+    return TensorDescriptor(t, shape, strides, block, _smem_layout(*block, t.dtype))
+
+
+# The Gluon names the kernels import from here (one place that knows Triton's version
+# differences), besides this module's own helpers.
+__all__ = [
+    "GLUON_AVAILABLE", "TensorDescriptor", "fence_async_shared", "gl", "gluon", "mbarrier", "tma",
+    "warpgroup_mma", "warpgroup_mma_wait", "_partition_barrier", "_tma_load", "_seq_bounds",
+    "_interleaved_tile", "_tile_origin", "_release", "tma_view", "_smem_layout", "_descriptor",
+]  # fmt: skip
