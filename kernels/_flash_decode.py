@@ -19,18 +19,8 @@ LSE: with `FUSED_COMBINE`, where one program can load all of a tile's partials a
 second launch, `_decode_combine`. With one split the main kernel writes the final output
 directly (one launch either way).
 
-The fused merge: each split program, after its partial stores, takes a ticket from its tile's
-int32 counter (an atomic add, acquire-release); the one drawing num_splits - 1 reads all the
-tile's partials, writes out and lse, and sets the counter back to 0. The counters are one
-zeroed buffer per device kept by this module (`_ticket_counters`), so a call allocates and
-zeroes nothing for them and a CUDA graph replays with the counters it captured.
-Assumption: fused split calls on one device do not overlap in time, i.e. they run on one
-stream or on streams ordered by events (as every decode path of this library does:
-`flash_attn_with_kvcache`, `MultiheadAttention` decoding through `InferenceParams`,
-`GPT.generate` and `DecodeGraph`, whose warm-up stream is joined both ways and whose replays
-run on the caller's stream). Two such calls running concurrently on unordered streams would
-share tile counters and could merge a tile before all its splits are in; set
-`FUSED_COMBINE = False` for such use.
+The merge (both ways), the fused merge's ticket counters and its stream assumption: see
+`_decode_merge`.
 
 Positions: key j is cache row j of its sequence (paged: row j % page_size of page
 block_table[z, j // page_size]); query i sits at position seqlens_k - s_q + i (bottom-right
@@ -55,6 +45,9 @@ import torch
 import triton
 import triton.language as tl
 
+# The merge's host-side names (`_ticket_counters`, `_fuses_merge`, `_decode_combine`) are read
+# through the module, so a test or tool that replaces one replaces it there, for every caller.
+from . import _decode_merge
 from ._common import (
     LN2,
     cdiv,
@@ -69,6 +62,7 @@ from ._common import (
     smem_per_block,
     visible_tile,
 )
+from ._decode_merge import _combine_tile, _last_split_done, _store_rows
 from ._launch import call_signature, config_slot, launch, launch_slot
 
 # --------------------------------------------------------------------------------------------------
@@ -106,11 +100,6 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # a merge stepping through rows or splits in one program read ~8 us slower at b = 1, 8k keys,
 # 33 splits (docs/performance.md, "The split merge in the decode kernel").
 FUSED_COMBINE = True
-# The fused merge loads [rows, splits, BLOCK_D] fp32 partials at once, at most this many
-# elements (64 registers a thread at 4 warps); larger merges take the second launch.
-_COMBINE_ELEMENTS = 8192
-# Ticket counters per device: the smallest buffer made, so growing is rare (4 KiB).
-_MIN_TICKETS = 1024
 
 
 def check_page_size(page_size: int) -> None:
@@ -374,124 +363,6 @@ def _decode_fwd(
                     stride_ob, stride_os, stride_oh, stride_lb, stride_lh, stride_ls)  # fmt: skip
 
 
-@triton.jit
-def _store_rows(out_ptr, lse_ptr, z64, qi64, h64, row_ok, dim_ok, offs_d, out, lse,
-                stride_ob, stride_os, stride_oh, stride_lb, stride_lh, stride_ls):  # fmt: skip
-    """Final rows: out [R, BLOCK_D] (fp32, stored in out's dtype, the head dim's padding
-    dropped) and lse [R] of query qi64 [R], head h64 [R] of sequence z64."""
-    o_rows = z64 * stride_ob + qi64 * stride_os + h64 * stride_oh
-    tl.store(out_ptr + o_rows[:, None] + offs_d[None, :], out.to(out_ptr.dtype.element_ty),
-             mask=row_ok[:, None] & dim_ok[None, :])  # fmt: skip
-    tl.store(lse_ptr + z64 * stride_lb + h64 * stride_lh + qi64 * stride_ls, lse, mask=row_ok)
-
-
-@triton.jit
-def _last_split_done(ticket_ptr, num_splits):
-    """Count this program's split as finished in its tile's counter; True in the program whose
-    count completes the tile (ticket num_splits - 1), after which it may read every partial.
-
-    Why the partials are visible to that program on the GPU: the barrier first orders every
-    thread's partial stores before the one thread that runs the (scalar) atomic; the atomic's
-    release half publishes them, cumulatively, at GPU scope. The adds on one counter form a
-    single order, each reading the one before it, so the last ticket's acquire half
-    synchronizes with every earlier split's release and orders all their stores before this
-    thread's later loads; the barrier after it extends that to the program's other threads
-    (Triton also broadcasts the scalar result through shared memory behind a barrier), and
-    `_combine_tile` reads with `.cg` (from L2, never a stale line in the SM's L1) besides.
-    Under the interpreter programs run one after another and the barriers do nothing.
-    """
-    tl.debug_barrier()
-    ticket = tl.atomic_add(ticket_ptr, 1, sem="acq_rel", scope="gpu")
-    tl.debug_barrier()
-    return ticket == num_splits - 1
-
-
-@triton.jit
-def _combine_tile(
-    out_ptr, lse_ptr, o_part_ptr, lse_part_ptr, z64, h_kv, row_lo, row_hi, group, num_splits,
-    stride_ob, stride_os, stride_oh, stride_lb, stride_lh, stride_ls,
-    stride_pb, stride_ps, stride_ph, stride_pp, stride_qpb, stride_qps, stride_qph,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
-    COMBINE_ROWS: tl.constexpr,
-):  # fmt: skip
-    """`_decode_combine`'s merge for the packed rows [row_lo, row_hi) of one tile (sequence
-    z64, KV head h_kv), in one program: out = sum_s w_s o_s, w_s = exp(lse_s - lse),
-    lse = log sum_s exp(lse_s); splits with LSE -inf weigh 0, all -inf gives 0 and -inf.
-
-    The tile's rows (at most COMBINE_ROWS) load their LSEs [rows, BLOCK_S] and partials
-    [rows, BLOCK_S, BLOCK_D] together, one round trip to L2: the plan fuses the merge only where
-    that load fits the register budget (`_fuses_merge`), since a program stepping through the
-    rows or splits waits for L2 once per step, which measured slower than the second launch
-    (docs/performance.md, "The split merge in the decode kernel").
-    """
-    offs_d = tl.arange(0, BLOCK_D)
-    dim_ok = offs_d < HEAD_DIM
-    offs_s = tl.arange(0, BLOCK_S)
-    rows = row_lo + tl.arange(0, COMBINE_ROWS)
-    row_ok = rows < row_hi
-    qi64 = (rows // group).to(tl.int64)
-    h64 = (h_kv * group + rows % group).to(tl.int64)
-    lse_rows = lse_part_ptr + z64 * stride_qpb + qi64 * stride_qps + h64 * stride_qph
-    o_rows = o_part_ptr + z64 * stride_pb + qi64 * stride_ps + h64 * stride_ph
-    s_ok = row_ok[:, None] & (offs_s < num_splits)[None, :]
-    lse_s = tl.load(lse_rows[:, None] + offs_s[None, :], mask=s_ok, other=float("-inf"),
-                    cache_modifier=".cg")  # fmt: skip
-    m = tl.max(lse_s, 1)
-    m_shift = tl.where(m == float("-inf"), 0.0, m)
-    o = tl.load(
-        o_rows[:, None, None] + offs_s[None, :, None] * stride_pp + offs_d[None, None, :],
-        mask=s_ok[:, :, None], other=0.0, cache_modifier=".cg",
-    )  # fmt: skip
-    w = tl.exp(lse_s - m_shift[:, None])  # 0 for empty splits and padding
-    total = tl.sum(w, 1)
-    acc = tl.sum(o * w[:, :, None], 1)
-    has_keys = total > 0.0
-    t_safe = tl.where(has_keys, total, 1.0)
-    out = tl.where(has_keys[:, None], acc / t_safe[:, None], 0.0)
-    lse = tl.where(has_keys, m_shift + tl.log(t_safe), float("-inf"))
-    _store_rows(out_ptr, lse_ptr, z64, qi64, h64, row_ok, dim_ok, offs_d, out, lse,
-                stride_ob, stride_os, stride_oh, stride_lb, stride_lh, stride_ls)  # fmt: skip
-
-
-@triton.jit
-def _decode_combine(
-    out_ptr, lse_ptr, o_part_ptr, lse_part_ptr,
-    stride_ob, stride_os, stride_oh,
-    stride_lb, stride_lh, stride_ls,
-    stride_pb, stride_ps, stride_ph, stride_pp,
-    stride_qpb, stride_qps, stride_qph,
-    len_q, num_heads_q, num_splits,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
-):  # fmt: skip
-    """One program per output row (z, i, h): out = sum_s w_s o_s, w_s = exp(lse_s - lse),
-    lse = log sum_s exp(lse_s). Splits with LSE -inf weigh 0; all -inf gives 0 and -inf."""
-    pid = tl.program_id(0)
-    h = pid % num_heads_q
-    zi = pid // num_heads_q
-    i = zi % len_q
-    z = (zi // len_q).to(tl.int64)
-    offs_s = tl.arange(0, BLOCK_S)
-    s_ok = offs_s < num_splits
-    part_l = lse_part_ptr + z * stride_qpb + i * stride_qps + h * stride_qph
-    lse_s = tl.load(part_l + offs_s, mask=s_ok, other=float("-inf"))
-    m = tl.max(lse_s, 0)
-    m_shift = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.exp(lse_s - m_shift)  # 0 for empty splits and padding
-    total = tl.sum(w, 0)
-    offs_d = tl.arange(0, BLOCK_D)
-    part = o_part_ptr + z * stride_pb + i * stride_ps + h * stride_ph
-    o = tl.load(part + offs_s[:, None] * stride_pp + offs_d[None, :], mask=s_ok[:, None],
-                other=0.0)  # fmt: skip
-    acc = tl.sum(o * w[:, None], 0)
-    has_keys = total > 0.0
-    t_safe = tl.where(has_keys, total, 1.0)
-    out = tl.where(has_keys, acc / t_safe, 0.0)
-    lse = tl.where(has_keys, m_shift + tl.log(t_safe), float("-inf"))
-    o_row = out_ptr + z * stride_ob + i * stride_os + h * stride_oh
-    tl.store(o_row + offs_d, out.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
-    tl.store(lse_ptr + z * stride_lb + h * stride_lh + i * stride_ls, lse)
-
-
 _decode_fwd_tuned = triton.autotune(
     configs=_configs(),
     key=["HEAD_DIM", "BLOCK_M", "PAGED", "page_size", "SPLIT", "FUSED_COMBINE"]
@@ -566,7 +437,7 @@ def decode_attention(
     view (stride_b may be 0). num_splits: 0 = heuristic, 1 = no combine pass.
     Returns out [b, s_q, h_q, d] in q's dtype and lse fp32 [b, h_q, s_q]. No host sync.
     Everything the launches derive from the call's signature is planned once (`DecodePlan`).
-    A split call is one launch with `FUSED_COMBINE` (see the module docstring for its stream
+    A split call is one launch with `FUSED_COMBINE` (see `_decode_merge` for its stream
     assumption), else two.
     """
     # The kernel indexes these with unit strides; copies only when a caller passed strided views.
@@ -604,7 +475,8 @@ def decode_attention(
     dummy = seqlens_k
     tickets = None
     if plan.fused_constexprs is not None and FUSED_COMBINE:
-        tickets = _ticket_counters(q.device, plan.grid[0])  # None: the separate merge this once
+        # None: the separate merge this once
+        tickets = _decode_merge._ticket_counters(q.device, plan.grid[0])
     args = (
         q, k_cache, v_cache, out, lse, o_part, lse_part,
         tickets if tickets is not None else dummy, seqlens_k,
@@ -622,62 +494,11 @@ def decode_attention(
         return out, lse
     _launch(plan.grid, args, plan.constexprs, signature, plan.tuning, plan.slot)
     if plan.workspace:
-        launch(_decode_combine, plan.combine_grid,
+        launch(_decode_merge._decode_combine, plan.combine_grid,
             out, lse, o_part, lse_part, *plan.combine_ints,
             **plan.combine_kwargs, signature=signature, slot=plan.combine_slot,
         )  # fmt: skip
     return out, lse
-
-
-# The fused merge's ticket counters: one zeroed int32 buffer per device, replaced by a larger one
-# when a call has more tiles than it holds. Every launch leaves its counters at 0, so the buffer
-# is zeroed once, when made, and never again. Replaced buffers are kept, never freed: a CUDA
-# graph captured earlier still replays on the one it captured.
-_TICKETS: dict[torch.device, torch.Tensor] = {}
-_RETIRED_TICKETS: list[torch.Tensor] = []
-
-
-def _ticket_counters(device: torch.device, count: int) -> torch.Tensor | None:
-    """This device's counter buffer with at least `count` counters, all 0 when the call's
-    launch runs; None while the current stream captures a CUDA graph and the buffer is too small
-    (the caller merges in a second launch then, see `_grow_ticket_counters`)."""
-    counters = _TICKETS.get(device)
-    if counters is not None and counters.numel() >= count:
-        return counters
-    return _grow_ticket_counters(device, count)
-
-
-def _grow_ticket_counters(device: torch.device, count: int) -> torch.Tensor | None:
-    """Make the device's counter buffer (or a larger one), zeroed; outside any hot path: once
-    per device and then only when a call has more tiles than ever before.
-
-    Not under CUDA graph capture: there the zero-fill would be recorded into the graph instead
-    of run, so the buffer would hold garbage for the eager calls after the capture. A call
-    captured before any eager call of its size (the library's decode graphs always warm up
-    eagerly first) merges in a second launch instead, which is always correct."""
-    cuda = device.type == "cuda"
-    if cuda and torch.cuda.is_current_stream_capturing():
-        return None
-    old = _TICKETS.get(device)
-    size = max(next_pow2(count), _MIN_TICKETS, 2 * old.numel() if old is not None else 0)
-    counters = torch.zeros(size, dtype=torch.int32, device=device)
-    if cuda:
-        # The zero-fill ran on this stream; later calls may come on another one (DecodeGraph
-        # warms up on a side stream, then replays on the caller's). Waiting for it here, once,
-        # makes the zeros visible to every stream without events.
-        torch.cuda.current_stream(device).synchronize()
-    if old is not None:
-        _RETIRED_TICKETS.append(old)
-    _TICKETS[device] = counters
-    return counters
-
-
-def _fuses_merge(tile_rows: int, block_s: int, block_d: int) -> bool:
-    """Whether a split call merges in its main launch: only where one program loads all of a
-    tile's partials at once, [next_pow2(rows), block_s, block_d] fp32 within
-    `_COMBINE_ELEMENTS` (b = 1, GQA 32:8, d = 128: up to 16 splits). Larger merges take the
-    second launch, whose programs each merge one row."""
-    return next_pow2(tile_rows) * block_s * block_d <= _COMBINE_ELEMENTS
 
 
 def _make_plan(
@@ -735,7 +556,7 @@ def _make_plan(
     block_s = next_pow2(num_splits)
     fused_constexprs = None
     tile_rows = min(n_rows, block_m)
-    if split and _fuses_merge(tile_rows, block_s, block_d):
+    if split and _decode_merge._fuses_merge(tile_rows, block_s, block_d):
         fused_constexprs = dict(constexprs, FUSED_COMBINE=True, BLOCK_S=block_s,
                                 COMBINE_ROWS=next_pow2(tile_rows))  # fmt: skip
     # The autotuner's key, finer: every constexpr, the dtypes of the tensor arguments in order

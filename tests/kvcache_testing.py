@@ -140,7 +140,7 @@ COMBINES = ("fused", "separate")
 def pin_combine(monkeypatch, combine: str) -> list[str]:
     """Pin the split merge to `combine` for a test; returns the list that every later
     `_decode_combine` launch (the separate merge) appends its kernel name to."""
-    from fusedlayers.kernels import _flash_decode
+    from fusedlayers.kernels import _decode_merge, _flash_decode
 
     assert combine in COMBINES
     monkeypatch.setattr(_flash_decode, "FUSED_COMBINE", combine == "fused")
@@ -148,7 +148,7 @@ def pin_combine(monkeypatch, combine: str) -> list[str]:
     original = _flash_decode.launch
 
     def spy(kernel, *args, **kwargs):
-        if kernel is _flash_decode._decode_combine:
+        if kernel is _decode_merge._decode_combine:
             merges.append(kernel.fn.__name__)
         return original(kernel, *args, **kwargs)
 
@@ -159,9 +159,9 @@ def pin_combine(monkeypatch, combine: str) -> list[str]:
 def tickets_all_zero() -> bool:
     """Every ticket counter of the fused merge, on every device, current buffers and replaced
     ones alike, is back at 0 (true also when none was made)."""
-    from fusedlayers.kernels import _flash_decode
+    from fusedlayers.kernels import _decode_merge
 
-    buffers = [*_flash_decode._TICKETS.values(), *_flash_decode._RETIRED_TICKETS]
+    buffers = [*_decode_merge._TICKETS.values(), *_decode_merge._RETIRED_TICKETS]
     return not any(counters.any().item() for counters in buffers)
 
 

@@ -15,7 +15,7 @@ import re
 
 import pytest
 import torch
-from fusedlayers.kernels import _flash_decode, rotate_and_append
+from fusedlayers.kernels import _decode_merge, _flash_decode, rotate_and_append
 from kvcache_testing import (
     COMBINES,
     KVCase,
@@ -246,7 +246,7 @@ def test_merge_too_large_to_fuse_takes_the_second_launch(monkeypatch):
     """A merge whose partials exceed one load (`_COMBINE_ELEMENTS`) runs as the separate
     merge even with the fused one selected, and is exact; the counters stay untouched."""
     # 6 rows (3 query heads x 2 queries) of 5 splits, d = 16: 8 x 8 x 16 elements to load
-    monkeypatch.setattr(_flash_decode, "_COMBINE_ELEMENTS", 64)
+    monkeypatch.setattr(_decode_merge, "_COMBINE_ELEMENTS", 64)
     monkeypatch.setattr(_flash_decode, "_PLANS", {})  # plans made under the setting above
     merges = pin_combine(monkeypatch, "fused")
     case = KVCase(h=6, hk=2, s_q=2, s_new=2, s_cache=96, causal=True, num_splits=5, b=3)
@@ -258,8 +258,8 @@ def test_merge_too_large_to_fuse_takes_the_second_launch(monkeypatch):
 
 
 def test_fuses_merge_only_in_one_load():
-    fuses = _flash_decode._fuses_merge
-    budget = _flash_decode._COMBINE_ELEMENTS
+    fuses = _decode_merge._fuses_merge
+    budget = _decode_merge._COMBINE_ELEMENTS
     assert budget == 8192
     assert fuses(4, 16, 128)  # b = 1, GQA 32:8, 16 splits (the one-wave rule): one load
     assert not fuses(4, 64, 128)  # the paged two-wave rule's 33 splits
@@ -268,19 +268,19 @@ def test_fuses_merge_only_in_one_load():
 
 
 def test_ticket_counters_grow_and_keep_the_old_buffer(monkeypatch):
-    monkeypatch.setattr(_flash_decode, "_TICKETS", {})
-    monkeypatch.setattr(_flash_decode, "_RETIRED_TICKETS", [])
-    monkeypatch.setattr(_flash_decode, "_MIN_TICKETS", 2)
+    monkeypatch.setattr(_decode_merge, "_TICKETS", {})
+    monkeypatch.setattr(_decode_merge, "_RETIRED_TICKETS", [])
+    monkeypatch.setattr(_decode_merge, "_MIN_TICKETS", 2)
     pin_combine(monkeypatch, "fused")
     small = KVCase(b=1, num_splits=3)  # 2 KV heads: 2 tiles
     check_kv_case(small, "cpu")
-    first = _flash_decode._TICKETS[torch.device("cpu")]
+    first = _decode_merge._TICKETS[torch.device("cpu")]
     assert first.numel() == 2
     check_kv_case(KVCase(b=3, num_splits=3), "cpu")  # 6 tiles
-    grown = _flash_decode._TICKETS[torch.device("cpu")]
-    assert grown.numel() == 8 and _flash_decode._RETIRED_TICKETS == [first]
+    grown = _decode_merge._TICKETS[torch.device("cpu")]
+    assert grown.numel() == 8 and _decode_merge._RETIRED_TICKETS == [first]
     check_kv_case(dataclasses.replace(small, seed=1), "cpu")  # fewer tiles: the same buffer
-    assert _flash_decode._TICKETS[torch.device("cpu")] is grown
+    assert _decode_merge._TICKETS[torch.device("cpu")] is grown
     assert tickets_all_zero()
 
 
@@ -288,11 +288,11 @@ def test_no_ticket_counters_means_the_separate_merge(monkeypatch):
     """Under CUDA graph capture a buffer too small is not grown (its zero-fill would only be
     recorded): the call merges in a second launch instead."""
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
-    monkeypatch.setattr(_flash_decode, "_TICKETS", {})
-    assert _flash_decode._ticket_counters(torch.device("cuda", 0), 4) is None
-    assert _flash_decode._TICKETS == {}
+    monkeypatch.setattr(_decode_merge, "_TICKETS", {})
+    assert _decode_merge._ticket_counters(torch.device("cuda", 0), 4) is None
+    assert _decode_merge._TICKETS == {}
     merges = pin_combine(monkeypatch, "fused")
-    monkeypatch.setattr(_flash_decode, "_ticket_counters", lambda device, count: None)
+    monkeypatch.setattr(_decode_merge, "_ticket_counters", lambda device, count: None)
     check_kv_case(KVCase(num_splits=3), "cpu")
     assert merges == ["_decode_combine"]
 

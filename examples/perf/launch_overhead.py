@@ -49,7 +49,7 @@ def host_us_per_call(fn: Callable[[], object], calls: int, repeats: int = 15) ->
 
 def _stub_launches() -> None:
     """Replace every Triton launch of the attention and decode kernels by a no-op."""
-    from fusedlayers.kernels import _flash_bwd, _flash_decode, _flash_fwd
+    from fusedlayers.kernels import _decode_merge, _flash_bwd, _flash_decode, _flash_fwd
 
     class NoLaunch:
         def __getitem__(self, grid):
@@ -61,7 +61,7 @@ def _stub_launches() -> None:
         setattr(_flash_bwd, name, NoLaunch())
     # the decode kernel's (autotuned) launch and its combine pass
     _flash_decode._launch = lambda *args: None
-    _flash_decode._decode_combine = NoLaunch()
+    _decode_merge._decode_combine = NoLaunch()
 
 
 def decode_rows(device, dtype, calls: int) -> list[tuple[str, float]]:

@@ -20,7 +20,7 @@ import re
 
 import pytest
 import torch
-from fusedlayers.kernels import _flash_decode, decode_attention
+from fusedlayers.kernels import _decode_merge, decode_attention
 from kvcache_testing import (
     COMBINES,
     KVCase,
@@ -91,7 +91,7 @@ def test_split_counts_agree_gpu(combine, monkeypatch):
         torch.testing.assert_close(out, results[0][0], rtol=0, atol=2e-2)
         torch.testing.assert_close(lse, results[0][1], rtol=1e-5, atol=1e-5)
     # Fused, the 64-split call's merge (4 rows x 64 splits x d 128) is too large for one load
-    # and takes the second launch (`_flash_decode._fuses_merge`); 3 splits and the heuristic's
+    # and takes the second launch (`_decode_merge._fuses_merge`); 3 splits and the heuristic's
     # 2 merge in the main launch.
     assert len(merges) == (1 if combine == "fused" else 3) and tickets_all_zero()
 
@@ -172,7 +172,7 @@ def test_capture_before_any_fused_call_gpu(monkeypatch):
     """A split call captured while this device has no counters yet (its warm-up ran with the
     separate merge): no buffer is made under capture, the captured call merges in a second
     launch, and the first eager fused call afterwards makes the counters."""
-    monkeypatch.setattr(_flash_decode, "_TICKETS", {})
+    monkeypatch.setattr(_decode_merge, "_TICKETS", {})
     g = torch.Generator(device="cuda").manual_seed(0)
     b, s, hk, d = 2, 4096, 8, 128
     q = torch.randn(b, 1, 32, d, device="cuda", dtype=BF16, generator=g)
@@ -190,12 +190,12 @@ def test_capture_before_any_fused_call_gpu(monkeypatch):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out, lse = step()
-    assert _flash_decode._TICKETS == {} and len(merges) == 1
+    assert _decode_merge._TICKETS == {} and len(merges) == 1
     graph.replay()
     torch.testing.assert_close(out, want[0], rtol=0, atol=0)
     torch.testing.assert_close(lse, want[1], rtol=0, atol=0)
     fused = step()
-    assert torch.device("cuda", torch.cuda.current_device()) in _flash_decode._TICKETS
+    assert torch.device("cuda", torch.cuda.current_device()) in _decode_merge._TICKETS
     torch.testing.assert_close(fused[0], want[0], rtol=0, atol=1e-2)
     torch.testing.assert_close(fused[1], want[1], rtol=1e-5, atol=1e-5)
     assert tickets_all_zero()
