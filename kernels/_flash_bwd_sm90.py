@@ -14,7 +14,8 @@ of every query head of its GQA group that can see them (FlashAttention-3's backw
 - two consumer warpgroups each own 64 of the keys. Per query block of BLOCK_M = 64 rows, with
   asynchronous wgmma: S^T = K Q^T and dP^T = V dO^T (key-major, so P^T and dS^T come out of the
   products as the A operands of dV += P^T dO and dK += dS^T Q), P^T = exp2(S^T * scale * log2e
-  - LSE), dS^T = P^T (dP^T - delta). P^T and dS^T reach their products through shared memory.
+  - LSE), dS^T = P^T (dP^T - delta). P^T feeds dV from registers (`P_FROM_REGISTERS`); dS^T
+  reaches the dK and dQ products through shared memory.
   Both warpgroups write their dS^T rows into one [128 keys, BLOCK_M] tile (double-buffered, an
   mbarrier both arrive on), from which this key block's dQ share dS K is computed (d = 128:
   each warpgroup 64 of the columns; d = 64: the warpgroups take turns) and added into an fp32
@@ -32,9 +33,9 @@ of every query head of its GQA group that can see them (FlashAttention-3's backw
   where used, the dQ share 32 once both halves' tiles have died: 128 of accumulators at the peak,
   as at BLOCK_M = 64, 198 registers in all ([64, 128] score tiles would take 2 x 64 beside dK and
   dV, with 32-register query vectors, and spilled). Shared memory: 2 stages x (Q, dO) 64 KiB, K and
-  V 32 KiB, two dS^T tiles [128, 128] 64 KiB, P^T 32 KiB, the dQ staging tiles 32 KiB, LSE/delta 2
-  KiB, barriers: 231,936-231,952 bytes of the 232,448 (227 KiB) a block may have, so no third stage
-  and no room to spare.
+  V 32 KiB, two dS^T tiles [128, 128] 64 KiB, the dQ staging tiles 32 KiB, LSE/delta 2 KiB,
+  barriers: 199,152 bytes with P^T in registers (P^T in shared memory adds 32 KiB: 231,936 of
+  the 232,448 a block may have); a third stage would need 512 bytes more than the block has.
 `backward_sm90` allocates the accumulator (`dq_accumulator`); `_flash_bwd` scales and casts it
 afterwards (its atomic-dQ epilogue) and computes delta = rowsum(dO * O) first
 (`_flash_bwd._preprocess`).
@@ -100,11 +101,13 @@ CONSUMER_WARPS = 4
 MAX_REGISTERS = 168
 # (BLOCK_M query rows per step, NUM_STAGES) per head dim. d = 128: 64-row steps, the score tiles
 # [64 keys, 64 queries] a warpgroup; the dK and dV accumulators take 2 x 64 registers a thread
-# (FlashAttention-3's choice), leaving none for wider steps. Shared memory: K, V, P^T, two dS^T
-# tiles, the dQ staging tiles and NUM_STAGES x (Q, dO): 210 KiB (no room for a third stage).
-# d = 64: 128-row steps (`TILES_M128`, module docstring; 227 KiB, so 2 stages), each run as two
-# 64-query halves: on the H100 its backward read 1.06-1.12x the 64-row step's at s = 4k and 16k
-# (0.92-1.02x at 1k; docs/performance.md); `TILES[64] = (64, 2)` selects the 64-row step again.
+# (FlashAttention-3's choice), leaving none for wider steps. Shared memory: K, V, two dS^T
+# tiles, the dQ staging tiles and NUM_STAGES x (Q, dO): 194 KiB with P^T in registers (210 with
+# it in shared memory); a third stage fits then (226 KiB) but measured 0.6-3.2% slower.
+# d = 64: 128-row steps (`TILES_M128`, module docstring; 195 KiB, a third stage 512 bytes too
+# many), each run as two 64-query halves: on the H100 its backward read 1.06-1.12x the 64-row
+# step's at s = 4k and 16k (0.92-1.02x at 1k; docs/performance.md); `TILES[64] = (64, 2)`
+# selects the 64-row step again.
 TILES = {128: (64, 2), 64: (128, 2)}
 # The 128-row step variant (tests and examples/perf/tune_sm90_backward.py --block-m pin it).
 TILES_M128 = {64: (128, 2)}
@@ -257,8 +260,9 @@ if GLUON_AVAILABLE:
             v_res = v_smem.index(res)
             k_wg = k_res.slice(WG * KEYS, KEYS)
             v_wg = v_res.slice(WG * KEYS, KEYS)
-            # P^T and dS^T reach the dV, dK and dQ products through shared memory, not
-            # registers: the dK and dV accumulators already take 2 x HEAD_DIM / 2 a thread.
+            # dS^T reaches the dK and dQ products through shared memory (the dQ product needs
+            # both warpgroups' rows); P^T the dV product too unless P_IN_REGS. The compiler
+            # drops p_smem when nothing uses it.
             p_wg = p_smem.index(res).slice(WG * KEYS, KEYS)
             if HEAD_DIM == DQ_COLS:
                 k_dq = k_res
