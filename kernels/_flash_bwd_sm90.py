@@ -74,7 +74,6 @@ if GLUON_AVAILABLE:
         _scores_by_halves,
         _visible_keys,
         _wait_dv,
-        _zero_rows_from,
     )
     from ._sm90_common import (
         TensorDescriptor,
@@ -84,6 +83,7 @@ if GLUON_AVAILABLE:
         _seq_bounds,
         _tile_origin,
         _tma_load,
+        _zero_rows_from,
         fence_async_shared,
         gl,
         gluon,

@@ -56,35 +56,6 @@ if GLUON_AVAILABLE:
         return gl.where(visible, p_t, 0.0)
 
     @gluon.jit
-    def _zero_rows_from(tile, valid, CHUNK: gl.constexpr = 16):
-        """Zero rows valid.. of a [rows, d] tile in shared memory (no-op when all are valid).
-
-        Rows past a sequence's end hold whatever follows it (padding may be NaN), and 0 x NaN
-        in a product is NaN. As the forward's `_zero_rows_past`, but CHUNK rows at a time: 16
-        (8 registers a thread) fit beside d = 128's dK and dV accumulators; the 128-row d = 64
-        variant passes a whole [128, 64] tile in one go (64 registers beside 2 x 32), since
-        eight unrolled 16-row chunks, each keeping its thread-index arithmetic live, made ptxas
-        spill. Both warpgroups write the same zeros, so neither sees a partial state.
-        """
-        rows: gl.constexpr = tile.type.shape[0]
-        cols: gl.constexpr = tile.type.shape[1]
-        if valid < rows:
-            layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-            for c in gl.static_range(rows // CHUNK):
-                if (c + 1) * CHUNK > valid:
-                    part = tile.slice(c * CHUNK, CHUNK)
-                    values = part.load(layout)
-                    r = c * CHUNK + gl.arange(0, CHUNK, layout=gl.SliceLayout(1, layout))
-                    keep = gl.expand_dims(r < valid, 1) & gl.expand_dims(
-                        gl.arange(0, cols, layout=gl.SliceLayout(0, layout)) < cols, 0
-                    )
-                    part.store(gl.where(keep, values, gl.zeros_like(values)))
-            # Generic-proxy stores, then async-proxy (wgmma) reads: fence, and wait for all
-            # four warps before a product is issued.
-            fence_async_shared()
-            _partition_barrier()
-
-    @gluon.jit
     def _reduce_dq(dq, staging, dq_desc, row, col):
         """Add a [64, 64] fp32 dQ share into the accumulator at TMA (row, col) of `dq_desc`'s
         grid, through this warpgroup's `staging` tile and one TMA reduce-add (FlashAttention-3's

@@ -34,7 +34,7 @@ rows of `stride_s` elements (`tma_view`). Head h of sequence z starts at element
 bshd, sbhd, thd and the packed QKV views (sb3hd, bshd_bs2hd, ...) all take the same path without
 a copy, as long as one head's row never wraps past a storage row (`tma_view` checks). Key rows past
 a sequence's end read whatever follows it (the next sequence, padding, or TMA's zero fill past
-the last row): their scores are masked and the last block's V rows zeroed (`_zero_rows_past`).
+the last row): their scores are masked and the last block's V rows zeroed (`_zero_rows_from`).
 Query rows past the end are computed but never stored.
 
 Covered: fp16/bf16, d = d_v in {64, 128}, MHA/GQA/MQA, no mask / causal (top-left or

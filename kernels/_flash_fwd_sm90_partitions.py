@@ -15,12 +15,11 @@ WARPGROUP_ROWS = 64  # query rows per consumer warpgroup (a wgmma's M is 64 per 
 if GLUON_AVAILABLE:
     from ._sm90_common import (
         _interleaved_tile,
-        _partition_barrier,
         _release,
         _seq_bounds,
         _tile_origin,
         _tma_load,
-        fence_async_shared,
+        _zero_rows_from,
         gl,
         gluon,
         mbarrier,
@@ -116,31 +115,6 @@ if GLUON_AVAILABLE:
     def _pass_turn(turn, wg: gl.constexpr):
         NUM_WG: gl.constexpr = turn.type.shape[0]
         mbarrier.arrive(turn.index((wg + 1) % NUM_WG), count=1)
-
-    @gluon.jit
-    def _zero_rows_past(tile, valid):
-        """Zero rows valid.. of a [BLOCK_N, d] V tile in shared memory (no-op when all are valid).
-
-        Key rows past a sequence's end come from whatever lies behind it (padding rows may hold
-        anything, NaN included). Their scores are masked, so P is exactly 0 there, but 0 x NaN
-        in the P V product is NaN: the last key block's V rows get zeroed first. Each warpgroup
-        zeroes before its own product; the two write the same zeros, so neither sees a partial
-        state. Only the last block can reach past the end.
-        """
-        rows: gl.constexpr = tile.type.shape[0]
-        cols: gl.constexpr = tile.type.shape[1]
-        if valid < rows:
-            layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-            values = tile.load(layout)
-            r = gl.arange(0, rows, layout=gl.SliceLayout(1, layout))
-            keep = gl.expand_dims(r < valid, 1) & gl.expand_dims(
-                gl.arange(0, cols, layout=gl.SliceLayout(0, layout)) < cols, 0
-            )
-            tile.store(gl.where(keep, values, gl.zeros_like(values)))
-            # Generic-proxy stores, then an async-proxy (wgmma) read: fence, and wait for all
-            # four warps before the product is issued.
-            fence_async_shared()
-            _partition_barrier()
 
     @gluon.jit
     def _masked_scores(s, start_n, offs_m, offs_n, len_k, diag):
@@ -266,7 +240,8 @@ if GLUON_AVAILABLE:
         ring_last = ring_base + num_blocks - 1
         last = ring_last % NUM_STAGES
         mbarrier.wait(v_ready.index(last), (ring_last // NUM_STAGES) & 1)
-        _zero_rows_past(v_smem.index(last), len_k - (num_blocks - 1) * BLOCK_N)
+        # Only the last key block can reach past len_k: its V rows there are zeroed.
+        _zero_rows_from(v_smem.index(last), len_k - (num_blocks - 1) * BLOCK_N, BLOCK_N)
         _take_turn(turn, WG, turn_base + num_blocks)
         o_tok = warpgroup_mma(p_op, v_smem.index(last), acc, is_async=True)
         _pass_turn(turn, WG)

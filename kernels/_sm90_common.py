@@ -79,6 +79,38 @@ if GLUON_AVAILABLE:
         _partition_barrier()
         mbarrier.arrive(bar, count=1)
 
+    @gluon.jit
+    def _zero_rows_from(tile, valid, CHUNK: gl.constexpr):
+        """Zero rows valid.. of a [rows, d] tile in shared memory (no-op when all are valid),
+        CHUNK rows at a time.
+
+        Rows past a sequence's end hold whatever follows it (padding may be NaN), and 0 x NaN
+        in a product is NaN, so the forward's last V tile and the backward's K, V, Q and dO
+        tiles are zeroed there before their products (the forward masks the scores; the
+        backward masks P^T and dS^T). The forward passes the whole tile (CHUNK = rows); the
+        backward 16 rows at d = 128 (8 registers a thread beside the dK and dV accumulators)
+        and the whole [128, 64] tile at d = 64 (eight unrolled 16-row chunks, each keeping its
+        thread-index arithmetic live, made ptxas spill). Every warpgroup that reads the tile
+        writes the same zeros, so none sees a partial state.
+        """
+        rows: gl.constexpr = tile.type.shape[0]
+        cols: gl.constexpr = tile.type.shape[1]
+        if valid < rows:
+            layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+            for c in gl.static_range(rows // CHUNK):
+                if (c + 1) * CHUNK > valid:
+                    part = tile.slice(c * CHUNK, CHUNK)
+                    values = part.load(layout)
+                    r = c * CHUNK + gl.arange(0, CHUNK, layout=gl.SliceLayout(1, layout))
+                    keep = gl.expand_dims(r < valid, 1) & gl.expand_dims(
+                        gl.arange(0, cols, layout=gl.SliceLayout(0, layout)) < cols, 0
+                    )
+                    part.store(gl.where(keep, values, gl.zeros_like(values)))
+            # Generic-proxy stores, then async-proxy (wgmma) reads: fence, and wait for all
+            # four warps before a product is issued.
+            fence_async_shared()
+            _partition_barrier()
+
 
 def tma_view(t: torch.Tensor, varlen: bool, block_rows: int) -> tuple[list, list] | None:
     """(shape, strides) of the 2-D TMA grid over t's storage, or None when TMA cannot read t.
@@ -135,5 +167,6 @@ def _descriptor(t: torch.Tensor, view: tuple[list, list], block: list[int]):
 __all__ = [
     "GLUON_AVAILABLE", "TensorDescriptor", "fence_async_shared", "gl", "gluon", "mbarrier", "tma",
     "warpgroup_mma", "warpgroup_mma_wait", "_partition_barrier", "_tma_load", "_seq_bounds",
-    "_interleaved_tile", "_tile_origin", "_release", "tma_view", "_smem_layout", "_descriptor",
+    "_interleaved_tile", "_tile_origin", "_release", "_zero_rows_from", "tma_view", "_smem_layout",
+    "_descriptor",
 ]  # fmt: skip
