@@ -79,3 +79,11 @@ def test_decode_splits_times_both_merges_by_default():
     assert decode_splits.parse_args(["--combine", "fused"]).combine == ["fused"]
     with pytest.raises(SystemExit):
         decode_splits.parse_args(["--combine", "fused,both"])
+
+
+def test_decode_splits_times_contiguous_caches_unless_asked():
+    assert decode_splits.parse_args([]).layouts == ["contiguous"]
+    args = decode_splits.parse_args(["--layouts", "paged,contiguous", "--page-size", "128"])
+    assert args.layouts == ["paged", "contiguous"] and args.page_size == 128
+    with pytest.raises(SystemExit):
+        decode_splits.parse_args(["--layouts", "paged,ring"])

@@ -17,6 +17,11 @@ same kernel in both rows.
         --cache-lens 1280                                    # GPT-125M's decode attention
     python examples/perf/decode_splits.py --batches 1 --cache-lens 8192 --splits 8,16,32 \
         --combine separate,fused                             # the merge A/B at b = 1, 8k
+    python examples/perf/decode_splits.py --layouts contiguous,paged   # paged caches beside
+
+--layouts contiguous,paged times each cell on a contiguous cache and on the same memory as a paged
+one (pages of --page-size rows, the block table shuffled, as `benchmark_decode.py` builds it),
+one row each, so the two can be compared split count by split count in one process.
 """
 
 from __future__ import annotations
@@ -33,20 +38,28 @@ from bench_utils import bench_ms, ints_arg  # noqa: E402
 from benchmark_decode import _graphed, kv_bytes, timing_floor  # noqa: E402
 
 COMBINES = ("fused", "separate")
+LAYOUTS = ("contiguous", "paged")
 
 
-def combines_arg(text: str) -> list[str]:
-    """`fused,separate` -> the merges to time, in that order."""
-    names = [t for t in text.split(",") if t]
-    unknown = sorted(set(names) - set(COMBINES))
-    if unknown or not names:
-        raise argparse.ArgumentTypeError(f"unknown merges {unknown}; choose from {COMBINES}")
-    return names
+def names_arg(choices: tuple[str, ...]):
+    """`a,b` -> the listed names of `choices`, in that order."""
+
+    def parse(text: str) -> list[str]:
+        names = [t for t in text.split(",") if t]
+        unknown = sorted(set(names) - set(choices))
+        if unknown or not names:
+            raise argparse.ArgumentTypeError(f"unknown names {unknown}; choose from {choices}")
+        return names
+
+    return parse
 
 
-def time_cell(b: int, s: int, args, combine: str = "fused") -> str:
+combines_arg = names_arg(COMBINES)
+
+
+def time_cell(b: int, s: int, args, combine: str = "fused", layout: str = "contiguous") -> str:
     """One table row: the heuristic's pick and time, each split count's time, cuDNN's time,
-    with the splits merged as `combine` says."""
+    with the splits merged as `combine` says, on a `layout` cache."""
     import torch.nn.functional as F
     from fusedlayers.kernels import _flash_decode, decode_attention
     from fusedlayers.kernels._common import cdiv, next_pow2
@@ -63,7 +76,14 @@ def time_cell(b: int, s: int, args, combine: str = "fused") -> str:
     seqlens = torch.full((b,), s, dtype=torch.int32, device="cuda")
     rows = h // h_kv  # s_q = 1: one row per query head of a KV head
     tiles = b * h_kv * cdiv(rows, max(16, min(next_pow2(rows), MAX_BLOCK_M)))  # as `_make_plan`
-    pick = num_splits_heuristic(tiles, s, q.device)
+    paged = layout == "paged"
+    pick = num_splits_heuristic(tiles, s, q.device, paged)
+    cache = {}
+    if paged:
+        # The same memory as pages; shuffled, so neighbouring key blocks sit apart.
+        k, v = (t.view(-1, args.page_size, h_kv, d) for t in (k, v))
+        table = torch.randperm(k.shape[0], device="cuda", generator=gen).to(torch.int32)
+        cache["block_table"] = table.view(b, -1)
     # Read by every eager call and capture below; the warm-ups in `_graphed` make the fused
     # merge's counters before any capture.
     _flash_decode.FUSED_COMBINE = combine == "fused"
@@ -71,7 +91,7 @@ def time_cell(b: int, s: int, args, combine: str = "fused") -> str:
     for n in [*args.splits, 0]:  # 0: the heuristic, timed last
 
         def call(n=n):
-            return decode_attention(q, k, v, seqlens, softmax_scale=d**-0.5, num_splits=n)
+            return decode_attention(q, k, v, seqlens, softmax_scale=d**-0.5, num_splits=n, **cache)
 
         out = call()[0]
         ref = out if ref is None else ref
@@ -81,6 +101,7 @@ def time_cell(b: int, s: int, args, combine: str = "fused") -> str:
                 f"b={b} s={s} num_splits={n}: {err} from num_splits={args.splits[0]}"
             )
         cells.append(1e3 * bench_ms(_graphed(call), args.warmup, args.rep))
+    k, v = (t.view(b, s, h_kv, d) for t in (k, v))  # cuDNN reads the pages' memory in order
     q_t, k_t, v_t = (t.transpose(1, 2) for t in (q, k, v))
 
     def cudnn():
@@ -92,7 +113,7 @@ def time_cell(b: int, s: int, args, combine: str = "fused") -> str:
     best = min(range(len(cells)), key=cells.__getitem__)
     text = [f"**{t:.1f}**" if i == best else f"{t:.1f}" for i, t in enumerate(cells)]
     gbps = kv_bytes(b, s, h_kv, d, 2) / (cells[best] * 1e-6) / 1e9
-    row = f"| {b} | {s} | {combine} | {pick}, {heuristic_us:.1f} | " + " | ".join(text)
+    row = f"| {b} | {s} | {layout} | {combine} | {pick}, {heuristic_us:.1f} | " + " | ".join(text)
     return row + f" | {cudnn_us:.1f} | {gbps:.0f} |"
 
 
@@ -110,6 +131,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--combine", type=combines_arg, default=list(COMBINES),
         help="how split calls merge, one row each: " + ",".join(COMBINES),
     )  # fmt: skip
+    p.add_argument(
+        "--layouts", type=names_arg(LAYOUTS), default=["contiguous"],
+        help="the cache layouts to time, one row each: " + ",".join(LAYOUTS),
+    )  # fmt: skip
+    p.add_argument("--page-size", type=int, default=256, help="rows per page of a paged cache")
     return p.parse_args(argv)
 
 
@@ -122,14 +148,17 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
     print(f"timing floor: {timing_floor(True, args.warmup, args.rep):.1f} us")
     columns = " | ".join(str(n) for n in args.splits)
-    print(f"| b | cache | merge | heuristic: splits, us | {columns} | cuDNN us | best GB/s |")
-    print("|---" * (len(args.splits) + 6) + "|")
+    print(
+        f"| b | cache | layout | merge | heuristic: splits, us | {columns} | cuDNN us | best GB/s |"
+    )
+    print("|---" * (len(args.splits) + 7) + "|")
     default = _flash_decode.FUSED_COMBINE
     try:
         for b in args.batches:
             for s in args.cache_lens:
-                for combine in args.combine:
-                    print(time_cell(b, s, args, combine), flush=True)
+                for layout in args.layouts:
+                    for combine in args.combine:
+                        print(time_cell(b, s, args, combine, layout), flush=True)
                 torch.cuda.empty_cache()
     finally:
         _flash_decode.FUSED_COMBINE = default
