@@ -8,7 +8,9 @@ bf16, b = 16384 / s, h = 2048 / d, causal and not, forward and forward+backward;
 [b, s, h, d] requiring grad as a training step has them, cuDNN (SDPA pinned) on their
 [b, h, s, d] transposed views. Each of `--rounds` rounds draws fresh inputs, so the tensors'
 addresses change between rounds as they do between processes, and times ours and cuDNN
-interleaved (`triton.testing.do_bench` medians, L2 flushed before each run). A cell prints the
+interleaved (`triton.testing.do_bench` medians, L2 flushed before each run); the rounds go over
+every cell in turn, after `--preheat` seconds of load (the GPU runs at its power cap and slows
+as it heats, so a cell's reading depends on when in the process it is taken). A cell prints the
 median over rounds per provider, the spread over rounds (max / min - 1) and the ratio of the
 medians. `--compare` reads the JSON of several processes and prints each cell's medians side by
 side with the spread between processes (max / min - 1), the number the stability target bounds.
@@ -20,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import time
 
 import torch
 import torch.nn.functional as F
@@ -67,8 +70,8 @@ def spread(values: list[float]) -> float:
     return max(values) / min(values) - 1
 
 
-def measure(d: int, s: int, causal: bool, passes: list[str], rounds: int) -> dict:
-    per_round = [one_round(d, s, causal, passes) for _ in range(rounds)]
+def summarize(d: int, s: int, causal: bool, per_round: list[dict[str, float]]) -> dict:
+    """A cell's medians, per-round TFLOP/s and spread over rounds, from its rounds' times."""
     flops = 4 * (TOKENS // s) * (HIDDEN // d) * s * s * d / (2 if causal else 1)
     cell = {"d": d, "s": s, "causal": int(causal)}
     for key in per_round[0]:
@@ -80,6 +83,21 @@ def measure(d: int, s: int, causal: bool, passes: list[str], rounds: int) -> dic
             "spread": spread(ms),
         }
     return cell
+
+
+def preheat(seconds: float) -> None:
+    """Run a d=128 s=16k forward+backward for `seconds`, so the GPU reaches the temperature and
+    clocks it holds under sustained attention work before anything is timed: this H100 runs at
+    its power cap and slows further when hot, which a cold process otherwise reads as speed."""
+    q, k, v = (
+        torch.randn(1, 16384, 16, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        for _ in range(3)
+    )
+    start = time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        for _ in range(10):
+            flash_attn_func(q, k, v).sum().backward()
+        torch.cuda.synchronize()
 
 
 def cell_name(cell: dict, p: str) -> str:
@@ -130,6 +148,7 @@ def main() -> None:
     parser.add_argument("--causal", default="0,1")
     parser.add_argument("--passes", default="fwd,fwdbwd")
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--preheat", type=float, default=20.0, help="seconds of load first")
     parser.add_argument("--json", default=None)
     parser.add_argument("--compare", nargs="+", default=None, metavar="JSON")
     args = parser.parse_args()
@@ -141,12 +160,22 @@ def main() -> None:
         torch.cuda.get_device_name(), torch.__version__, triton.__version__,
         f"cuDNN {torch.backends.cudnn.version()}", flush=True,
     )  # fmt: skip
-    cells = []
-    for d in (int(x) for x in args.dims.split(",")):
-        for s in (int(x) for x in args.seqlens.split(",")):
-            for causal in (bool(int(x)) for x in args.causal.split(",")):
-                cells.append(measure(d, s, causal, passes, args.rounds))
-                print("\n".join(report(cells[-1], passes)), flush=True)
+    shapes = [
+        (int(d), int(s), bool(int(c)))
+        for d in args.dims.split(",")
+        for s in args.seqlens.split(",")
+        for c in args.causal.split(",")
+    ]
+    preheat(args.preheat)
+    # Round by round over every cell, so each cell's rounds sample the whole run's GPU state
+    # rather than one stretch of it.
+    times = {shape: [] for shape in shapes}
+    for _ in range(args.rounds):
+        for shape in shapes:
+            times[shape].append(one_round(*shape, passes))
+    cells = [summarize(*shape, rounds) for shape, rounds in times.items()]
+    for cell in cells:
+        print("\n".join(report(cell, passes)), flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"passes": passes, "cells": cells}, f, indent=1)
