@@ -23,12 +23,12 @@ _path = "auto"
 
 # Per head dim, the shortest key length (per sequence) at which "auto" takes the sm_90 kernel;
 # None: "auto" never does (set_forward_path("sm90") still can). Measured on the H100 through
-# flash_attn_func (bf16, b*s = 16k tokens; docs/performance.md, "The sm_90 forward"): d=128 runs
-# 1.16-1.24x the portable kernel's TFLOP/s from s = 2k on; at 1k the two swap places from run to
-# run (host-bound). d=64, with three consumer warpgroups (`sm90.CONSUMERS`): 1.04-1.11x the
-# portable kernel at s = 4k and 16k, causal and not, but 0.66-0.92x at 1k
-# (examples/perf/ab_sm90_variants.py).
-SM90_MIN_KEYS = {128: 2048, 64: 4096}
+# flash_attn_func (bf16, b*s = 16k tokens, `examples/perf/ab_sm90_variants.py --set persistent`,
+# two processes; docs/performance.md, "The sm_90 forward from 1k keys"): since the persistent
+# grids, d=128 runs 1.26x the portable kernel at s = 1k (1.13x causal) and 1.2x at 2k-4k.
+# d=64 (three consumer warpgroups, `sm90.CONSUMERS`): 1.08-1.14x from 2k (causal 1.01-1.08x),
+# level at 1k and 0.86x causal there.
+SM90_MIN_KEYS = {128: 1024, 64: 2048}
 
 
 def set_forward_path(path: str) -> str:
