@@ -87,3 +87,10 @@ def test_decode_splits_times_contiguous_caches_unless_asked():
     assert args.layouts == ["paged", "contiguous"] and args.page_size == 128
     with pytest.raises(SystemExit):
         decode_splits.parse_args(["--layouts", "paged,ring"])
+
+
+def test_decode_splits_page_prefetch_settings():
+    assert decode_splits.parse_args([]).page_prefetch == ["on"]
+    assert decode_splits.parse_args(["--page-prefetch", "on,off"]).page_prefetch == ["on", "off"]
+    with pytest.raises(SystemExit):
+        decode_splits.parse_args(["--page-prefetch", "maybe"])

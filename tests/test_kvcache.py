@@ -13,6 +13,7 @@ import dataclasses
 import inspect
 import re
 
+import numpy as np
 import pytest
 import torch
 from fusedlayers.kernels import _decode_merge, _flash_decode, rotate_and_append
@@ -295,6 +296,92 @@ def test_no_ticket_counters_means_the_separate_merge(monkeypatch):
     monkeypatch.setattr(_decode_merge, "_ticket_counters", lambda device, count: None)
     check_kv_case(KVCase(num_splits=3), "cpu")
     assert merges == ["_decode_combine"]
+
+
+# --------------------------------------------------------------------------------------------------
+# Paged caches: each key block's page loaded one block ahead (`PAGE_PREFETCH`) or just before it
+# --------------------------------------------------------------------------------------------------
+
+# Shuffled pages of 4 or 2 interpreter key blocks (16 keys), split boundaries mid-page (the first
+# case's longest sequence: 20 blocks over 3 splits, 7 a split), also after left pads and under a
+# window. The longest sequence ends at its table row's end, so the one-ahead page load of its
+# last block would read past the row.
+PREFETCH_CASES = [
+    KVCase(s_cache=320, page_size=64, num_splits=3, s_new=1, causal=True, b=3),
+    KVCase(s_cache=320, page_size=64, num_splits=4, leftpad=True, b=3, s_q=2, s_new=2, causal=True),
+    KVCase(dtype=F32, s_cache=192, page_size=32, num_splits=5, s_q=2, s_new=2, window=(40, 0)),
+]
+
+
+@pytest.mark.parametrize("prefetch", [True, False], ids=["prefetch", "no_prefetch"])
+@pytest.mark.parametrize("case", PREFETCH_CASES, ids=lambda c: c.label())
+def test_paged_prefetch_matches_reference(case, prefetch, monkeypatch):
+    monkeypatch.setattr(_flash_decode, "PAGE_PREFETCH", prefetch)
+    check_kv_case(case, "cpu")
+
+
+@pytest.mark.parametrize("prefetch", [True, False], ids=["prefetch", "no_prefetch"])
+def test_paged_reads_only_the_pages_of_its_keys(prefetch, monkeypatch):
+    """The block table is read at the entries of the pages holding each sequence's keys and
+    nowhere else: the one-ahead page load stops at its split's end, and an empty split (one
+    that starts past the keys, here past the longest row's last page) reads none. The table lies
+    in a buffer with a guard after it, and every live load of the launch is checked (interpreter
+    loads), so a read past the last row is seen too."""
+    from triton.runtime import interpreter
+
+    monkeypatch.setattr(_flash_decode, "PAGE_PREFETCH", prefetch)
+    # 20 blocks of the longest sequence over 8 splits of 3: the last split starts at key 336.
+    case = KVCase(b=3, s_cache=320, page_size=64, num_splits=8)
+    inputs = make_kv_inputs(case, "cpu")
+    # The longest sequence (`make_kv_inputs` puts it first) last: past its row lies the guard.
+    for name in ("q", "cache_seqlens", "block_table"):
+        inputs[name] = inputs[name].flip(0)
+    inputs["lens"] = inputs["lens"][::-1]
+    table = inputs["block_table"]
+    buffer = torch.full((table.numel() + 64,), -1, dtype=torch.int32)
+    inputs["block_table"] = buffer[: table.numel()].view_as(table).copy_(table)
+    start, pages_per_row = buffer.data_ptr(), table.shape[1]
+    builder = interpreter.interpreter_builder
+    original = builder.create_masked_load
+    read = set()
+
+    def spy(ptrs, mask, *args):
+        live = np.broadcast_to(mask.data, ptrs.data.shape)
+        offsets = ptrs.data[live].astype(np.int64) - start
+        for entry in offsets[(offsets >= 0) & (offsets < 4 * buffer.numel())] // 4:
+            read.add(divmod(int(entry), pages_per_row))
+        return original(ptrs, mask, *args)
+
+    monkeypatch.setattr(builder, "create_masked_load", spy)
+    call_kernel(case, inputs)
+    pages = {(z, j) for z, n in enumerate(inputs["lens"]) for j in range(-(-n // case.page_size))}
+    assert inputs["lens"][-1] == case.s_cache and read == pages
+
+
+def test_page_prefetch_setting_has_plans_of_its_own(monkeypatch):
+    """Toggling `PAGE_PREFETCH` between calls of one signature launches the kernel of the
+    setting: each setting makes its own plan (constexprs, tuning keys, launch slots). Contiguous
+    caches launch the one kernel either way."""
+    monkeypatch.setattr(_flash_decode, "_PLANS", {})
+    launched = []
+    original = _flash_decode._launch
+
+    def spy(grid, args, constexprs, *rest):
+        launched.append((constexprs["PAGED"], constexprs["PAGE_PREFETCH"]))
+        return original(grid, args, constexprs, *rest)
+
+    monkeypatch.setattr(_flash_decode, "_launch", spy)
+    paged = KVCase(s_cache=128, page_size=32, num_splits=3, s_new=1, causal=True)
+    for prefetch in (True, False, True):
+        monkeypatch.setattr(_flash_decode, "PAGE_PREFETCH", prefetch)
+        check_kv_case(paged, "cpu")
+        check_kv_case(dataclasses.replace(paged, page_size=None), "cpu")
+    assert launched[0::2] == [(True, True), (True, False), (True, True)]
+    assert set(launched[1::2]) == {(False, False)}
+    plans = [plan for plan in _flash_decode._PLANS.values() if plan.constexprs["PAGED"]]
+    assert len(plans) == 2 and len(_flash_decode._PLANS) == 4
+    for key in ("tuning", "fused_tuning"):
+        assert len({getattr(plan, key) for plan in plans}) == 2
 
 
 # --------------------------------------------------------------------------------------------------

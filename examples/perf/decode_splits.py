@@ -21,7 +21,9 @@ same kernel in both rows.
 
 --layouts contiguous,paged times each cell on a contiguous cache and on the same memory as a paged
 one (pages of --page-size rows, the block table shuffled, as `benchmark_decode.py` builds it),
-one row each, so the two can be compared split count by split count in one process.
+one row each, so the two can be compared split count by split count in one process;
+--page-prefetch on,off times paged rows once per setting of `_flash_decode.PAGE_PREFETCH` (each
+key block's page read a block ahead, or just before its K/V loads).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from benchmark_decode import _graphed, kv_bytes, timing_floor  # noqa: E402
 
 COMBINES = ("fused", "separate")
 LAYOUTS = ("contiguous", "paged")
+SWITCH = ("on", "off")
 
 
 def names_arg(choices: tuple[str, ...]):
@@ -57,9 +60,12 @@ def names_arg(choices: tuple[str, ...]):
 combines_arg = names_arg(COMBINES)
 
 
-def time_cell(b: int, s: int, args, combine: str = "fused", layout: str = "contiguous") -> str:
+def time_cell(
+    b: int, s: int, args, combine: str = "fused", layout: str = "contiguous", prefetch: str = "on"
+) -> str:
     """One table row: the heuristic's pick and time, each split count's time, cuDNN's time,
-    with the splits merged as `combine` says, on a `layout` cache."""
+    with the splits merged as `combine` says, on a `layout` cache (paged: pages read a block
+    ahead when `prefetch` is "on")."""
     import torch.nn.functional as F
     from fusedlayers.kernels import _flash_decode, decode_attention
     from fusedlayers.kernels._common import cdiv, next_pow2
@@ -87,6 +93,7 @@ def time_cell(b: int, s: int, args, combine: str = "fused", layout: str = "conti
     # Read by every eager call and capture below; the warm-ups in `_graphed` make the fused
     # merge's counters before any capture.
     _flash_decode.FUSED_COMBINE = combine == "fused"
+    _flash_decode.PAGE_PREFETCH = prefetch == "on"
     ref, cells = None, []
     for n in [*args.splits, 0]:  # 0: the heuristic, timed last
 
@@ -113,6 +120,8 @@ def time_cell(b: int, s: int, args, combine: str = "fused", layout: str = "conti
     best = min(range(len(cells)), key=cells.__getitem__)
     text = [f"**{t:.1f}**" if i == best else f"{t:.1f}" for i, t in enumerate(cells)]
     gbps = kv_bytes(b, s, h_kv, d, 2) / (cells[best] * 1e-6) / 1e9
+    if paged:
+        layout += f", prefetch {prefetch}"
     row = f"| {b} | {s} | {layout} | {combine} | {pick}, {heuristic_us:.1f} | " + " | ".join(text)
     return row + f" | {cudnn_us:.1f} | {gbps:.0f} |"
 
@@ -136,6 +145,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="the cache layouts to time, one row each: " + ",".join(LAYOUTS),
     )  # fmt: skip
     p.add_argument("--page-size", type=int, default=256, help="rows per page of a paged cache")
+    p.add_argument(
+        "--page-prefetch", type=names_arg(SWITCH), default=["on"],
+        help="paged rows once per setting of _flash_decode.PAGE_PREFETCH: " + ",".join(SWITCH),
+    )  # fmt: skip
     return p.parse_args(argv)
 
 
@@ -152,16 +165,18 @@ def main(argv: list[str] | None = None) -> None:
         f"| b | cache | layout | merge | heuristic: splits, us | {columns} | cuDNN us | best GB/s |"
     )
     print("|---" * (len(args.splits) + 7) + "|")
-    default = _flash_decode.FUSED_COMBINE
+    defaults = _flash_decode.FUSED_COMBINE, _flash_decode.PAGE_PREFETCH
     try:
         for b in args.batches:
             for s in args.cache_lens:
                 for layout in args.layouts:
-                    for combine in args.combine:
-                        print(time_cell(b, s, args, combine, layout), flush=True)
+                    for prefetch in args.page_prefetch if layout == "paged" else ["on"]:
+                        for combine in args.combine:
+                            row = time_cell(b, s, args, combine, layout, prefetch)
+                            print(row, flush=True)
                 torch.cuda.empty_cache()
     finally:
-        _flash_decode.FUSED_COMBINE = default
+        _flash_decode.FUSED_COMBINE, _flash_decode.PAGE_PREFETCH = defaults
     print(
         "cells: us per call (graph replay, median); bold: the fastest split count of the row; "
         "merge: fused = in the main launch, separate = a second launch"

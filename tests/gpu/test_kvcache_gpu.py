@@ -2,14 +2,15 @@
 
 b = 8, GQA 32:8, d = 128, caches of 1k-8k tokens contiguous and paged (page_size 256), plus one
 32k cache; the checks of tests/kvcache_testing.py (cache rows after the append, the untouched
-bytes, out/LSE against the fp64 oracle with the 2x-PyTorch rule). Then paged against
-contiguous, split counts, every bad input of the CPU suite on CUDA tensors (raised before any
-write), and CUDA graph captures of the kernel entry and of a whole flash_attn_with_kvcache step
-(neither may sync with the host). The reference cases run the default merge; split counts and
-capture run with both (`COMBINES`: in the main launch's last program per tile, or a second
-launch); the fused merge is also repeated many times against its own first result (a merge
-that read a partial before it landed would differ) and captured before any eager fused call
-(it must fall back to the second launch).
+bytes, out/LSE against the fp64 oracle with the 2x-PyTorch rule), the paged ones also with the
+pages read just before their K/V loads (`PAGE_PREFETCH` off). Then paged against contiguous,
+split counts, every bad input of the CPU suite on CUDA tensors (raised before any write), and
+CUDA graph captures of the kernel entry and of a whole flash_attn_with_kvcache step (neither
+may sync with the host). The reference cases run the default merge; split counts and capture
+run with both (`COMBINES`: in the main launch's last program per tile, or a second launch); the
+fused merge is also repeated many times against its own first result (a merge that read a
+partial before it landed would differ) and captured before any eager fused call (it must fall
+back to the second launch).
 
 Run: pytest -n 4 tests/gpu/test_kvcache_gpu.py
 """
@@ -20,7 +21,7 @@ import re
 
 import pytest
 import torch
-from fusedlayers.kernels import _decode_merge, decode_attention
+from fusedlayers.kernels import _decode_merge, _flash_decode, decode_attention
 from kvcache_testing import (
     COMBINES,
     KVCase,
@@ -66,6 +67,17 @@ CASES = [
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.label())
 def test_matches_reference_gpu(case):
     # The default merge (fused where it fits one load); the tests below run both merges.
+    check_kv_case(case, "cuda")
+    assert tickets_all_zero()
+
+
+@pytest.mark.parametrize(
+    "case", [c for c in CASES if c.page_size], ids=lambda c: c.label() + "-table-inline"
+)
+def test_paged_without_page_prefetch_matches_reference_gpu(case, monkeypatch):
+    """The paged path with each block's page loaded just before its K/V (the setting kept for
+    timing against the default, which loads it a block ahead: `_flash_decode.PAGE_PREFETCH`)."""
+    monkeypatch.setattr(_flash_decode, "PAGE_PREFETCH", False)
     check_kv_case(case, "cuda")
     assert tickets_all_zero()
 
