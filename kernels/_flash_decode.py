@@ -126,26 +126,19 @@ def check_page_size(page_size: int) -> None:
         )
 
 
-# Cached: decode calls repeat a handful of (tiles, capacity, paged) triples, and the paged search
-# below is ~30 Python calls (a few microseconds of the eager decode entry's host time).
+# Cached: decode calls repeat a handful of (tiles, capacity) pairs.
 @functools.lru_cache(maxsize=4096)
-def num_splits_heuristic(
-    tiles: int, max_len_k: int, device: torch.device, paged: bool = False
-) -> int:
+def num_splits_heuristic(tiles: int, max_len_k: int, device: torch.device) -> int:
     """Splits per (sequence, KV head, row block) for `tiles` such programs over up to
     `max_len_k` keys (the cache's capacity: the lengths stay on the device).
 
-    Contiguous caches: one wave, as many splits as keep every program on a multiprocessor of
-    its own. Measured on the H100 (docs/performance.md, "Decode split counts"): at b = 1 with 8
-    KV heads, 16 splits (128 programs) beat the 33 of the rule below by 3-6% from 8k to 128k
-    keys, and 24 (a ragged second wave) was slowest; with more tiles than multiprocessors one
-    split is fastest or within 3%.
-
-    Paged caches keep the earlier rule, which read 2-3% faster for them than one wave at b = 8
-    and level at b = 1 (across processes; each key block's block-table load waits, and more
-    programs hide it): at least two waves, then, up to twice that, the count whose last wave
-    is fullest (b = 8 with 8 KV heads is 64 programs: 5 splits leave the third wave 40% full, 6
-    fill it to 90%).
+    One wave: as many splits as keep every program on a multiprocessor of its own, contiguous
+    and paged caches alike. Measured on the H100 (docs/performance.md, "Decode split counts"):
+    at b = 1 with 8 KV heads, 16 splits (128 programs) beat 33 (two waves) by 3-6% from 8k to
+    128k keys, and 24 (a ragged second wave) was slowest; with more tiles than multiprocessors
+    one split is fastest or within 3%. Paged caches took two waves until their key blocks'
+    pages were read a block ahead (`PAGE_PREFETCH`); since then 16 splits read as fast on them
+    as on the contiguous cache ("Paged decode: pages read a block ahead").
 
     No split gets fewer than `_MIN_BLOCKS_PER_SPLIT` key blocks: a shorter one costs more in
     its partial write and the combine than it saves.
@@ -154,17 +147,7 @@ def num_splits_heuristic(
     tiles = max(tiles, 1)
     key_blocks = cdiv(max(max_len_k, 1), _NOMINAL_BLOCK_N)
     cap = max(1, min(key_blocks // _MIN_BLOCKS_PER_SPLIT, MAX_SPLITS))
-    if not paged:
-        return max(1, min(sms // tiles, cap))
-    target = min(cdiv(2 * sms, tiles), cap)
-    if target <= 1:
-        return 1
-
-    def fill(splits: int) -> float:
-        programs = tiles * splits
-        return programs / (cdiv(programs, sms) * sms)
-
-    return max(range(target, min(2 * target, cap) + 1), key=lambda n: (min(fill(n), 0.95), -n))
+    return max(1, min(sms // tiles, cap))
 
 
 def _configs() -> list[triton.Config]:
@@ -568,7 +551,7 @@ def _make_plan(
     num_m = cdiv(n_rows, block_m)
     tiles = b * h_kv * num_m
     if num_splits <= 0:
-        num_splits = num_splits_heuristic(tiles, capacity, q.device, paged)
+        num_splits = num_splits_heuristic(tiles, capacity, q.device)
     num_splits = max(1, min(int(num_splits), MAX_SPLITS, cdiv(max(capacity, 1), PAGE_MULTIPLE)))
     block_d = next_pow2_dim(d)
     split = num_splits > 1

@@ -187,10 +187,6 @@ def test_split_heuristic():
     assert _flash_decode.num_splits_heuristic(64, 8192, cpu) == 2  # 128 programs
     assert _flash_decode.num_splits_heuristic(12, 1280, cpu) == 10  # 20 blocks: 2 a split
     assert _flash_decode.num_splits_heuristic(1, 1 << 20, cpu) == _flash_decode.MAX_SPLITS
-    # Paged: at least two waves, the last one fullest
-    assert _flash_decode.num_splits_heuristic(8, 131072, cpu, paged=True) == 33
-    assert _flash_decode.num_splits_heuristic(64, 8192, cpu, paged=True) == 6  # 5: a 40% wave
-    assert _flash_decode.num_splits_heuristic(64 * 8, 32768, cpu, paged=True) == 1
 
 
 # --------------------------------------------------------------------------------------------------

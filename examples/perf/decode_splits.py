@@ -83,7 +83,7 @@ def time_cell(
     rows = h // h_kv  # s_q = 1: one row per query head of a KV head
     tiles = b * h_kv * cdiv(rows, max(16, min(next_pow2(rows), MAX_BLOCK_M)))  # as `_make_plan`
     paged = layout == "paged"
-    pick = num_splits_heuristic(tiles, s, q.device, paged)
+    pick = num_splits_heuristic(tiles, s, q.device)
     cache = {}
     if paged:
         # The same memory as pages; shuffled, so neighbouring key blocks sit apart.
