@@ -94,3 +94,32 @@ def test_set_forward_path_names_bad_values():
     with pytest.raises(ValueError, match="forward path must be one of .* got 'fast'"):
         set_forward_path("fast")
     assert _forward_paths.forward_path() == "auto"
+
+
+@pytest.mark.parametrize(
+    "d,keys,causal,taken",
+    [
+        (128, 1024, False, True),  # SM90_MIN_KEYS
+        (128, 1023, False, False),
+        (128, 1024, True, False),  # SM90_MIN_KEYS_CAUSAL
+        (128, 2048, True, True),
+        (64, 2048, False, True),
+        (64, 2047, False, False),
+        (64, 2048, True, False),
+        (64, 4096, True, True),
+    ],
+)
+def test_auto_takes_sm90_from_the_measured_lengths(d, keys, causal, taken, monkeypatch):
+    """ "auto" on an sm_90 GPU (faked here) takes the sm_90 forward from the key length its
+    tables give, causal calls from their own table; the rest fall back."""
+    if not sm90.GLUON_AVAILABLE:
+        pytest.skip("this Triton has no Gluon")
+    monkeypatch.setattr(_forward_paths, "_on_sm90", lambda t: True)
+    q = torch.randn(1, 64, 2, d, dtype=torch.float16)
+    k = torch.randn(1, keys, 2, d, dtype=torch.float16)
+    geom = launch_geometry(q, k)
+    plan = _forward_paths.sm90_plan(
+        q, k, k, geom, window_left=-1, window_right=0 if causal else -1, bias=None,
+        alibi_slopes=None, softcap=0.0, dropout_p=0.0,
+    )  # fmt: skip
+    assert (plan is not None) == taken
