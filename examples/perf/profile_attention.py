@@ -11,6 +11,13 @@ another provider is where to look next.
         python examples/perf/profile_attention.py --ncu --providers fusedlayers --dims 128 \\
         --seqlens 4096
 
+`--forward-path sm90|portable|auto` pins the forward kernel of the "fusedlayers" provider for the
+whole run ("fusedlayers-portable" pins the portable forward either way), e.g. to compare the
+sm_90 forward with the portable one where "auto" takes only one of them:
+
+    python examples/perf/profile_attention.py --providers fusedlayers,fusedlayers-portable \
+        --dims 128 --seqlens 1024 --causal 1 --forward-path sm90
+
 `--ncu`: after warm-up, one forward+backward per provider and case between
 cudaProfilerStart/Stop, for Nsight Compute's `--profile-from-start off`. Shapes follow the
 benchmark (b = 16384/s, h = 2048/d, bf16, [b, h, s, d] inputs) and its providers are built by
@@ -77,12 +84,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", choices=list(ba.DTYPES), default="bf16")
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--ncu", action="store_true", help="one profiled call per provider and case")
+    p.add_argument("--forward-path", choices=("auto", "sm90", "portable"), default="auto")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("profile_attention.py needs a CUDA GPU")
         return 2
+    from fusedlayers.kernels import set_forward_path
+
     configure_dynamo()
     torch.manual_seed(0)
+    set_forward_path(args.forward_path)
     for d in args.dims:
         for s in args.seqlens:
             for causal in (c == "1" for c in args.causal):
