@@ -164,9 +164,11 @@ def _descriptor(t: torch.Tensor, view: tuple[list, list], block: list[int]):
 
 # The Gluon names the kernels import from here (one place that knows Triton's version
 # differences), besides this module's own helpers.
-__all__ = [
-    "GLUON_AVAILABLE", "TensorDescriptor", "fence_async_shared", "gl", "gluon", "mbarrier", "tma",
-    "warpgroup_mma", "warpgroup_mma_wait", "_partition_barrier", "_tma_load", "_seq_bounds",
-    "_interleaved_tile", "_tile_origin", "_release", "_zero_rows_from", "tma_view", "_smem_layout",
-    "_descriptor",
-]  # fmt: skip
+# The host side always exists; the Gluon names and device helpers only where Gluon imports.
+__all__ = ["GLUON_AVAILABLE", "tma_view", "_smem_layout", "_descriptor"]
+if GLUON_AVAILABLE:
+    __all__ += [
+        "TensorDescriptor", "fence_async_shared", "gl", "gluon", "mbarrier", "tma",
+        "warpgroup_mma", "warpgroup_mma_wait", "_partition_barrier", "_tma_load", "_seq_bounds",
+        "_interleaved_tile", "_tile_origin", "_release", "_zero_rows_from",
+    ]  # fmt: skip

@@ -123,3 +123,23 @@ def test_auto_takes_sm90_from_the_measured_lengths(d, keys, causal, taken, monke
         alibi_slopes=None, softcap=0.0, dropout_p=0.0,
     )  # fmt: skip
     assert (plan is not None) == taken
+
+
+def test_sm90_common_exports_only_what_it_defines(monkeypatch):
+    """`_sm90_common.__all__` names only what exists, with Gluon and without it (then only the
+    host side), so a star import never fails on an install without Gluon."""
+    import importlib.util
+    import sys
+
+    from fusedlayers.kernels import _sm90_common
+
+    assert all(hasattr(_sm90_common, name) for name in _sm90_common.__all__)
+    monkeypatch.setitem(sys.modules, "triton.experimental.gluon", None)  # its import now fails
+    spec = importlib.util.spec_from_file_location(
+        "sm90_common_without_gluon", _sm90_common.__file__
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert not module.GLUON_AVAILABLE
+    assert set(module.__all__) == {"GLUON_AVAILABLE", "tma_view", "_smem_layout", "_descriptor"}
+    assert all(hasattr(module, name) for name in module.__all__)
