@@ -36,28 +36,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench_utils import bench_ms, ints_arg  # noqa: E402
+from bench_utils import bench_ms, csv_arg, ints_arg  # noqa: E402
 from benchmark_decode import _graphed, kv_bytes, timing_floor  # noqa: E402
 
 COMBINES = ("fused", "separate")
 LAYOUTS = ("contiguous", "paged")
 SWITCH = ("on", "off")
-
-
-def names_arg(choices: tuple[str, ...]):
-    """`a,b` -> the listed names of `choices`, in that order."""
-
-    def parse(text: str) -> list[str]:
-        names = [t for t in text.split(",") if t]
-        unknown = sorted(set(names) - set(choices))
-        if unknown or not names:
-            raise argparse.ArgumentTypeError(f"unknown names {unknown}; choose from {choices}")
-        return names
-
-    return parse
-
-
-combines_arg = names_arg(COMBINES)
 
 
 def time_cell(
@@ -137,16 +121,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=10, help="do_bench warm-up, ms")
     p.add_argument("--rep", type=int, default=50, help="do_bench repetition time, ms")
     p.add_argument(
-        "--combine", type=combines_arg, default=list(COMBINES),
+        "--combine", type=csv_arg(COMBINES), default=list(COMBINES),
         help="how split calls merge, one row each: " + ",".join(COMBINES),
     )  # fmt: skip
     p.add_argument(
-        "--layouts", type=names_arg(LAYOUTS), default=["contiguous"],
+        "--layouts", type=csv_arg(LAYOUTS), default=["contiguous"],
         help="the cache layouts to time, one row each: " + ",".join(LAYOUTS),
     )  # fmt: skip
     p.add_argument("--page-size", type=int, default=256, help="rows per page of a paged cache")
     p.add_argument(
-        "--page-prefetch", type=names_arg(SWITCH), default=["on"],
+        "--page-prefetch", type=csv_arg(SWITCH), default=["on"],
         help="paged rows once per setting of _flash_decode.PAGE_PREFETCH: " + ",".join(SWITCH),
     )  # fmt: skip
     return p.parse_args(argv)

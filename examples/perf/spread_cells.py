@@ -22,7 +22,9 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -31,12 +33,12 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from fusedlayers import flash_attn_func
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench_utils import bench_ms  # noqa: E402
+
 TOKENS, HIDDEN = 16384, 2048
 PROVIDERS = ("ours", "cudnn")
-
-
-def timed(fn, grads) -> float:
-    return triton.testing.do_bench(fn, warmup=25, rep=100, grad_to_none=grads, return_mode="median")
 
 
 def one_round(d: int, s: int, causal: bool, passes: list[str]) -> dict[str, float]:
@@ -57,7 +59,7 @@ def one_round(d: int, s: int, causal: bool, passes: list[str]) -> dict[str, floa
         for name in PROVIDERS:
             fn = calls[name]
             job = fn if p == "fwd" else (lambda fn=fn: fn().backward(dout))
-            times[f"{name}/{p}"] = timed(job, [q, k, v])
+            times[f"{name}/{p}"] = bench_ms(job, 25, 100, grad_to_none=[q, k, v])
     return times
 
 
