@@ -68,6 +68,15 @@ CASES = [
     Case(b=5, s_q=600, s_k=600, h=4, h_kv=4, d=128, dtype=torch.bfloat16, layout="varlen",
          window=(-1, 0)),
     Case(b=5, s_q=513, s_k=700, h=4, h_kv=2, d=64, dtype=torch.float16, layout="varlen_padded"),
+    # d = 64 causal (192-row tiles): the upper warpgroups skip the key blocks past their rows'
+    # diagonal and the rows past a sequence's end (`_warpgroup_blocks`): lengths that are no
+    # multiple of the tile, bottom-right with more queries than keys (warpgroups that see no
+    # key) and with fewer, varlen.
+    Case(b=2, s_q=2000, s_k=2000, h=8, h_kv=2, d=64, dtype=torch.bfloat16, window=(-1, 0)),
+    Case(b=3, s_q=1500, s_k=1100, h=4, h_kv=2, d=64, dtype=torch.float16, window=(-1, 0)),
+    Case(b=2, s_q=600, s_k=1500, h=4, h_kv=4, d=64, dtype=torch.bfloat16, window=(-1, 0)),
+    Case(b=6, s_q=900, s_k=900, h=4, h_kv=1, d=64, dtype=torch.bfloat16, layout="varlen",
+         window=(-1, 0)),
 ]  # fmt: skip
 
 
