@@ -101,17 +101,17 @@ def test_set_forward_path_names_bad_values():
     [
         (128, 1024, False, True),  # SM90_MIN_KEYS
         (128, 1023, False, False),
-        (128, 1024, True, False),  # SM90_MIN_KEYS_CAUSAL
-        (128, 2048, True, True),
+        (128, 1024, True, True),
+        (128, 1023, True, False),
         (64, 2048, False, True),
         (64, 2047, False, False),
-        (64, 2048, True, False),
-        (64, 4096, True, True),
+        (64, 2048, True, True),
+        (64, 2047, True, False),
     ],
 )
 def test_auto_takes_sm90_from_the_measured_lengths(d, keys, causal, taken, monkeypatch):
     """ "auto" on an sm_90 GPU (faked here) takes the sm_90 forward from the key length its
-    tables give, causal calls from their own table; the rest fall back."""
+    table gives, causal calls alike; the rest fall back."""
     if not sm90.GLUON_AVAILABLE:
         pytest.skip("this Triton has no Gluon")
     monkeypatch.setattr(_forward_paths, "_on_sm90", lambda t: True)
