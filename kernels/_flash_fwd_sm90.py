@@ -129,8 +129,8 @@ if GLUON_AVAILABLE:
         """BLOCK_M query rows of one (sequence, query head) per tile, 64 per consumer warpgroup;
         num_pairs: sequences x query heads; CONSUMER_REGS: registers of each worker consumer
         (`REGISTERS`); order_pairs: the causal launch order's interleave (`_interleaved_tile`);
-        tile_counter: a zeroed int32 the DYNAMIC persistent grid takes its tiles from (else
-        None).
+        tile_counter: a zeroed int32 the DYNAMIC persistent grid takes its tiles from and
+        leaves at 0 (`tile_counter`; else None).
 
         One tile per program, or with PERSISTENT a program per SM taking one tile per round of
         the launch order (`_round_tile`): the producer streams the next tile's K, V and Q while
@@ -306,6 +306,28 @@ def plan_views(q, k, v, varlen: bool):
     return None if any(view is None for view in views) else views
 
 
+# The dynamic tile scheduler's counters, one int32 per (device, stream) (`tile_counter`).
+_TILE_COUNTERS: dict[tuple[int, int], torch.Tensor] = {}
+
+
+def tile_counter(device: torch.device) -> torch.Tensor:
+    """The zeroed int32 a causal persistent launch on the current stream takes its tiles from.
+
+    Each launch leaves its counter at 0 (its last user resets it, `_persistent_producer`), and
+    launches on one stream run in order, so one counter per stream serves them all without a
+    fill per call (an allocation and a launch of host time). Under CUDA graph capture a launch
+    gets a fresh zeroed counter instead: the capture's allocations belong to its graph.
+    """
+    if torch.cuda.is_current_stream_capturing():
+        return torch.zeros(1, dtype=torch.int32, device=device)
+    stream = torch.cuda.current_stream(device)
+    key = (stream.device_index, stream.cuda_stream)
+    counter = _TILE_COUNTERS.get(key)
+    if counter is None:
+        counter = _TILE_COUNTERS[key] = torch.zeros(1, dtype=torch.int32, device=device)
+    return counter
+
+
 def forward_sm90(
     q, k, v, out, lse, views, geom, *, softmax_scale, causal, bottom_right, signature=None
 ):  # fmt: skip
@@ -332,7 +354,7 @@ def forward_sm90(
     grid = (min(tiles, multiprocessors(q.device)) if persistent else tiles,)
     # Causal tiles differ in length: a persistent causal launch takes them from a counter.
     dynamic = persistent and causal
-    tile_counter = torch.zeros(1, dtype=torch.int32, device=q.device) if dynamic else None
+    counter = tile_counter(q.device) if dynamic else None
     order_pairs = causal_order_heads(
         geom.k.max_len, head_row_bytes(k, v), num_heads_q // num_heads_kv,
         geom.batch * num_heads_q,
@@ -347,7 +369,7 @@ def forward_sm90(
         sq[0], sq[1], sq[2], sk[0], sk[1], sk[2], sv[0], sv[1], sv[2], so[0], so[1], so[2],
         *lse_strides(lse, geom.varlen),
         num_heads_q, num_heads_q // num_heads_kv, geom.q.max_len, geom.k.max_len,
-        float(softmax_scale) * LOG2E, order_pairs, num_pairs, tile_counter,
+        float(softmax_scale) * LOG2E, order_pairs, num_pairs, counter,
         HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n, NUM_STAGES=stages,
         SEQ_MODE_Q=geom.q.mode, SEQ_MODE_K=geom.k.mode, IS_CAUSAL=bool(causal),
         BOTTOM_RIGHT=bool(bottom_right), CONSUMER_REGS=worker_registers[0],

@@ -421,7 +421,8 @@ if GLUON_AVAILABLE:
         """The persistent grid's producer: this program's tile of every round (`_round_tile`),
         in order (the consumers walk the same list), or with DYNAMIC the tiles it takes from
         `tile_counter` (its first is its program index; each later one is `step` plus the
-        counter's old value), handed to the consumers through `sched` (`_publish_tile`).
+        counter's old value; the counter is back at 0 when the launch ends), handed to the
+        consumers through `sched` (`_publish_tile`).
         out_ptr, lse_ptr, qk_scale, WG unused."""
         BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
         BLOCK_M: gl.constexpr = smem[0].type.shape[0] * WG_ROWS
@@ -429,6 +430,7 @@ if GLUON_AVAILABLE:
         tile_count = 0
         if DYNAMIC:
             tile = first
+            taken = first * 0 - 1  # the counter's last value this program took
             r = 0
             while tile < num_tiles:
                 _publish_tile(sched, r, tile)
@@ -449,8 +451,14 @@ if GLUON_AVAILABLE:
                     tile_count += 1
                 # The next tile is taken once this one's loads are all issued: the consumers
                 # are then still on it (or the one before), so it is in hand when they finish.
-                tile = step + gl.atomic_add(tile_counter, 1)
+                taken = gl.atomic_add(tile_counter, 1)
+                tile = step + taken
                 r += 1
+            # Every program takes one index past the last tile, so the launch takes num_tiles
+            # indices in all; whoever took the last one is the counter's last user and leaves
+            # it at 0 for the next launch (`_flash_fwd_sm90.tile_counter`).
+            if taken == num_tiles - 1:
+                gl.atomic_xchg(tile_counter, 0)
             _publish_tile(sched, r, tile)  # past the last tile: the consumers stop
             return
         for r in range(0, gl.cdiv(num_tiles, step)):

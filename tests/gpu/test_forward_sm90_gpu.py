@@ -177,6 +177,26 @@ def test_sm90_persistent_grid_matches_reference(case, sm90_spy, persistent_grid)
     assert sm90_spy, "the sm_90 kernel did not run"
 
 
+@needs_sm90
+def test_sm90_tile_counter_left_at_zero(sm90_spy):
+    """Causal persistent launches on one stream share a tile counter that each leaves at 0 (a
+    launch starting from another value would skip tiles: rows the reference check catches);
+    another stream has its own."""
+    case = Case(b=2, s_q=1000, s_k=1000, h=4, h_kv=2, d=64, dtype=torch.bfloat16, window=(-1, 0))
+    device = torch.device(DEV, torch.cuda.current_device())
+    for _ in range(3):
+        check_case(case, DEV, high_dtype=torch.float32)
+    counter = _flash_fwd_sm90.tile_counter(device)
+    assert counter.item() == 0
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        check_case(case, DEV, high_dtype=torch.float32)
+        assert _flash_fwd_sm90.tile_counter(device) is not counter
+        assert _flash_fwd_sm90.tile_counter(device).item() == 0
+    assert sm90_spy, "the sm_90 kernel did not run"
+
+
 def _sbhd(s, b, h, d, dtype, g):
     return torch.randn(s, b, h, d, device=DEV, generator=g).to(dtype)
 
