@@ -59,11 +59,21 @@ is scaled in the epilogue.
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 
-from ._common import LOG2E, causal_order_heads, cdiv, head_row_bytes, lse_strides, strides4
-from ._launch import int_signature, launch
+from . import _common
+from ._common import (
+    LOG2E,
+    causal_order_heads,
+    cdiv,
+    head_row_bytes,
+    lse_strides,
+    remember,
+    strides4,
+)
+from ._launch import int_signature, launch, launch_slot
 from ._sm90_common import GLUON_AVAILABLE, _descriptor, tma_view
 
 if GLUON_AVAILABLE:
@@ -568,45 +578,96 @@ def backward_sm90(
     sequence's end are left alone) and returns the unscaled dQ, fp32, laid out like a
     contiguous q (`dq_accumulator`). `lse`, `delta`: contiguous fp32 as the portable backward
     has them; `views` from `plan_views`. `signature`: the backward's launch signature
-    (`_flash_bwd`); with it the launch goes straight to the compiled kernel after the first."""
+    (`_flash_bwd`); with it everything but the TMA descriptors and the pointers is planned once
+    per signature (`_launch_plan`) and the launch goes straight to the compiled kernel after
+    the first."""
+    key = None
+    if signature is not None:
+        key = (signature, bool(causal), bool(bottom_right), _settings())
+    plan = _PLANS.get(key) if key is not None else None
+    dq_acc = dq_accumulator(q)
+    if plan is None:
+        plan = _launch_plan(q, k, v, dout, lse, dq_acc, dk, dv, geom, causal, bottom_right,
+                            signature)  # fmt: skip
+        if key is not None:
+            remember(_PLANS, key, plan, _MAX_PLANS)
+    if plan.grid[0] == 0:
+        return dq_acc
     d = q.shape[-1]
-    block_m, stages = TILES[d]
+    block_m = plan.constexprs["BLOCK_M"]
     q_desc = _descriptor(q, views[0], [block_m, d])
     k_desc = _descriptor(k, views[1], [BLOCK_N, d])
     v_desc = _descriptor(v, views[2], [BLOCK_N, d])
     do_desc = _descriptor(dout, views[3], [block_m, d])
-    dq_acc = dq_accumulator(q)
-    dq_view = tma_view(dq_acc, varlen=geom.varlen, block_rows=DQ_BOX[0])
-    dq_desc = TensorDescriptor(dq_acc, *dq_view, list(DQ_BOX), _dq_layout())
+    dq_desc = TensorDescriptor(dq_acc, *plan.dq_view, list(DQ_BOX), _dq_layout())
+    launch(_attn_bwd_sm90, plan.grid,
+        q_desc, k_desc, v_desc, do_desc, dq_desc, lse, delta, dk, dv,
+        geom.q.cu_seqlens, geom.q.seq_offsets, geom.q.seqlens,
+        geom.k.cu_seqlens, geom.k.seq_offsets, geom.k.seqlens,
+        *plan.ints, float(softmax_scale) * LOG2E, float(softmax_scale), plan.order_pairs,
+        **plan.constexprs, signature=plan.signature, slot=plan.slot,
+    )  # fmt: skip
+    return dq_acc
+
+
+class _LaunchPlan(NamedTuple):
+    """What a launch of `_attn_bwd_sm90` derives from the call's signature (`_launch_plan`)."""
+
+    grid: tuple[int]
+    dq_view: tuple  # the dQ accumulator's TMA grid
+    ints: tuple  # strides of q, k, v, dO, LSE, dQ, dK, dV; heads, group, lengths
+    order_pairs: int
+    constexprs: dict
+    signature: tuple | None
+    slot: dict | None
+
+
+# Plans by (signature, causal, bottom_right, module settings); bounded by `remember`.
+_PLANS: dict[tuple, _LaunchPlan] = {}
+_MAX_PLANS = 1024
+
+
+def _settings() -> tuple:
+    """The module settings a plan reads (the A/B scripts flip them in one process)."""
+    return (
+        tuple(TILES.items()), tuple(DQ_BEFORE_DK.items()), tuple(DQ_WAIT_LATE.items()),
+        tuple(P_FROM_REGISTERS.items()), _common.CAUSAL_ORDER_L2_BYTES,
+    )  # fmt: skip
+
+
+def _launch_plan(
+    q, k, v, dout, lse, dq_acc, dk, dv, geom, causal, bottom_right, signature
+) -> _LaunchPlan:  # fmt: skip
+    """Grid, dQ grid, runtime integers and constexprs of the launch: from shapes, strides,
+    dtypes and devices only, so one plan serves every call of a signature."""
+    d = q.shape[-1]
+    block_m, stages = TILES[d]
     sq, sk, sv, sdo = (strides4(t, geom.varlen) for t in (q, k, v, dout))
     sdq, sdk, sdv = (strides4(t, geom.varlen) for t in (dq_acc, dk, dv))
     h_q, h_kv = q.shape[-2], k.shape[-2]
     grid = (cdiv(geom.k.max_len, BLOCK_N) * geom.batch * h_kv,)
-    if grid[0] == 0:
-        return dq_acc
+    ints = (
+        *sq[:3], *sk[:3], *sv[:3], *sdo[:3], *lse_strides(lse, geom.varlen),
+        *sdq[:3], *sdk[:3], *sdv[:3],
+        h_kv, h_q // h_kv, geom.q.max_len, geom.k.max_len,
+    )  # fmt: skip
     # A (sequence, KV head) pair streams its group's q and dO rows.
     order_pairs = causal_order_heads(
         geom.q.max_len, head_row_bytes(q, dout) * (h_q // h_kv), 1, geom.batch * h_kv
     )
-    if signature is not None:
-        # The launch order's interleave follows a module setting, not the inputs.
-        signature = (signature, int_signature(order_pairs))
-    launch(_attn_bwd_sm90, grid,
-        q_desc, k_desc, v_desc, do_desc, dq_desc, lse, delta, dk, dv,
-        geom.q.cu_seqlens, geom.q.seq_offsets, geom.q.seqlens,
-        geom.k.cu_seqlens, geom.k.seq_offsets, geom.k.seqlens,
-        *sq[:3], *sk[:3], *sv[:3], *sdo[:3], *lse_strides(lse, geom.varlen),
-        *sdq[:3], *sdk[:3], *sdv[:3],
-        h_kv, h_q // h_kv, geom.q.max_len, geom.k.max_len,
-        float(softmax_scale) * LOG2E, float(softmax_scale), order_pairs,
+    constexprs = dict(
         HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=BLOCK_N, NUM_STAGES=stages,
         SEQ_MODE_Q=geom.q.mode, SEQ_MODE_K=geom.k.mode, IS_CAUSAL=bool(causal),
         BOTTOM_RIGHT=bool(bottom_right), DQ_FIRST=DQ_BEFORE_DK[d], WAIT_LATE=DQ_WAIT_LATE[d],
-        P_IN_REGS=P_FROM_REGISTERS[d],
-        num_warps=CONSUMER_WARPS,
-        maxnreg=MAX_REGISTERS, signature=signature,
+        P_IN_REGS=P_FROM_REGISTERS[d], num_warps=CONSUMER_WARPS, maxnreg=MAX_REGISTERS,
     )  # fmt: skip
-    return dq_acc
+    dq_view = tuple(tma_view(dq_acc, varlen=geom.varlen, block_rows=DQ_BOX[0]))
+    slot = None
+    if signature is not None:
+        # The launch order's interleave follows a module setting, not the inputs.
+        signature = (signature, int_signature(order_pairs))
+        slot = launch_slot()
+    return _LaunchPlan(grid, dq_view, ints, order_pairs, constexprs, signature, slot)
 
 
 __all__ = ["GLUON_AVAILABLE", "SUPPORTED_HEAD_DIMS", "backward_sm90", "plan_views"]

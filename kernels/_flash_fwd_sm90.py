@@ -47,8 +47,11 @@ rounded to the input dtype for the P V product; LSE is in natural log.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
+from . import _common
 from ._common import (
     LOG2E,
     causal_order_heads,
@@ -56,10 +59,11 @@ from ._common import (
     head_row_bytes,
     lse_strides,
     multiprocessors,
+    remember,
     strides4,
 )
 from ._flash_fwd_sm90_partitions import WARPGROUP_ROWS
-from ._launch import int_signature, launch
+from ._launch import int_signature, launch, launch_slot
 from ._sm90_common import GLUON_AVAILABLE, _descriptor, tma_view
 
 if GLUON_AVAILABLE:
@@ -316,9 +320,10 @@ def tile_counter(device: torch.device) -> torch.Tensor:
     Each launch leaves its counter at 0 (its last user resets it, `_persistent_producer`), and
     launches on one stream run in order, so one counter per stream serves them all without a
     fill per call (an allocation and a launch of host time). Under CUDA graph capture a launch
-    gets a fresh zeroed counter instead: the capture's allocations belong to its graph.
+    gets a fresh zeroed counter instead: the capture's allocations belong to its graph (so does
+    a launch off CUDA, which only the offline compile makes).
     """
-    if torch.cuda.is_current_stream_capturing():
+    if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
         return torch.zeros(1, dtype=torch.int32, device=device)
     stream = torch.cuda.current_stream(device)
     key = (stream.device_index, stream.cuda_stream)
@@ -333,49 +338,100 @@ def forward_sm90(
 ):  # fmt: skip
     """Launch `_attn_fwd_sm90` on validated input; out / lse are allocated by the caller (zero /
     -inf filled wherever a row may see no key). `views` come from `plan_views`. `signature`:
-    the call's `_common.attention_signature`; with it the launch goes straight to the compiled
-    kernel after the first (`_launch.launch`), without it through Triton's `kernel[grid]`."""
+    the call's `_common.attention_signature`; with it everything but the TMA descriptors and
+    the pointers is planned once per signature (`_launch_plan`) and the launch goes straight to
+    the compiled kernel after the first (`_launch.launch`); without it every call plans afresh
+    and launches through Triton's `kernel[grid]` the first time per specialization."""
+    key = None
+    if signature is not None:
+        key = (signature, bool(causal), bool(bottom_right), _settings())
+    plan = _PLANS.get(key) if key is not None else None
+    if plan is None:
+        plan = _launch_plan(q, k, v, out, lse, geom, causal, bottom_right, signature)
+        if key is not None:
+            remember(_PLANS, key, plan, _MAX_PLANS)
+    if plan.grid[0] == 0:
+        return
+    d = q.shape[-1]
+    q_desc = _descriptor(q, views[0], [WARPGROUP_ROWS, d])
+    k_desc = _descriptor(k, views[1], [plan.block_n, d])
+    v_desc = _descriptor(v, views[2], [plan.block_n, d])
+    counter = tile_counter(q.device) if plan.dynamic else None
+    launch(_attn_fwd_sm90, plan.grid,
+        q_desc, k_desc, v_desc, out, lse,
+        geom.q.cu_seqlens, geom.q.seq_offsets, geom.q.seqlens,
+        geom.k.cu_seqlens, geom.k.seq_offsets, geom.k.seqlens,
+        *plan.ints, float(softmax_scale) * LOG2E, plan.order_pairs, plan.num_pairs, counter,
+        **plan.constexprs, signature=plan.signature, slot=plan.slot,
+    )  # fmt: skip
+
+
+class _LaunchPlan(NamedTuple):
+    """What a launch of `_attn_fwd_sm90` derives from the call's signature (`_launch_plan`)."""
+
+    grid: tuple[int]
+    block_n: int
+    dynamic: bool  # a causal persistent grid: takes a tile counter
+    ints: tuple  # strides of q, k, v, out, lse; heads, group, lengths
+    order_pairs: int
+    num_pairs: int
+    constexprs: dict
+    signature: tuple | None
+    slot: dict | None
+
+
+# Plans by (signature, causal, bottom_right, module settings); bounded by `remember`.
+_PLANS: dict[tuple, _LaunchPlan] = {}
+_MAX_PLANS = 1024
+
+
+def _settings() -> tuple:
+    """The module settings a plan reads (the A/B scripts flip them in one process)."""
+    return (
+        tuple(TILES.items()), tuple(CONSUMERS.items()), tuple(PERSISTENT.items()),
+        tuple(PERSISTENT_CAUSAL.items()), _common.CAUSAL_ORDER_L2_BYTES,
+    )  # fmt: skip
+
+
+def _launch_plan(q, k, v, out, lse, geom, causal, bottom_right, signature) -> _LaunchPlan:
+    """Grid, runtime integers and constexprs of the launch: from shapes, strides, dtypes and
+    devices only, so one plan serves every call of a signature."""
     d = q.shape[-1]
     block_n, stages = TILES[d]
-    q_desc = _descriptor(q, views[0], [WARPGROUP_ROWS, d])
-    k_desc = _descriptor(k, views[1], [block_n, d])
-    v_desc = _descriptor(v, views[2], [block_n, d])
-    sq, sk, sv = (strides4(t, geom.varlen) for t in (q, k, v))
-    so = strides4(out, geom.varlen)
     num_heads_q, num_heads_kv = q.shape[-2], k.shape[-2]
     consumers = CONSUMERS[d]
     block_m = WARPGROUP_ROWS * consumers
     max_registers, worker_registers = REGISTERS[consumers]
     num_pairs = geom.batch * num_heads_q
     tiles = cdiv(geom.q.max_len, block_m) * num_pairs
-    if tiles == 0:
-        return
     persistent = (PERSISTENT_CAUSAL if causal else PERSISTENT)[d]
     grid = (min(tiles, multiprocessors(q.device)) if persistent else tiles,)
     # Causal tiles differ in length: a persistent causal launch takes them from a counter.
     dynamic = persistent and causal
-    counter = tile_counter(q.device) if dynamic else None
-    order_pairs = causal_order_heads(
-        geom.k.max_len, head_row_bytes(k, v), num_heads_q // num_heads_kv,
-        geom.batch * num_heads_q,
-    )  # fmt: skip
-    if signature is not None:
-        # The launch order's interleave follows a module setting, not the inputs.
-        signature = (signature, int_signature(order_pairs))
-    launch(_attn_fwd_sm90, grid,
-        q_desc, k_desc, v_desc, out, lse,
-        geom.q.cu_seqlens, geom.q.seq_offsets, geom.q.seqlens,
-        geom.k.cu_seqlens, geom.k.seq_offsets, geom.k.seqlens,
+    sq, sk, sv, so = (strides4(t, geom.varlen) for t in (q, k, v, out))
+    ints = (
         sq[0], sq[1], sq[2], sk[0], sk[1], sk[2], sv[0], sv[1], sv[2], so[0], so[1], so[2],
         *lse_strides(lse, geom.varlen),
         num_heads_q, num_heads_q // num_heads_kv, geom.q.max_len, geom.k.max_len,
-        float(softmax_scale) * LOG2E, order_pairs, num_pairs, counter,
+    )  # fmt: skip
+    order_pairs = causal_order_heads(
+        geom.k.max_len, head_row_bytes(k, v), num_heads_q // num_heads_kv, num_pairs
+    )
+    constexprs = dict(
         HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n, NUM_STAGES=stages,
         SEQ_MODE_Q=geom.q.mode, SEQ_MODE_K=geom.k.mode, IS_CAUSAL=bool(causal),
         BOTTOM_RIGHT=bool(bottom_right), CONSUMER_REGS=worker_registers[0],
         PERSISTENT=persistent, DYNAMIC=dynamic, num_warps=CONSUMER_WARPS,
-        maxnreg=max_registers, signature=signature,
+        maxnreg=max_registers,
     )  # fmt: skip
+    slot = None
+    if signature is not None:
+        # The launch order's interleave follows a module setting, not the inputs.
+        signature = (signature, int_signature(order_pairs))
+        slot = launch_slot()
+    return _LaunchPlan(
+        grid, block_n, dynamic, ints, order_pairs, num_pairs, constexprs, signature, slot
+    )
 
 
 __all__ = ["GLUON_AVAILABLE", "SUPPORTED_HEAD_DIMS", "forward_sm90", "plan_views", "tma_view"]

@@ -104,3 +104,49 @@ def test_d64_steps_128_rows_and_64_stays_selectable(monkeypatch):
     monkeypatch.setitem(_flash_bwd_sm90.TILES, 64, (64, 2))
     assert _flash_bwd_sm90.plan_views(q, q, q, q, False)[0][0][0] == 64
     assert views[1][0][0] == _flash_bwd_sm90.BLOCK_N
+
+
+def _recorded_bwd_launches(monkeypatch, calls):
+    """Run `backward_sm90` on CPU tensors for each (d, causal, signature) of `calls`, its launch
+    recorded instead of made: [(grid, positional args, keywords)]."""
+    if not _flash_bwd_sm90.GLUON_AVAILABLE:
+        pytest.skip("this Triton has no Gluon")
+    launches = []
+    record = lambda kernel, grid, *args, **kw: launches.append((grid, args, kw))  # noqa: E731
+    monkeypatch.setattr(_flash_bwd_sm90, "launch", record)
+    for d, causal, signature in calls:
+        q, k, v, dout = (torch.randn(2, 256, n, d, dtype=torch.float16) for n in (4, 2, 2, 4))
+        geom = launch_geometry(q, k)
+        lse, delta = (torch.zeros(2, 4, 256) for _ in range(2))
+        _flash_bwd_sm90.backward_sm90(
+            q, k, v, dout, lse, delta, torch.empty_like(k), torch.empty_like(v),
+            _flash_bwd_sm90.plan_views(q, k, v, dout, False), geom, softmax_scale=0.125,
+            causal=causal, bottom_right=True, signature=signature,
+        )  # fmt: skip
+    return launches
+
+
+def test_sm90_backward_launch_plan_is_made_once_per_signature(monkeypatch):
+    """With a signature the launch's grid, integers and constexprs come from a plan made once
+    per signature, mask and module setting (the launch gets its slot); they equal what a call
+    without a signature computes afresh."""
+    monkeypatch.setattr(_flash_bwd_sm90, "_PLANS", {})
+    sig = ("sig", 1)
+    launches = _recorded_bwd_launches(
+        monkeypatch, [(128, True, sig), (128, True, sig), (128, True, None), (128, False, sig)]
+    )
+    (g1, a1, k1), (g2, a2, k2), (g3, a3, k3), (_, _, k4) = launches
+    assert len(_flash_bwd_sm90._PLANS) == 2
+    assert k1["slot"] is k2["slot"] is not None and k3["slot"] is None
+    assert k4["slot"] is not k1["slot"] and not k4["IS_CAUSAL"]
+    assert g1 == g2 == g3 and k1 == k2
+    drop = ("slot", "signature")
+    assert {n: x for n, x in k1.items() if n not in drop} == {
+        n: x for n, x in k3.items() if n not in drop
+    }
+    scalars = [[x for x in args if isinstance(x, (int, float))] for args in (a1, a2, a3)]
+    assert scalars[0] == scalars[1] == scalars[2]
+    assert a1[4].base is not a2[4].base  # each call's own zeroed dQ accumulator
+    monkeypatch.setitem(_flash_bwd_sm90.DQ_BEFORE_DK, 128, False)  # a module setting
+    ((_, _, k5),) = _recorded_bwd_launches(monkeypatch, [(128, True, sig)])
+    assert k5["slot"] is not k1["slot"] and not k5["DQ_FIRST"]

@@ -143,3 +143,81 @@ def test_sm90_common_exports_only_what_it_defines(monkeypatch):
     assert not module.GLUON_AVAILABLE
     assert set(module.__all__) == {"GLUON_AVAILABLE", "tma_view", "_smem_layout", "_descriptor"}
     assert all(hasattr(module, name) for name in module.__all__)
+
+
+def _recorded_sm90_launches(monkeypatch, calls):
+    """Run `forward_sm90` on CPU tensors for each (q, k, v, causal, signature) of `calls`, with
+    its launch recorded instead of made: [(grid, positional args, keywords)]."""
+    if not sm90.GLUON_AVAILABLE:
+        pytest.skip("this Triton has no Gluon")
+    launches = []
+    record = lambda kernel, grid, *args, **kw: launches.append((grid, args, kw))  # noqa: E731
+    monkeypatch.setattr(sm90, "launch", record)
+    monkeypatch.setattr(sm90, "tile_counter", lambda device: "counter")
+    for q, k, v, causal, signature in calls:
+        geom = launch_geometry(q, k)
+        out = torch.empty_like(q)
+        lse = torch.empty(q.shape[0], q.shape[2], q.shape[1])
+        sm90.forward_sm90(
+            q, k, v, out, lse, sm90.plan_views(q, k, v, False), geom, softmax_scale=0.125,
+            causal=causal, bottom_right=True, signature=signature,
+        )  # fmt: skip
+    return launches
+
+
+def _qkv(s=256, h=4, h_kv=2, d=64, transpose=False):
+    q, k, v = (torch.randn(2, s, n, d, dtype=torch.float16) for n in (h, h_kv, h_kv))
+    if transpose:  # the same shapes over sbhd storage: other strides
+        q, k, v = (torch.randn(t.shape[1], 2, *t.shape[2:], dtype=t.dtype).transpose(0, 1)
+                   for t in (q, k, v))  # fmt: skip
+    return q, k, v
+
+
+@pytest.fixture
+def sm90_plans(monkeypatch):
+    monkeypatch.setattr(sm90, "_PLANS", {})
+    return sm90._PLANS
+
+
+def test_sm90_launch_plan_is_made_once_per_signature(monkeypatch, sm90_plans):
+    """With a signature the launch's grid, integers and constexprs come from a plan made once
+    (and the launch gets a slot); they equal what a call without a signature computes afresh,
+    and the tile counter is passed for causal launches only."""
+    a, b = _qkv(), _qkv()
+    calls = [(*a, True, ("sig", 1)), (*b, True, ("sig", 1)), (*b, True, None), (*b, False, None)]
+    launches = _recorded_sm90_launches(monkeypatch, calls)
+    assert len(sm90_plans) == 1
+    (g1, a1, k1), (g2, a2, k2), (g3, a3, k3), (_, a4, _) = launches
+    assert k1["slot"] is k2["slot"] is not None and k3["slot"] is None
+    assert g1 == g2 == g3 and k1 == k2
+    assert {n: x for n, x in k1.items() if n not in ("slot", "signature")} == {
+        n: x for n, x in k3.items() if n not in ("slot", "signature")
+    }
+    # Descriptors and tensors are per call; every integer and float is the plan's or the call's.
+    scalars = [[x for x in args if isinstance(x, (int, float, str))] for args in (a1, a2, a3)]
+    assert scalars[0] == scalars[1] == scalars[2]
+    assert a2[3] is not a1[3]  # this call's out
+    assert a1[-1] == "counter" and a4[-1] is None
+
+
+@pytest.mark.parametrize("change", ["strides", "causal", "settings"])
+def test_sm90_launch_plan_follows_its_key(monkeypatch, sm90_plans, change):
+    """Another signature, mask or module setting makes another plan, with its own values."""
+    first = (*_qkv(), True, ("sig", 1))
+    second = (*_qkv(), True, ("sig", 1))
+    if change == "strides":
+        second = (*_qkv(transpose=True), True, ("sig", 2))
+    elif change == "causal":
+        second = (*_qkv(), False, ("sig", 1))
+    launches = _recorded_sm90_launches(monkeypatch, [first])
+    if change == "settings":  # the one-tile grid for causal d = 64
+        monkeypatch.setitem(sm90.PERSISTENT_CAUSAL, 64, False)
+    launches += _recorded_sm90_launches(monkeypatch, [second])
+    (_, a1, k1), (_, a2, k2) = launches
+    assert len(sm90_plans) == 2 and k1["slot"] is not k2["slot"]
+    if change == "strides":
+        assert a1[11:26] != a2[11:26]
+    elif change == "causal":
+        assert k1["IS_CAUSAL"] and not k2["IS_CAUSAL"]
+    else:
+        assert k1["PERSISTENT"] and not k2["PERSISTENT"]
