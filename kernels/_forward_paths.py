@@ -27,8 +27,8 @@ _path = "auto"
 # Measured on the H100 through flash_attn_func (bf16, b*s = 16k tokens; docs/performance.md,
 # "The sm_90 forward from 1k keys" and "Warpgroups skip the key blocks they cannot see"):
 # - d=128, since the persistent grids: 1.26-1.33x the portable kernel at s = 1k without a mask
-#   (forward+backward 1.05-1.19x), 1.2x at 2k-4k; causal 1.16x at 1k (197 against 229 us of
-#   kernel time; the 0.62x forward+backward a sweep once read there was host time, not the
+#   (forward+backward 1.05-1.19x), 1.2x at 2k-4k; causal 1.16x at 1k (197 against 229 us a
+#   forward; the 0.62x forward+backward a sweep once read there was host time, not the
 #   kernels).
 # - d=64 (three consumer warpgroups, `sm90.CONSUMERS`): 1.08-1.14x from 2k without a mask;
 #   causal, since the upper warpgroups skip the key blocks they cannot see, 1.14x at 2k (367
