@@ -70,11 +70,10 @@ from ._common import (
     cdiv,
     head_row_bytes,
     lse_strides,
-    remember,
     strides4,
 )
-from ._launch import int_signature, launch, launch_slot
-from ._sm90_common import GLUON_AVAILABLE, _descriptor, tma_view
+from ._launch import launch
+from ._sm90_common import GLUON_AVAILABLE, _descriptor, launch_binding, planned, tma_view
 
 if GLUON_AVAILABLE:
     from ._flash_bwd_sm90_steps import (
@@ -581,16 +580,13 @@ def backward_sm90(
     (`_flash_bwd`); with it everything but the TMA descriptors and the pointers is planned once
     per signature (`_launch_plan`) and the launch goes straight to the compiled kernel after
     the first."""
-    key = None
-    if signature is not None:
-        key = (signature, bool(causal), bool(bottom_right), _settings())
-    plan = _PLANS.get(key) if key is not None else None
     dq_acc = dq_accumulator(q)
-    if plan is None:
-        plan = _launch_plan(q, k, v, dout, lse, dq_acc, dk, dv, geom, causal, bottom_right,
-                            signature)  # fmt: skip
-        if key is not None:
-            remember(_PLANS, key, plan, _MAX_PLANS)
+    plan = planned(
+        _PLANS, signature, (bool(causal), bool(bottom_right), _settings()),
+        lambda: _launch_plan(
+            q, k, v, dout, lse, dq_acc, dk, dv, geom, causal, bottom_right, signature
+        ),
+    )  # fmt: skip
     if plan.grid[0] == 0:
         return dq_acc
     d = q.shape[-1]
@@ -622,9 +618,8 @@ class _LaunchPlan(NamedTuple):
     slot: dict | None
 
 
-# Plans by (signature, causal, bottom_right, module settings); bounded by `remember`.
+# Plans by (signature, causal, bottom_right, module settings) (`planned`).
 _PLANS: dict[tuple, _LaunchPlan] = {}
-_MAX_PLANS = 1024
 
 
 def _settings() -> tuple:
@@ -662,11 +657,7 @@ def _launch_plan(
         P_IN_REGS=P_FROM_REGISTERS[d], num_warps=CONSUMER_WARPS, maxnreg=MAX_REGISTERS,
     )  # fmt: skip
     dq_view = tuple(tma_view(dq_acc, varlen=geom.varlen, block_rows=DQ_BOX[0]))
-    slot = None
-    if signature is not None:
-        # The launch order's interleave follows a module setting, not the inputs.
-        signature = (signature, int_signature(order_pairs))
-        slot = launch_slot()
+    signature, slot = launch_binding(signature, order_pairs)
     return _LaunchPlan(grid, dq_view, ints, order_pairs, constexprs, signature, slot)
 
 

@@ -59,12 +59,11 @@ from ._common import (
     head_row_bytes,
     lse_strides,
     multiprocessors,
-    remember,
     strides4,
 )
 from ._flash_fwd_sm90_partitions import WARPGROUP_ROWS
-from ._launch import int_signature, launch, launch_slot
-from ._sm90_common import GLUON_AVAILABLE, _descriptor, tma_view
+from ._launch import launch
+from ._sm90_common import GLUON_AVAILABLE, _descriptor, launch_binding, planned, tma_view
 
 if GLUON_AVAILABLE:
     from ._flash_fwd_sm90_partitions import (
@@ -342,14 +341,10 @@ def forward_sm90(
     the pointers is planned once per signature (`_launch_plan`) and the launch goes straight to
     the compiled kernel after the first (`_launch.launch`); without it every call plans afresh
     and launches through Triton's `kernel[grid]` the first time per specialization."""
-    key = None
-    if signature is not None:
-        key = (signature, bool(causal), bool(bottom_right), _settings())
-    plan = _PLANS.get(key) if key is not None else None
-    if plan is None:
-        plan = _launch_plan(q, k, v, out, lse, geom, causal, bottom_right, signature)
-        if key is not None:
-            remember(_PLANS, key, plan, _MAX_PLANS)
+    plan = planned(
+        _PLANS, signature, (bool(causal), bool(bottom_right), _settings()),
+        lambda: _launch_plan(q, k, v, out, lse, geom, causal, bottom_right, signature),
+    )  # fmt: skip
     if plan.grid[0] == 0:
         return
     d = q.shape[-1]
@@ -380,9 +375,8 @@ class _LaunchPlan(NamedTuple):
     slot: dict | None
 
 
-# Plans by (signature, causal, bottom_right, module settings); bounded by `remember`.
+# Plans by (signature, causal, bottom_right, module settings) (`planned`).
 _PLANS: dict[tuple, _LaunchPlan] = {}
-_MAX_PLANS = 1024
 
 
 def _settings() -> tuple:
@@ -424,11 +418,7 @@ def _launch_plan(q, k, v, out, lse, geom, causal, bottom_right, signature) -> _L
         PERSISTENT=persistent, DYNAMIC=dynamic, num_warps=CONSUMER_WARPS,
         maxnreg=max_registers,
     )  # fmt: skip
-    slot = None
-    if signature is not None:
-        # The launch order's interleave follows a module setting, not the inputs.
-        signature = (signature, int_signature(order_pairs))
-        slot = launch_slot()
+    signature, slot = launch_binding(signature, order_pairs)
     return _LaunchPlan(
         grid, block_n, dynamic, ints, order_pairs, num_pairs, constexprs, signature, slot
     )

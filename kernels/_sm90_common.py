@@ -13,6 +13,9 @@ import functools
 
 import torch
 
+from ._common import remember
+from ._launch import int_signature, launch_slot
+
 try:  # Gluon ships with Triton 3.5+; its Hopper module is what this path needs.
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
@@ -162,10 +165,36 @@ def _descriptor(t: torch.Tensor, view: tuple[list, list], block: list[int]):
     return TensorDescriptor(t, shape, strides, block, _smem_layout(*block, t.dtype))
 
 
+# A kernel module's table of launch plans holds at most this many (`_common.remember`).
+MAX_PLANS = 1024
+
+
+def planned(table: dict, signature, settings: tuple, make):
+    """A call's launch plan: kept in `table` under (signature, *settings) and made by `make()`
+    the first time; a call without a signature (None) gets a fresh plan every time."""
+    if signature is None:
+        return make()
+    key = (signature, *settings)
+    plan = table.get(key)
+    return plan if plan is not None else remember(table, key, make(), MAX_PLANS)
+
+
+def launch_binding(signature, order_pairs: int) -> tuple:
+    """(signature, slot) that a planned launch hands to `_launch.launch`: the call's signature
+    with the launch order's interleave (a module setting, not the inputs) and a slot of its own;
+    (None, None) without a signature."""
+    if signature is None:
+        return None, None
+    return (signature, int_signature(order_pairs)), launch_slot()
+
+
 # The Gluon names the kernels import from here (one place that knows Triton's version
 # differences), besides this module's own helpers.
 # The host side always exists; the Gluon names and device helpers only where Gluon imports.
-__all__ = ["GLUON_AVAILABLE", "tma_view", "_smem_layout", "_descriptor"]
+__all__ = [
+    "GLUON_AVAILABLE", "MAX_PLANS", "tma_view", "planned", "launch_binding", "_smem_layout",
+    "_descriptor",
+]  # fmt: skip
 if GLUON_AVAILABLE:
     __all__ += [
         "TensorDescriptor", "fence_async_shared", "gl", "gluon", "mbarrier", "tma",
