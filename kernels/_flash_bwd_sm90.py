@@ -582,7 +582,7 @@ def backward_sm90(
     the first."""
     dq_acc = dq_accumulator(q)
     plan = planned(
-        _PLANS, signature, (bool(causal), bool(bottom_right), _settings()),
+        _PLANS, signature, (bool(causal), bool(bottom_right), _settings(q.shape[-1])),
         lambda: _launch_plan(
             q, k, v, dout, lse, dq_acc, dk, dv, geom, causal, bottom_right, signature
         ),
@@ -622,11 +622,12 @@ class _LaunchPlan(NamedTuple):
 _PLANS: dict[tuple, _LaunchPlan] = {}
 
 
-def _settings() -> tuple:
-    """The module settings a plan reads (the A/B scripts flip them in one process)."""
+def _settings(d: int) -> tuple:
+    """The module settings a plan for head dim d reads (the A/B scripts flip them in one
+    process)."""
     return (
-        tuple(TILES.items()), tuple(DQ_BEFORE_DK.items()), tuple(DQ_WAIT_LATE.items()),
-        tuple(P_FROM_REGISTERS.items()), _common.CAUSAL_ORDER_L2_BYTES,
+        TILES[d], DQ_BEFORE_DK[d], DQ_WAIT_LATE[d], P_FROM_REGISTERS[d],
+        _common.CAUSAL_ORDER_L2_BYTES,
     )  # fmt: skip
 
 

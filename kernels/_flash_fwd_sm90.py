@@ -342,7 +342,7 @@ def forward_sm90(
     the compiled kernel after the first (`_launch.launch`); without it every call plans afresh
     and launches through Triton's `kernel[grid]` the first time per specialization."""
     plan = planned(
-        _PLANS, signature, (bool(causal), bool(bottom_right), _settings()),
+        _PLANS, signature, (bool(causal), bool(bottom_right), _settings(q.shape[-1], causal)),
         lambda: _launch_plan(q, k, v, out, lse, geom, causal, bottom_right, signature),
     )  # fmt: skip
     if plan.grid[0] == 0:
@@ -379,12 +379,11 @@ class _LaunchPlan(NamedTuple):
 _PLANS: dict[tuple, _LaunchPlan] = {}
 
 
-def _settings() -> tuple:
-    """The module settings a plan reads (the A/B scripts flip them in one process)."""
-    return (
-        tuple(TILES.items()), tuple(CONSUMERS.items()), tuple(PERSISTENT.items()),
-        tuple(PERSISTENT_CAUSAL.items()), _common.CAUSAL_ORDER_L2_BYTES,
-    )  # fmt: skip
+def _settings(d: int, causal: bool) -> tuple:
+    """The module settings a plan for head dim d reads (the A/B scripts flip them in one
+    process)."""
+    persistent = (PERSISTENT_CAUSAL if causal else PERSISTENT)[d]
+    return TILES[d], CONSUMERS[d], persistent, _common.CAUSAL_ORDER_L2_BYTES
 
 
 def _launch_plan(q, k, v, out, lse, geom, causal, bottom_right, signature) -> _LaunchPlan:

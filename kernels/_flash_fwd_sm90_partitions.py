@@ -156,7 +156,7 @@ if GLUON_AVAILABLE:
         row0.. (WG_ROWS of them) see, at least one.
 
         The tile's blocks are those its last rows see. Under a causal mask a warpgroup above
-        the last sees fewer (with 192-row tiles and 128-key blocks, one block in two or three);
+        the last sees up to one block fewer (192-row tiles, 128-key blocks);
         and rows past the sequence's end (the last tile of a length that is no multiple of the
         tile, computed but never stored) need none. `diag` as in `_masked_scores`: len_k without
         a mask, which no row reaches, so every block counts there unless the rows lie past
