@@ -27,6 +27,9 @@ atomic add and hands its index to the consumers through shared memory
   current scores runs. Between the warpgroups one mbarrier each makes them take turns issuing
   products (ping-pong, round-robin with three), so one warpgroup's softmax runs on the CUDA
   cores while the others' products run on the tensor cores.
+- each consumer warpgroup writes its 64 output rows into its own shared-memory buffer and
+  stores them with one TMA store, which runs on while the next tile starts (`TMA_EPILOGUE`);
+  a block of rows that reaches past its sequence's end takes masked stores from registers.
 
 How a tile is addressed: every operand is read through one 2-D TMA descriptor over its storage,
 rows of `stride_s` elements (`tma_view`). Head h of sequence z starts at element
@@ -82,7 +85,8 @@ if GLUON_AVAILABLE:
     )
 
 CONSUMER_WARPS = 4  # the default partition: consumer warpgroup 0; the others are workers
-# (BLOCK_N, NUM_STAGES) per head dim. Shared memory: Q BLOCK_M x d plus NUM_STAGES K and V tiles.
+# (BLOCK_N, NUM_STAGES) per head dim. Shared memory: Q BLOCK_M x d, NUM_STAGES K and V tiles and
+# the output's staging, BLOCK_M x d (192 KiB at d = 128, 144 KiB at d = 64).
 TILES = {64: (128, 3), 128: (128, 2)}
 SUPPORTED_HEAD_DIMS = tuple(TILES)
 # Consumer warpgroups per head dim, so BLOCK_M = 64 x this. d = 128: two (FlashAttention-3's
@@ -107,6 +111,12 @@ PERSISTENT = {64: True, 128: True}
 # the counter runs d=128 and d=64 at 1.03-1.04x (s = 4k and 16k, H100, medians of five
 # same-process rounds; docs/performance.md, "A dynamic tile scheduler").
 PERSISTENT_CAUSAL = {64: True, 128: True}
+# Per head dim: each consumer warpgroup stores its output rows by TMA from shared memory
+# (rows that reach past a sequence's end keep the masked stores from registers). On the H100,
+# medians of five same-process rounds against the stores from registers: d=128 +9% / +17% at
+# s = 1k (no mask / causal), +2% / +4% at 4k, level at 16k; d=64 +2-5%, level at 1k without a
+# mask and at 4k causal (docs/performance.md, "The forward's output by TMA store").
+TMA_EPILOGUE = {64: True, 128: True}
 
 
 def tile_for(head_dim: int) -> tuple[int, int]:
@@ -118,7 +128,7 @@ if GLUON_AVAILABLE:
 
     @gluon.jit
     def _attn_fwd_sm90(
-        q_desc, k_desc, v_desc, out_ptr, lse_ptr,
+        q_desc, k_desc, v_desc, o_desc, out_ptr, lse_ptr,
         cu_q_ptr, offsets_q_ptr, seqlens_q_ptr, cu_k_ptr, offsets_k_ptr, seqlens_k_ptr,
         stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
         stride_vb, stride_vs, stride_vh, stride_ob, stride_os, stride_oh,
@@ -127,13 +137,14 @@ if GLUON_AVAILABLE:
         HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
         NUM_STAGES: gl.constexpr, SEQ_MODE_Q: gl.constexpr, SEQ_MODE_K: gl.constexpr,
         IS_CAUSAL: gl.constexpr, BOTTOM_RIGHT: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-        PERSISTENT: gl.constexpr, DYNAMIC: gl.constexpr,
+        PERSISTENT: gl.constexpr, DYNAMIC: gl.constexpr, O_TMA: gl.constexpr,
     ):  # fmt: skip
         """BLOCK_M query rows of one (sequence, query head) per tile, 64 per consumer warpgroup;
         num_pairs: sequences x query heads; CONSUMER_REGS: registers of each worker consumer
         (`REGISTERS`); order_pairs: the causal launch order's interleave (`_interleaved_tile`);
         tile_counter: a zeroed int32 the DYNAMIC persistent grid takes its tiles from and
-        leaves at 0 (`tile_counter`; else None).
+        leaves at 0 (`tile_counter`; else None); o_desc: out's TMA grid (`tma_view`), which
+        O_TMA stores each warpgroup's rows through (`TMA_EPILOGUE`).
 
         One tile per program, or with PERSISTENT a program per SM taking one tile per round of
         the launch order (`_round_tile`): the producer streams the next tile's K, V and Q while
@@ -162,6 +173,8 @@ if GLUON_AVAILABLE:
         q_smem = gl.allocate_shared_memory(dtype, [NUM_WG, WG_ROWS, HEAD_DIM], q_desc.layout)
         k_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
         v_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
+        # Each consumer warpgroup's output rows on their way to the TMA store (O_TMA).
+        o_smem = gl.allocate_shared_memory(dtype, [NUM_WG, WG_ROWS, HEAD_DIM], o_desc.layout)
         bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
         q_bars = gl.allocate_shared_memory(gl.int64, [NUM_WG, 1], bar_layout)
         q_empty = gl.allocate_shared_memory(gl.int64, [NUM_WG, 1], bar_layout)
@@ -181,7 +194,7 @@ if GLUON_AVAILABLE:
             mbarrier.init(k_empty.index(i), count=NUM_WG)
             mbarrier.init(v_empty.index(i), count=NUM_WG)
         fence_async_shared()
-        smem = (q_smem, k_smem, v_smem)
+        smem = (q_smem, k_smem, v_smem, o_smem)
         bars = (q_bars, k_ready, k_empty, v_ready, v_empty, turn, q_empty)
 
         # The worker consumers, and the producer as a whole warpgroup. Registers move per
@@ -208,26 +221,26 @@ if GLUON_AVAILABLE:
                 gl.warp_specialize(
                     [
                         (_persistent_consumer, (
-                            q_desc, k_desc, v_desc, smem, bars, first, step, num_tiles, num_m,
-                            num_pairs, order_pairs, cu_q_ptr, offsets_q_ptr, seqlens_q_ptr,
-                            cu_k_ptr, offsets_k_ptr, seqlens_k_ptr, strides, num_heads_q, group,
-                            full_len_q, full_len_k, out_ptr, lse_ptr, qk_scale, sched,
-                            tile_counter, SEQ_MODE_Q, SEQ_MODE_K, IS_CAUSAL, BOTTOM_RIGHT, 0,
-                            DYNAMIC)),
+                            q_desc, k_desc, v_desc, o_desc, smem, bars, first, step,
+                            num_tiles, num_m, num_pairs, order_pairs, cu_q_ptr, offsets_q_ptr,
+                            seqlens_q_ptr, cu_k_ptr, offsets_k_ptr, seqlens_k_ptr, strides,
+                            num_heads_q, group, full_len_q, full_len_k, out_ptr, lse_ptr,
+                            qk_scale, sched, tile_counter, SEQ_MODE_Q, SEQ_MODE_K, IS_CAUSAL,
+                            BOTTOM_RIGHT, 0, DYNAMIC, O_TMA)),
                         (_persistent_consumer, (
-                            q_desc, k_desc, v_desc, smem, bars, first, step, num_tiles, num_m,
-                            num_pairs, order_pairs, cu_q_ptr, offsets_q_ptr, seqlens_q_ptr,
-                            cu_k_ptr, offsets_k_ptr, seqlens_k_ptr, strides, num_heads_q, group,
-                            full_len_q, full_len_k, out_ptr, lse_ptr, qk_scale, sched,
-                            tile_counter, SEQ_MODE_Q, SEQ_MODE_K, IS_CAUSAL, BOTTOM_RIGHT, 1,
-                            DYNAMIC)),
+                            q_desc, k_desc, v_desc, o_desc, smem, bars, first, step,
+                            num_tiles, num_m, num_pairs, order_pairs, cu_q_ptr, offsets_q_ptr,
+                            seqlens_q_ptr, cu_k_ptr, offsets_k_ptr, seqlens_k_ptr, strides,
+                            num_heads_q, group, full_len_q, full_len_k, out_ptr, lse_ptr,
+                            qk_scale, sched, tile_counter, SEQ_MODE_Q, SEQ_MODE_K, IS_CAUSAL,
+                            BOTTOM_RIGHT, 1, DYNAMIC, O_TMA)),
                         (_persistent_producer, (
-                            q_desc, k_desc, v_desc, smem, bars, first, step, num_tiles, num_m,
-                            num_pairs, order_pairs, cu_q_ptr, offsets_q_ptr, seqlens_q_ptr,
-                            cu_k_ptr, offsets_k_ptr, seqlens_k_ptr, strides, num_heads_q, group,
-                            full_len_q, full_len_k, out_ptr, lse_ptr, qk_scale, sched,
-                            tile_counter, SEQ_MODE_Q, SEQ_MODE_K, IS_CAUSAL, BOTTOM_RIGHT, 0,
-                            DYNAMIC)),
+                            q_desc, k_desc, v_desc, o_desc, smem, bars, first, step,
+                            num_tiles, num_m, num_pairs, order_pairs, cu_q_ptr, offsets_q_ptr,
+                            seqlens_q_ptr, cu_k_ptr, offsets_k_ptr, seqlens_k_ptr, strides,
+                            num_heads_q, group, full_len_q, full_len_k, out_ptr, lse_ptr,
+                            qk_scale, sched, tile_counter, SEQ_MODE_Q, SEQ_MODE_K, IS_CAUSAL,
+                            BOTTOM_RIGHT, 0, DYNAMIC, O_TMA)),
                     ],
                     [4, 4],
                     [CONSUMER_REGS, 24],
@@ -236,33 +249,33 @@ if GLUON_AVAILABLE:
                 gl.warp_specialize(
                     [
                         (_persistent_consumer, (
-                            q_desc, k_desc, v_desc, smem, bars, first, step, num_tiles, num_m,
-                            num_pairs, order_pairs, cu_q_ptr, offsets_q_ptr, seqlens_q_ptr,
-                            cu_k_ptr, offsets_k_ptr, seqlens_k_ptr, strides, num_heads_q, group,
-                            full_len_q, full_len_k, out_ptr, lse_ptr, qk_scale, sched,
-                            tile_counter, SEQ_MODE_Q, SEQ_MODE_K, IS_CAUSAL, BOTTOM_RIGHT, 0,
-                            DYNAMIC)),
+                            q_desc, k_desc, v_desc, o_desc, smem, bars, first, step,
+                            num_tiles, num_m, num_pairs, order_pairs, cu_q_ptr, offsets_q_ptr,
+                            seqlens_q_ptr, cu_k_ptr, offsets_k_ptr, seqlens_k_ptr, strides,
+                            num_heads_q, group, full_len_q, full_len_k, out_ptr, lse_ptr,
+                            qk_scale, sched, tile_counter, SEQ_MODE_Q, SEQ_MODE_K, IS_CAUSAL,
+                            BOTTOM_RIGHT, 0, DYNAMIC, O_TMA)),
                         (_persistent_consumer, (
-                            q_desc, k_desc, v_desc, smem, bars, first, step, num_tiles, num_m,
-                            num_pairs, order_pairs, cu_q_ptr, offsets_q_ptr, seqlens_q_ptr,
-                            cu_k_ptr, offsets_k_ptr, seqlens_k_ptr, strides, num_heads_q, group,
-                            full_len_q, full_len_k, out_ptr, lse_ptr, qk_scale, sched,
-                            tile_counter, SEQ_MODE_Q, SEQ_MODE_K, IS_CAUSAL, BOTTOM_RIGHT, 1,
-                            DYNAMIC)),
+                            q_desc, k_desc, v_desc, o_desc, smem, bars, first, step,
+                            num_tiles, num_m, num_pairs, order_pairs, cu_q_ptr, offsets_q_ptr,
+                            seqlens_q_ptr, cu_k_ptr, offsets_k_ptr, seqlens_k_ptr, strides,
+                            num_heads_q, group, full_len_q, full_len_k, out_ptr, lse_ptr,
+                            qk_scale, sched, tile_counter, SEQ_MODE_Q, SEQ_MODE_K, IS_CAUSAL,
+                            BOTTOM_RIGHT, 1, DYNAMIC, O_TMA)),
                         (_persistent_consumer, (
-                            q_desc, k_desc, v_desc, smem, bars, first, step, num_tiles, num_m,
-                            num_pairs, order_pairs, cu_q_ptr, offsets_q_ptr, seqlens_q_ptr,
-                            cu_k_ptr, offsets_k_ptr, seqlens_k_ptr, strides, num_heads_q, group,
-                            full_len_q, full_len_k, out_ptr, lse_ptr, qk_scale, sched,
-                            tile_counter, SEQ_MODE_Q, SEQ_MODE_K, IS_CAUSAL, BOTTOM_RIGHT, 2,
-                            DYNAMIC)),
+                            q_desc, k_desc, v_desc, o_desc, smem, bars, first, step,
+                            num_tiles, num_m, num_pairs, order_pairs, cu_q_ptr, offsets_q_ptr,
+                            seqlens_q_ptr, cu_k_ptr, offsets_k_ptr, seqlens_k_ptr, strides,
+                            num_heads_q, group, full_len_q, full_len_k, out_ptr, lse_ptr,
+                            qk_scale, sched, tile_counter, SEQ_MODE_Q, SEQ_MODE_K, IS_CAUSAL,
+                            BOTTOM_RIGHT, 2, DYNAMIC, O_TMA)),
                         (_persistent_producer, (
-                            q_desc, k_desc, v_desc, smem, bars, first, step, num_tiles, num_m,
-                            num_pairs, order_pairs, cu_q_ptr, offsets_q_ptr, seqlens_q_ptr,
-                            cu_k_ptr, offsets_k_ptr, seqlens_k_ptr, strides, num_heads_q, group,
-                            full_len_q, full_len_k, out_ptr, lse_ptr, qk_scale, sched,
-                            tile_counter, SEQ_MODE_Q, SEQ_MODE_K, IS_CAUSAL, BOTTOM_RIGHT, 0,
-                            DYNAMIC)),
+                            q_desc, k_desc, v_desc, o_desc, smem, bars, first, step,
+                            num_tiles, num_m, num_pairs, order_pairs, cu_q_ptr, offsets_q_ptr,
+                            seqlens_q_ptr, cu_k_ptr, offsets_k_ptr, seqlens_k_ptr, strides,
+                            num_heads_q, group, full_len_q, full_len_k, out_ptr, lse_ptr,
+                            qk_scale, sched, tile_counter, SEQ_MODE_Q, SEQ_MODE_K, IS_CAUSAL,
+                            BOTTOM_RIGHT, 0, DYNAMIC, O_TMA)),
                     ],
                     [4, 4, 4],
                     [CONSUMER_REGS, CONSUMER_REGS, 24],
@@ -270,21 +283,25 @@ if GLUON_AVAILABLE:
         else:
             q_row, q_col, k_row, k_col, v_row, v_col = origins
             args = (
-                q_desc, k_desc, v_desc, smem, bars,
+                q_desc, k_desc, v_desc, o_desc, smem, bars,
                 q_row, q_col, k_row, k_col, v_row, v_col,
                 start_m, len_q, len_k, diag, num_blocks, first_masked, qk_scale,
                 out_ptr, lse_ptr, o_base, lse_base, stride_os, stride_ls,
             )  # fmt: skip
             if NUM_WG == 2:
                 gl.warp_specialize(
-                    [(_consumer, (args, 0)), (_consumer, (args, 1)), (_producer, args)],
+                    [
+                        (_consumer, (args, 0, O_TMA)),
+                        (_consumer, (args, 1, O_TMA)),
+                        (_producer, args),
+                    ],
                     [4, 4],
                     [CONSUMER_REGS, 24],
                 )
             else:
                 gl.warp_specialize(
-                    [(_consumer, (args, 0)), (_consumer, (args, 1)), (_consumer, (args, 2)),
-                     (_producer, args)],
+                    [(_consumer, (args, 0, O_TMA)), (_consumer, (args, 1, O_TMA)),
+                     (_consumer, (args, 2, O_TMA)), (_producer, args)],
                     [4, 4, 4],
                     [CONSUMER_REGS, CONSUMER_REGS, 24],
                 )  # fmt: skip
@@ -351,9 +368,10 @@ def forward_sm90(
     q_desc = _descriptor(q, views[0], [WARPGROUP_ROWS, d])
     k_desc = _descriptor(k, views[1], [plan.block_n, d])
     v_desc = _descriptor(v, views[2], [plan.block_n, d])
+    o_desc = _descriptor(out, plan.out_view, [WARPGROUP_ROWS, d])
     counter = tile_counter(q.device) if plan.dynamic else None
     launch(_attn_fwd_sm90, plan.grid,
-        q_desc, k_desc, v_desc, out, lse,
+        q_desc, k_desc, v_desc, o_desc, out, lse,
         geom.q.cu_seqlens, geom.q.seq_offsets, geom.q.seqlens,
         geom.k.cu_seqlens, geom.k.seq_offsets, geom.k.seqlens,
         *plan.ints, float(softmax_scale) * LOG2E, plan.order_pairs, plan.num_pairs, counter,
@@ -367,6 +385,7 @@ class _LaunchPlan(NamedTuple):
     grid: tuple[int]
     block_n: int
     dynamic: bool  # a causal persistent grid: takes a tile counter
+    out_view: tuple  # out's TMA grid (`tma_view`; out is a fresh contiguous tensor)
     ints: tuple  # strides of q, k, v, out, lse; heads, group, lengths
     order_pairs: int
     num_pairs: int
@@ -383,7 +402,7 @@ def _settings(d: int, causal: bool) -> tuple:
     """The module settings a plan for head dim d reads (the A/B scripts flip them in one
     process)."""
     persistent = (PERSISTENT_CAUSAL if causal else PERSISTENT)[d]
-    return TILES[d], CONSUMERS[d], persistent, _common.CAUSAL_ORDER_L2_BYTES
+    return TILES[d], CONSUMERS[d], persistent, TMA_EPILOGUE[d], _common.CAUSAL_ORDER_L2_BYTES
 
 
 def _launch_plan(q, k, v, out, lse, geom, causal, bottom_right, signature) -> _LaunchPlan:
@@ -401,6 +420,9 @@ def _launch_plan(q, k, v, out, lse, geom, causal, bottom_right, signature) -> _L
     grid = (min(tiles, multiprocessors(q.device)) if persistent else tiles,)
     # Causal tiles differ in length: a persistent causal launch takes them from a counter.
     dynamic = persistent and causal
+    out_view = tma_view(out, geom.varlen, WARPGROUP_ROWS)
+    if out_view is None:  # `run_sm90` allocates out contiguous: TMA can always write it
+        raise RuntimeError(f"sm_90 forward: out {tuple(out.shape)} {out.stride()} has no TMA grid")
     sq, sk, sv, so = (strides4(t, geom.varlen) for t in (q, k, v, out))
     ints = (
         sq[0], sq[1], sq[2], sk[0], sk[1], sk[2], sv[0], sv[1], sv[2], so[0], so[1], so[2],
@@ -414,13 +436,14 @@ def _launch_plan(q, k, v, out, lse, geom, causal, bottom_right, signature) -> _L
         HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n, NUM_STAGES=stages,
         SEQ_MODE_Q=geom.q.mode, SEQ_MODE_K=geom.k.mode, IS_CAUSAL=bool(causal),
         BOTTOM_RIGHT=bool(bottom_right), CONSUMER_REGS=worker_registers[0],
-        PERSISTENT=persistent, DYNAMIC=dynamic, num_warps=CONSUMER_WARPS,
+        PERSISTENT=persistent, DYNAMIC=dynamic, O_TMA=TMA_EPILOGUE[d], num_warps=CONSUMER_WARPS,
         maxnreg=max_registers,
     )  # fmt: skip
     signature, slot = launch_binding(signature, order_pairs)
     return _LaunchPlan(
-        grid, block_n, dynamic, ints, order_pairs, num_pairs, constexprs, signature, slot
-    )
+        grid, block_n, dynamic, tuple(out_view), ints, order_pairs, num_pairs, constexprs,
+        signature, slot,
+    )  # fmt: skip
 
 
 __all__ = ["GLUON_AVAILABLE", "SUPPORTED_HEAD_DIMS", "forward_sm90", "plan_views", "tma_view"]

@@ -19,10 +19,13 @@ if GLUON_AVAILABLE:
         _seq_bounds,
         _tile_origin,
         _tma_load,
+        _tma_store,
         _zero_rows_from,
+        fence_async_shared,
         gl,
         gluon,
         mbarrier,
+        tma,
         warpgroup_mma,
         warpgroup_mma_wait,
     )
@@ -36,13 +39,13 @@ if GLUON_AVAILABLE:
 
     @gluon.jit
     def _producer(
-        q_desc, k_desc, v_desc, smem, bars, q_row, q_col, k_row, k_col, v_row, v_col,
+        q_desc, k_desc, v_desc, o_desc, smem, bars, q_row, q_col, k_row, k_col, v_row, v_col,
         start_m, len_q, len_k, diag, num_blocks, first_masked, qk_scale,
         out_ptr, lse_ptr, o_base, lse_base, stride_os, stride_ls,
     ):  # fmt: skip
         """One warp: each warpgroup's Q rows once, then K and V of key blocks 0..num_blocks-1
         into the stage ring, each stage reused once every consumer released it."""
-        q_smem, k_smem, v_smem = smem
+        q_smem, k_smem, v_smem, _ = smem
         BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
         NUM_STAGES: gl.constexpr = k_smem.type.shape[0]
         NUM_WG: gl.constexpr = q_smem.type.shape[0]
@@ -72,7 +75,7 @@ if GLUON_AVAILABLE:
         warpgroup's Q rows once that warpgroup has handed the Q buffer back (`q_empty`, its
         `tile_count`-th hand-over). The first K block goes before Q: it only waits for a free
         stage, so it is in flight while the consumers finish the previous tile."""
-        q_smem, k_smem, v_smem = smem
+        q_smem, k_smem, v_smem, _ = smem
         BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
         NUM_STAGES: gl.constexpr = k_smem.type.shape[0]
         NUM_WG: gl.constexpr = q_smem.type.shape[0]
@@ -139,16 +142,19 @@ if GLUON_AVAILABLE:
         return p, alpha, m_new, l_i * alpha + gl.sum(p, 1)
 
     @gluon.jit
-    def _consumer(args, WG: gl.constexpr):
+    def _consumer(args, WG: gl.constexpr, O_TMA: gl.constexpr):
         """Consumer warpgroup WG's partition in the one-tile-per-program grid: `args` is the
         producer's argument list (a partition's constants must sit at the top of its own)."""
-        _, _, _, smem, bars, _, _, _, _, _, _, start_m, len_q, len_k, diag, num_blocks, \
+        _, _, _, o_desc, smem, bars, _, _, _, _, _, _, start_m, len_q, len_k, diag, num_blocks, \
             first_masked, qk_scale, out_ptr, lse_ptr, o_base, lse_base, stride_os, \
             stride_ls = args  # fmt: skip
         _consume_tile(
             smem, bars, start_m, len_q, len_k, diag, num_blocks, first_masked, qk_scale,
-            out_ptr, lse_ptr, o_base, lse_base, stride_os, stride_ls, WG, 0, 0, 0, False,
+            o_desc, out_ptr, lse_ptr, o_base, lse_base, stride_os, stride_ls, WG, 0, 0, 0,
+            False, O_TMA,
         )  # fmt: skip
+        if O_TMA:
+            tma.store_wait(0)  # the shared memory of a pending store must outlive it
 
     @gluon.jit
     def _warpgroup_blocks(row0, len_q, len_k, diag, num_blocks, BLOCK_N: gl.constexpr):
@@ -171,8 +177,8 @@ if GLUON_AVAILABLE:
     @gluon.jit
     def _consume_tile(
         smem, bars, start_m, len_q, len_k, diag, num_blocks, first_masked, qk_scale,
-        out_ptr, lse_ptr, o_base, lse_base, stride_os, stride_ls, WG: gl.constexpr,
-        ring_base, turn_base, tile_count, PERSISTENT: gl.constexpr,
+        o_desc, out_ptr, lse_ptr, o_base, lse_base, stride_os, stride_ls, WG: gl.constexpr,
+        ring_base, turn_base, tile_count, PERSISTENT: gl.constexpr, O_TMA: gl.constexpr,
     ):  # fmt: skip
         """One warpgroup: the products, online softmax and epilogue of its WG_ROWS query rows of
         one tile.
@@ -183,9 +189,12 @@ if GLUON_AVAILABLE:
         position), `turn_base`: its ping-pong turns so far, `tile_count`: its earlier tiles
         (the Q barrier's phase); all 0 in the one-tile grid. PERSISTENT: hand the Q buffer back
         once the tile's last S = Q K^T product has landed, so the producer loads the next
-        tile's Q while this one's last P V product and epilogue run.
+        tile's Q while this one's last P V product and epilogue run. O_TMA: store the
+        warpgroup's output rows by TMA from its `o_smem` buffer (`o_desc`, the out tensor's
+        `tma_view` grid) where all of them lie inside the sequence; else, and for a block
+        that reaches past len_q, masked stores from registers.
         """
-        q_smem, k_smem, v_smem = smem
+        q_smem, k_smem, v_smem, o_smem = smem
         BLOCK_N: gl.constexpr = k_smem.type.shape[1]
         HEAD_DIM: gl.constexpr = k_smem.type.shape[2]
         NUM_STAGES: gl.constexpr = k_smem.type.shape[0]
@@ -303,12 +312,29 @@ if GLUON_AVAILABLE:
         lse = gl.where(has_keys, (m_o + gl.log2(l_safe)) * LN2, float("-inf"))
 
         rows = row0 + gl.arange(0, WG_ROWS, layout=gl.SliceLayout(1, o_layout))
-        cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
         row_ok = rows < len_q
-        o_ptrs = out_ptr + o_base + gl.expand_dims(rows.to(gl.int64) * stride_os, 1)
-        o_ptrs = o_ptrs + gl.expand_dims(cols, 0)
-        o_mask = gl.expand_dims(row_ok, 1) & gl.expand_dims(cols < HEAD_DIM, 0)
-        gl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=o_mask)
+        # A block of rows reaching past len_q must not be stored whole: in bshd / thd storage
+        # the rows after a sequence's end are the next sequence's.
+        by_tma = row0 + WG_ROWS <= len_q
+        if not O_TMA:
+            by_tma = False
+        if by_tma:
+            # One TMA store per warpgroup from shared memory, in flight while the next tile
+            # starts (32 masked 4-byte stores a thread from registers took issue slots and
+            # address registers the next tile's first products waited for).
+            o_tile = o_smem.index(WG)
+            tma.store_wait(0)  # the previous tile's store has read the buffer
+            o_tile.store(out.to(dtype))
+            fence_async_shared()  # generic-proxy writes, then the async-proxy read
+            o_row = (o_base // stride_os).to(gl.int32) + row0
+            o_col = (o_base % stride_os).to(gl.int32)
+            _tma_store(o_desc, [o_row, o_col], o_tile)
+        else:
+            cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+            o_ptrs = out_ptr + o_base + gl.expand_dims(rows.to(gl.int64) * stride_os, 1)
+            o_ptrs = o_ptrs + gl.expand_dims(cols, 0)
+            o_mask = gl.expand_dims(row_ok, 1) & gl.expand_dims(cols < HEAD_DIM, 0)
+            gl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=o_mask)
         gl.store(lse_ptr + lse_base + rows.to(gl.int64) * stride_ls, lse, mask=row_ok)
 
     @gluon.jit
@@ -412,18 +438,18 @@ if GLUON_AVAILABLE:
 
     @gluon.jit
     def _persistent_producer(
-        q_desc, k_desc, v_desc, smem, bars, first, step, num_tiles, num_m, num_pairs,
+        q_desc, k_desc, v_desc, o_desc, smem, bars, first, step, num_tiles, num_m, num_pairs,
         order_pairs, cu_q_ptr, offsets_q_ptr, seqlens_q_ptr, cu_k_ptr, offsets_k_ptr,
         seqlens_k_ptr, strides, num_heads_q, group, full_len_q, full_len_k, out_ptr, lse_ptr,
         qk_scale, sched, tile_counter, SEQ_MODE_Q, SEQ_MODE_K, IS_CAUSAL, BOTTOM_RIGHT, WG,
-        DYNAMIC,
+        DYNAMIC, O_TMA,
     ):  # fmt: skip
         """The persistent grid's producer: this program's tile of every round (`_round_tile`),
         in order (the consumers walk the same list), or with DYNAMIC the tiles it takes from
         `tile_counter` (its first is its program index; each later one is `step` plus the
         counter's old value; the counter is back at 0 when the launch ends), handed to the
         consumers through `sched` (`_publish_tile`).
-        out_ptr, lse_ptr, qk_scale, WG unused."""
+        o_desc, out_ptr, lse_ptr, qk_scale, WG, O_TMA unused."""
         BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
         BLOCK_M: gl.constexpr = smem[0].type.shape[0] * WG_ROWS
         ring_base = 0
@@ -483,11 +509,11 @@ if GLUON_AVAILABLE:
 
     @gluon.jit
     def _persistent_consumer(
-        q_desc, k_desc, v_desc, smem, bars, first, step, num_tiles, num_m, num_pairs,
+        q_desc, k_desc, v_desc, o_desc, smem, bars, first, step, num_tiles, num_m, num_pairs,
         order_pairs, cu_q_ptr, offsets_q_ptr, seqlens_q_ptr, cu_k_ptr, offsets_k_ptr,
         seqlens_k_ptr, strides, num_heads_q, group, full_len_q, full_len_k, out_ptr, lse_ptr,
         qk_scale, sched, tile_counter, SEQ_MODE_Q, SEQ_MODE_K, IS_CAUSAL, BOTTOM_RIGHT, WG,
-        DYNAMIC,
+        DYNAMIC, O_TMA,
     ):  # fmt: skip
         """Consumer warpgroup WG (a constexpr) of the persistent grid: the tiles the producer
         streams, in the same order (with DYNAMIC, as `_receive_tile` hands them over). Each
@@ -514,13 +540,16 @@ if GLUON_AVAILABLE:
                 if num_blocks > 0:
                     _consume_tile(
                         smem, bars, start_m, len_q, len_k, diag, num_blocks, first_masked,
-                        qk_scale, out_ptr, lse_ptr, o_base, lse_base, stride_os, stride_ls, WG,
-                        ring_base, ring_base + tile_count, tile_count, True,
+                        qk_scale, o_desc, out_ptr, lse_ptr, o_base, lse_base, stride_os,
+                        stride_ls, WG, ring_base, ring_base + tile_count, tile_count, True,
+                        O_TMA,
                     )  # fmt: skip
                     ring_base += num_blocks
                     tile_count += 1
                 r += 1
                 tile = _receive_tile(sched, r)
+            if O_TMA:
+                tma.store_wait(0)  # the shared memory of a pending store must outlive it
             return
         for r in range(0, gl.cdiv(num_tiles, step)):
             tile = _round_tile(r, first, step)
@@ -537,8 +566,10 @@ if GLUON_AVAILABLE:
             if num_blocks > 0:
                 _consume_tile(
                     smem, bars, start_m, len_q, len_k, diag, num_blocks, first_masked, qk_scale,
-                    out_ptr, lse_ptr, o_base, lse_base, stride_os, stride_ls, WG,
-                    ring_base, ring_base + tile_count, tile_count, True,
+                    o_desc, out_ptr, lse_ptr, o_base, lse_base, stride_os, stride_ls, WG,
+                    ring_base, ring_base + tile_count, tile_count, True, O_TMA,
                 )  # fmt: skip
                 ring_base += num_blocks
                 tile_count += 1
+        if O_TMA:
+            tma.store_wait(0)

@@ -33,6 +33,8 @@ try:  # Gluon ships with Triton 3.5+; its Hopper module is what this path needs.
     _partition_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
     # The TMA load is `tma.async_copy_global_to_shared` in 3.6, `tma.async_load` later.
     _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+    # And the TMA store: `tma.async_copy_shared_to_global` in 3.6, `tma.async_store` later.
+    _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
     GLUON_AVAILABLE = True
 except Exception:  # noqa: BLE001 - any import failure means: no Gluon path on this install
     GLUON_AVAILABLE = False
@@ -198,6 +200,7 @@ __all__ = [
 if GLUON_AVAILABLE:
     __all__ += [
         "TensorDescriptor", "fence_async_shared", "gl", "gluon", "mbarrier", "tma",
-        "warpgroup_mma", "warpgroup_mma_wait", "_partition_barrier", "_tma_load", "_seq_bounds",
+        "warpgroup_mma", "warpgroup_mma_wait", "_partition_barrier", "_tma_load", "_tma_store",
+        "_seq_bounds",
         "_interleaved_tile", "_tile_origin", "_release", "_zero_rows_from",
     ]  # fmt: skip

@@ -187,11 +187,18 @@ def poison_unowned_rows(inputs: dict, layout: str, names: tuple[str, ...]) -> No
             rows = torch.arange(t.shape[1], device=t.device)
             t[rows[None, :] >= lens[:, None]] = float("nan")
         else:
-            owned = torch.zeros(t.shape[0], dtype=torch.bool, device=t.device)
-            starts, lens = inputs[f"seq_offsets_{seq}"][:-1], inputs[f"cu_seqlens_{seq}"].diff()
-            for start, n in zip(starts.tolist(), lens.tolist()):
-                owned[start : start + n] = True
-            t[~owned] = float("nan")
+            t[~owned_rows(inputs, seq)] = float("nan")
+
+
+def owned_rows(inputs: dict, seq: str) -> torch.Tensor:
+    """Bool [rows] of a "varlen_padded" input: True on the rows some sequence owns (of the query
+    sequences for seq "q", the key ones for "k"), False on the gaps between them."""
+    starts, lens = inputs[f"seq_offsets_{seq}"][:-1], inputs[f"cu_seqlens_{seq}"].diff()
+    rows = inputs["q" if seq == "q" else "k"].shape[0]
+    owned = torch.zeros(rows, dtype=torch.bool, device=starts.device)
+    for start, n in zip(starts.tolist(), lens.tolist()):
+        owned[start : start + n] = True
+    return owned
 
 
 def keep_mask(case: Case, rng_state: torch.Tensor, device) -> torch.Tensor | None:

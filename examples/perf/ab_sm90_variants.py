@@ -7,6 +7,7 @@
     python examples/perf/ab_sm90_variants.py --set dq_order --passes fwdbwd --causal 0,1
     python examples/perf/ab_sm90_variants.py --set dq_wait --passes fwdbwd --dims 128,64
     python examples/perf/ab_sm90_variants.py --set p_regs --passes fwdbwd --dims 128,64
+    python examples/perf/ab_sm90_variants.py --set epilogue --causal 0,1 --dims 128,64
 
 A variant set flips module settings in this process (`variants`):
 - `consumers`: the sm_90 forward with two and with three consumer warpgroups
@@ -25,6 +26,8 @@ A variant set flips module settings in this process (`variants`):
 - `p_regs`: the sm_90 backward's dV product taking P^T from shared memory and from registers
   (`_flash_bwd_sm90.P_FROM_REGISTERS`), at d = 128 the latter also with three pipeline stages
   (`_flash_bwd_sm90.TILES`, which fit once P^T leaves shared memory), and the portable backward.
+- `epilogue`: the sm_90 forward storing its output rows from registers and by TMA from shared
+  memory (`_flash_fwd_sm90.TMA_EPILOGUE`), and the portable forward.
 To compare another variant, add its flip to `variants`.
 
 bf16, b = 16384 / s, h = 2048 / d, inputs needing gradients as a training step has them. Each
@@ -61,6 +64,7 @@ SAVED = {
     "order": _common.CAUSAL_ORDER_L2_BYTES,
     "persistent": dict(_flash_fwd_sm90.PERSISTENT),
     "persistent_causal": dict(_flash_fwd_sm90.PERSISTENT_CAUSAL),
+    "tma_epilogue": dict(_flash_fwd_sm90.TMA_EPILOGUE),
 }
 # The sm_90 backward's per-head-dim switches a variant may flip, by `select` keyword.
 BACKWARD_SWITCHES = {
@@ -81,6 +85,7 @@ def restore() -> None:
     _common.CAUSAL_ORDER_L2_BYTES = SAVED["order"]
     _flash_fwd_sm90.PERSISTENT.update(SAVED["persistent"])
     _flash_fwd_sm90.PERSISTENT_CAUSAL.update(SAVED["persistent_causal"])
+    _flash_fwd_sm90.TMA_EPILOGUE.update(SAVED["tma_epilogue"])
     for name, table in BACKWARD_SWITCHES.items():
         table.update(SAVED[name])
     set_forward_path("auto")
@@ -90,7 +95,7 @@ def restore() -> None:
 def variants(which: str, d: int) -> dict:
     """name -> a function that selects that variant before a call; the first is the reference."""
 
-    def select(path, consumers=None, order=None, persistent=None, **backward):
+    def select(path, consumers=None, order=None, persistent=None, tma_epilogue=None, **backward):
         def apply():
             restore()
             set_forward_path(path)
@@ -102,6 +107,8 @@ def variants(which: str, d: int) -> dict:
             if persistent is not None:
                 _flash_fwd_sm90.PERSISTENT[d] = persistent
                 _flash_fwd_sm90.PERSISTENT_CAUSAL[d] = persistent
+            if tma_epilogue is not None:
+                _flash_fwd_sm90.TMA_EPILOGUE[d] = tma_epilogue
             for name, value in backward.items():
                 BACKWARD_SWITCHES[name][d] = value
 
@@ -118,6 +125,12 @@ def variants(which: str, d: int) -> dict:
             "portable": select("portable"),
             "sm90-per-tile": select("sm90", persistent=False),
             "sm90-persistent": select("sm90", persistent=True),
+        }
+    if which == "epilogue":
+        return {
+            "portable": select("portable"),
+            "sm90-stores": select("sm90", tma_epilogue=False),
+            "sm90-tma-store": select("sm90", tma_epilogue=True),
         }
     if which == "dq_order":
         return {
@@ -208,7 +221,7 @@ def measure(which: str, d: int, s: int, causal: bool, passes: list[str], rounds:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    sets = ("consumers", "order", "persistent", "dq_order", "dq_wait", "p_regs")
+    sets = ("consumers", "order", "persistent", "epilogue", "dq_order", "dq_wait", "p_regs")
     parser.add_argument("--set", choices=sets, default="consumers")
     parser.add_argument("--dims", default="64")
     parser.add_argument("--seqlens", default="1024,4096,16384")

@@ -16,7 +16,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from attention_testing import Case, check_case, make_inputs, poison_unowned_rows, run_kernel
+from attention_testing import (
+    Case,
+    check_case,
+    make_inputs,
+    owned_rows,
+    poison_unowned_rows,
+    run_kernel,
+)
 from fusedlayers.kernels import _common, _flash_fwd_sm90, _forward_paths, flash_attention
 
 pytestmark = pytest.mark.gpu
@@ -147,6 +154,34 @@ def test_sm90_ignores_nan_padding(layout, window, persistent, sm90_spy, monkeypa
     _forward_paths.set_forward_path("portable")
     portable = run_kernel(case, inputs, backward=False)
     assert not fast["out"].isnan().any() and not portable["out"].isnan().any()
+    torch.testing.assert_close(fast["out"], portable["out"], atol=2e-2, rtol=0)
+    torch.testing.assert_close(fast["lse"], portable["lse"], atol=1e-4, rtol=0)
+
+
+@needs_sm90
+@pytest.mark.parametrize("tma_epilogue", [False, True], ids=["stores", "tma_store"])
+@pytest.mark.parametrize("persistent", [False, True], ids=["per_tile", "persistent"])
+@pytest.mark.parametrize("d", [64, 128])
+def test_sm90_epilogue_writes_only_owned_rows(d, persistent, tma_epilogue, sm90_spy, monkeypatch):
+    """A warpgroup stores its 64 output rows by TMA only where all of them belong to its
+    sequence (`TMA_EPILOGUE`); a block reaching past the sequence's end takes masked stores.
+    Varlen sequences with 1-3 unowned rows between them and lengths that are no multiple of 64:
+    those rows must keep the zeros the launcher put there (a whole-block store would write the
+    rows past a sequence's end into them), and every owned row must match the portable
+    kernel's."""
+    _set_grids(monkeypatch, persistent)
+    for dim in _flash_fwd_sm90.TMA_EPILOGUE:
+        monkeypatch.setitem(_flash_fwd_sm90.TMA_EPILOGUE, dim, tma_epilogue)
+    case = Case(b=6, s_q=333, s_k=400, h=4, h_kv=2, d=d, dtype=torch.bfloat16,
+                layout="varlen_padded", window=(-1, 0))  # fmt: skip
+    inputs = make_inputs(case, DEV)
+    fast = run_kernel(case, inputs, backward=False)
+    assert sm90_spy
+    owned = owned_rows(inputs, "q")
+    assert (~owned).sum() >= case.b and (inputs["cu_seqlens_q"].diff() % 64 != 0).any()
+    assert (fast["out"][~owned] == 0).all(), "a store reached rows no sequence owns"
+    _forward_paths.set_forward_path("portable")
+    portable = run_kernel(case, inputs, backward=False)
     torch.testing.assert_close(fast["out"], portable["out"], atol=2e-2, rtol=0)
     torch.testing.assert_close(fast["lse"], portable["lse"], atol=1e-4, rtol=0)
 
