@@ -4,7 +4,8 @@ Small problems are launch-bound: when the host needs longer to issue a call than
 run it, the GPU waits, and that wait is what a user sees. On CUDA this script times, on tiny
 shapes where GPU time is negligible, the host time per call of `flash_attn_func` and of SDPA
 (flash backend), on an sm_90 GPU also of the Hopper kernels (direct launcher against Triton's),
-then profiles the fusedlayers call so the expensive Python frames are named.
+then profiles the fusedlayers call so the expensive Python frames are named (on an sm_90 GPU
+also the pinned sm_90 forward).
 
 `--stubbed` needs no GPU: the Triton launches are replaced by no-ops (CPU tensors, interpreter
 mode), so what remains is fusedlayers' own host time; the commit history and
@@ -91,11 +92,12 @@ def decode_rows(device, dtype, calls: int) -> list[tuple[str, float]]:
     ]
 
 
-def sm90_rows(calls: int) -> list[tuple[str, float]]:
+def sm90_rows(calls: int, top: int) -> tuple[list[tuple[str, float]], str]:
     """The Hopper kernels' host time (sm_90 GPUs with Gluon only): a causal forward and
     forward+backward pinned to the sm_90 kernels, on a shape small enough for the GPU to
     finish first (b=1, s=2048, one head, d=128), through the direct launcher and through
-    Triton's `kernel[grid]`, beside SDPA-flash on the same shape."""
+    Triton's `kernel[grid]`, beside SDPA-flash on the same shape; and a profile of the
+    forward without grad by own time (its frames, not autograd's)."""
     import torch.nn.functional as F
     from fusedlayers.kernels import _flash_fwd_sm90, set_backward_path, set_forward_path
     from fusedlayers.kernels._launch import set_direct_launch
@@ -104,7 +106,7 @@ def sm90_rows(calls: int) -> list[tuple[str, float]]:
     import fusedlayers
 
     if torch.cuda.get_device_capability() != (9, 0) or not _flash_fwd_sm90.GLUON_AVAILABLE:
-        return []
+        return [], ""
     q, k, v = (
         torch.randn(1, 2048, 1, 128, device="cuda", dtype=torch.bfloat16).requires_grad_()
         for _ in range(3)
@@ -117,6 +119,12 @@ def sm90_rows(calls: int) -> list[tuple[str, float]]:
 
     def fwdbwd():
         torch.autograd.grad(fusedlayers.flash_attn_func(q, k, v, causal=True), (q, k, v), dout)
+
+    def sdpa_fwd():
+        with torch.no_grad(), sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            return F.scaled_dot_product_attention(
+                *(t.transpose(1, 2) for t in (q, k, v)), is_causal=True
+            )
 
     def sdpa_fwdbwd():
         with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
@@ -136,11 +144,19 @@ def sm90_rows(calls: int) -> list[tuple[str, float]]:
                 (f"sm_90 kernels, s=2k d=128: fwd+bwd ({how})", host_us_per_call(fwdbwd, calls)),
             ]
             set_direct_launch(previous)
+        profile = cProfile.Profile()
+        profile.enable()
+        for _ in range(calls):
+            fwd()
+        profile.disable()
     finally:
         set_forward_path(paths[0])
         set_backward_path(paths[1])
+    rows.append(("sdpa-flash, s=2k d=128: fwd, no grad", host_us_per_call(sdpa_fwd, calls)))
     rows.append(("sdpa-flash, s=2k d=128: fwd+bwd", host_us_per_call(sdpa_fwdbwd, calls)))
-    return rows
+    text = io.StringIO()
+    pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(top)
+    return rows, text.getvalue()
 
 
 def backward_breakdown(q, k, v, dout, calls: int, top: int) -> tuple[list, str]:
@@ -310,7 +326,8 @@ def main(calls: int = 1000, top: int = 30, stubbed: bool = False) -> None:
         ]
         breakdown, worker_profile = backward_breakdown(q, k, v, dout, calls // 2, top)
         rows += breakdown
-        rows += sm90_rows(calls // 2)
+        sm90, sm90_profile = sm90_rows(calls // 2, top)
+        rows += sm90
     print(f"| call ({'launches stubbed, CPU' if stubbed else 'CUDA'}) | host us/call |")
     print("|---|---|")
     for name, us in rows:
@@ -327,6 +344,9 @@ def main(calls: int = 1000, top: int = 30, stubbed: bool = False) -> None:
     if not stubbed:
         print("The backward on autograd's device thread, by own time:")
         print(worker_profile)
+        if sm90_profile:
+            print("The sm_90 forward without grad (s=2k d=128, pinned), by own time:")
+            print(sm90_profile)
 
 
 if __name__ == "__main__":
