@@ -222,7 +222,7 @@ class BackwardPlan(NamedTuple):
     plus the settings below), computed once per signature by `_make_plan`. Per call there is
     left: allocating, and handing the tensors, seed and offset to the launches."""
 
-    sm90: bool  # the sm_90 kernel takes the call (its TMA views are per-tensor: made per call)
+    sm90: bool  # the sm_90 kernel takes the call (`_backward_paths.sm90_backward_plan`)
     pointers: operator.itemgetter  # (cu_q, cu_k, off_q, off_k, lens_q, lens_k, stand-in) -> 6
     owns_q: bool  # every row of q / k belongs to a sequence (else gradients start at 0)
     owns_k: bool
@@ -326,20 +326,16 @@ def flash_attention_backward(
             deterministic=deterministic, **mask_args,
         )  # fmt: skip
         remember(_PLANS, key, plan, _MAX_PLANS)
-    views = None
-    if plan.sm90:  # the plan says the kernel applies; its TMA views depend on base pointers too
-        geo = launch_geometry(q, k, **seq_args)
-        views = sm90.plan_views(q, k, v, dout, geo.varlen)
     dk = _new_grad(k, plan.owns_k, dk)
     dv = _new_grad(v, plan.owns_k, dv)
     seq_ptrs = plan.pointers(
         (cu_seqlens_q, cu_seqlens_k, seq_offsets_q, seq_offsets_k, seqlens_q, seqlens_k, q)
     )
     delta = _preprocess(plan.preprocess, out, dout, lse, seq_ptrs, signature)
-    if views is not None:
+    if plan.sm90:
         # One launch for dQ, dK and dV on Hopper (`_backward_paths`); dQ sums by TMA reduce-adds.
         dq_acc = sm90.backward_sm90(
-            q, k, v, dout, lse, delta, dk, dv, views, geo,
+            q, k, v, dout, lse, delta, dk, dv, launch_geometry(q, k, **seq_args),
             softmax_scale=softmax_scale, causal=window_right == 0, bottom_right=bottom_right,
             signature=signature,
         )  # fmt: skip

@@ -73,7 +73,7 @@ from ._common import (
     strides4,
 )
 from ._launch import launch
-from ._sm90_common import GLUON_AVAILABLE, _descriptor, launch_binding, planned, tma_view
+from ._sm90_common import GLUON_AVAILABLE, descriptor_maker, launch_binding, planned, tma_view
 
 if GLUON_AVAILABLE:
     from ._flash_bwd_sm90_steps import (
@@ -85,7 +85,6 @@ if GLUON_AVAILABLE:
         _wait_dv,
     )
     from ._sm90_common import (
-        TensorDescriptor,
         _interleaved_tile,
         _partition_barrier,
         _release,
@@ -570,16 +569,16 @@ def plan_views(q, k, v, dout, varlen: bool):
 
 
 def backward_sm90(
-    q, k, v, dout, lse, delta, dk, dv, views, geom, *, softmax_scale, causal, bottom_right,
+    q, k, v, dout, lse, delta, dk, dv, geom, *, softmax_scale, causal, bottom_right,
     signature=None,
 ):  # fmt: skip
-    """Launch `_attn_bwd_sm90`: writes dk / dv (any strides with stride(-1) == 1; rows past a
-    sequence's end are left alone) and returns the unscaled dQ, fp32, laid out like a
-    contiguous q (`dq_accumulator`). `lse`, `delta`: contiguous fp32 as the portable backward
-    has them; `views` from `plan_views`. `signature`: the backward's launch signature
-    (`_flash_bwd`); with it everything but the TMA descriptors and the pointers is planned once
-    per signature (`_launch_plan`) and the launch goes straight to the compiled kernel after
-    the first."""
+    """Launch `_attn_bwd_sm90` on input TMA can read in place (`plan_views` says so:
+    `_backward_paths.sm90_backward_plan`): writes dk / dv (any strides with stride(-1) == 1;
+    rows past a sequence's end are left alone) and returns the unscaled dQ, fp32, laid out like
+    a contiguous q (`dq_accumulator`). `lse`, `delta`: contiguous fp32 as the portable backward
+    has them. `signature`: the backward's launch signature (`_flash_bwd`); with it everything
+    but the TMA descriptors' tensors and the pointers is planned once per signature
+    (`_launch_plan`) and the launch goes straight to the compiled kernel after the first."""
     dq_acc = dq_accumulator(q)
     plan = planned(
         _PLANS, signature, (bool(causal), bool(bottom_right), _settings(q.shape[-1])),
@@ -589,15 +588,9 @@ def backward_sm90(
     )  # fmt: skip
     if plan.grid[0] == 0:
         return dq_acc
-    d = q.shape[-1]
-    block_m = plan.constexprs["BLOCK_M"]
-    q_desc = _descriptor(q, views[0], [block_m, d])
-    k_desc = _descriptor(k, views[1], [BLOCK_N, d])
-    v_desc = _descriptor(v, views[2], [BLOCK_N, d])
-    do_desc = _descriptor(dout, views[3], [block_m, d])
-    dq_desc = TensorDescriptor(dq_acc, *plan.dq_view, list(DQ_BOX), _dq_layout())
+    q_desc, k_desc, v_desc, do_desc, dq_desc = plan.descriptors
     launch(_attn_bwd_sm90, plan.grid,
-        q_desc, k_desc, v_desc, do_desc, dq_desc, lse, delta, dk, dv,
+        q_desc(q), k_desc(k), v_desc(v), do_desc(dout), dq_desc(dq_acc), lse, delta, dk, dv,
         geom.q.cu_seqlens, geom.q.seq_offsets, geom.q.seqlens,
         geom.k.cu_seqlens, geom.k.seq_offsets, geom.k.seqlens,
         *plan.ints, float(softmax_scale) * LOG2E, float(softmax_scale), plan.order_pairs,
@@ -610,7 +603,7 @@ class _LaunchPlan(NamedTuple):
     """What a launch of `_attn_bwd_sm90` derives from the call's signature (`_launch_plan`)."""
 
     grid: tuple[int]
-    dq_view: tuple  # the dQ accumulator's TMA grid
+    descriptors: tuple  # makers of q's, k's, v's, dO's and dQ's TMA descriptors
     ints: tuple  # strides of q, k, v, dO, LSE, dQ, dK, dV; heads, group, lengths
     order_pairs: int
     constexprs: dict
@@ -657,9 +650,20 @@ def _launch_plan(
         BOTTOM_RIGHT=bool(bottom_right), DQ_FIRST=DQ_BEFORE_DK[d], WAIT_LATE=DQ_WAIT_LATE[d],
         P_IN_REGS=P_FROM_REGISTERS[d], num_warps=CONSUMER_WARPS, maxnreg=MAX_REGISTERS,
     )  # fmt: skip
-    dq_view = tuple(tma_view(dq_acc, varlen=geom.varlen, block_rows=DQ_BOX[0]))
+    views = plan_views(q, k, v, dout, geom.varlen)
+    if views is None:  # `_backward_paths.sm90_backward_plan` sends these elsewhere
+        raise ValueError(
+            f"sm_90 backward: TMA cannot read q {q.stride()}, k {k.stride()}, v {v.stride()} "
+            f"or dout {dout.stride()} in place"
+        )
+    descriptors = tuple(
+        descriptor_maker(t, view, [rows, d])
+        for t, view, rows in zip((q, k, v, dout), views, (block_m, BLOCK_N, BLOCK_N, block_m))
+    )
+    dq_view = tma_view(dq_acc, varlen=geom.varlen, block_rows=DQ_BOX[0])
+    descriptors += (descriptor_maker(dq_acc, dq_view, list(DQ_BOX), _dq_layout()),)
     signature, slot = launch_binding(signature, order_pairs)
-    return _LaunchPlan(grid, dq_view, ints, order_pairs, constexprs, signature, slot)
+    return _LaunchPlan(grid, descriptors, ints, order_pairs, constexprs, signature, slot)
 
 
 __all__ = ["GLUON_AVAILABLE", "SUPPORTED_HEAD_DIMS", "backward_sm90", "plan_views"]

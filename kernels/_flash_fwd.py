@@ -57,7 +57,6 @@ from ._common import (
     strides4,
     visible_tile,
 )
-from ._flash_fwd_sm90 import plan_views as sm90_views
 from ._forward_paths import forward_path, run_sm90, sm90_plan
 from ._launch import config_slot, launch, launch_slot
 
@@ -340,7 +339,7 @@ class ForwardPlan(NamedTuple):
     (`_common.attention_signature`, and the forward path setting), made once per signature by
     `_make_plan`. Per call there is left: allocating out and lse, and the argument tuple."""
 
-    sm90: bool  # the sm_90 kernel takes the call (its TMA views are per-tensor: made per call)
+    sm90: bool  # the sm_90 kernel takes the call (`_forward_paths.sm90_plan`)
     pointers: operator.itemgetter  # `seq_pointers` in the kernel's order, None for absent ones
     out_shape: tuple[int, ...]
     lse_shape: tuple[int, ...]
@@ -498,19 +497,16 @@ def flash_attention_forward(
     """
     call = locals()  # every parameter by name
     plan = _plan(call)
-    if plan.sm90:  # the plan says the kernel applies; its TMA views are made per call
+    if plan.sm90:
         geom = launch_geometry(
             q, k, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
             seq_offsets_q=seq_offsets_q, seq_offsets_k=seq_offsets_k, max_seqlen_q=max_seqlen_q,
             max_seqlen_k=max_seqlen_k, seqlens_q=seqlens_q, seqlens_k=seqlens_k,
         )  # fmt: skip
-        # Only the TMA views depend on more than the signature (16-byte aligned base pointers).
-        views = sm90_views(q, k, v, geom.varlen)
-        if views is not None:
-            return run_sm90(
-                q, k, v, geom, (views, window_right == 0), softmax_scale=softmax_scale,
-                bottom_right=bottom_right, signature=call["signature"],
-            )  # fmt: skip
+        return run_sm90(
+            q, k, v, geom, causal=window_right == 0, softmax_scale=softmax_scale,
+            bottom_right=bottom_right, signature=call["signature"],
+        )  # fmt: skip
     out, lse, args = _outputs_and_args(plan, call)
     if plan.launches:
         _launch(plan.grid, args, plan.constexprs, call["signature"], plan.tuning, plan.slot)

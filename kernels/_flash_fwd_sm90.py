@@ -65,8 +65,8 @@ from ._common import (
     strides4,
 )
 from ._flash_fwd_sm90_partitions import WARPGROUP_ROWS
-from ._launch import launch
-from ._sm90_common import GLUON_AVAILABLE, _descriptor, launch_binding, planned, tma_view
+from ._launch import _current_stream, launch
+from ._sm90_common import GLUON_AVAILABLE, descriptor_maker, launch_binding, planned, tma_view
 
 if GLUON_AVAILABLE:
     from ._flash_fwd_sm90_partitions import (
@@ -341,8 +341,9 @@ def tile_counter(device: torch.device) -> torch.Tensor:
     """
     if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
         return torch.zeros(1, dtype=torch.int32, device=device)
-    stream = torch.cuda.current_stream(device)
-    key = (stream.device_index, stream.cuda_stream)
+    # The raw stream handle, as the launch reads it (`torch.cuda.current_stream` builds a
+    # Stream object: several microseconds a call).
+    key = (device.index, _current_stream(device.index))
     counter = _TILE_COUNTERS.get(key)
     if counter is None:
         counter = _TILE_COUNTERS[key] = torch.zeros(1, dtype=torch.int32, device=device)
@@ -350,28 +351,26 @@ def tile_counter(device: torch.device) -> torch.Tensor:
 
 
 def forward_sm90(
-    q, k, v, out, lse, views, geom, *, softmax_scale, causal, bottom_right, signature=None
+    q, k, v, out, lse, geom, *, softmax_scale, causal, bottom_right, signature=None
 ):  # fmt: skip
-    """Launch `_attn_fwd_sm90` on validated input; out / lse are allocated by the caller (zero /
-    -inf filled wherever a row may see no key). `views` come from `plan_views`. `signature`:
-    the call's `_common.attention_signature`; with it everything but the TMA descriptors and
-    the pointers is planned once per signature (`_launch_plan`) and the launch goes straight to
-    the compiled kernel after the first (`_launch.launch`); without it every call plans afresh
-    and launches through Triton's `kernel[grid]` the first time per specialization."""
+    """Launch `_attn_fwd_sm90` on validated input that TMA can read in place (`plan_views`
+    says so: `_forward_paths.sm90_plan`); out / lse are allocated by the caller, contiguous
+    (zero / -inf filled wherever a row may see no key). `signature`: the call's
+    `_common.attention_signature`; with it everything but the TMA descriptors' tensors and the
+    pointers is planned once per signature (`_launch_plan`: the TMA grids depend on shapes,
+    strides and 16-byte alignment only) and the launch goes straight to the compiled kernel
+    after the first (`_launch.launch`); without it every call plans afresh and launches through
+    Triton's `kernel[grid]` the first time per specialization."""
     plan = planned(
         _PLANS, signature, (bool(causal), bool(bottom_right), _settings(q.shape[-1], causal)),
         lambda: _launch_plan(q, k, v, out, lse, geom, causal, bottom_right, signature),
     )  # fmt: skip
     if plan.grid[0] == 0:
         return
-    d = q.shape[-1]
-    q_desc = _descriptor(q, views[0], [WARPGROUP_ROWS, d])
-    k_desc = _descriptor(k, views[1], [plan.block_n, d])
-    v_desc = _descriptor(v, views[2], [plan.block_n, d])
-    o_desc = _descriptor(out, plan.out_view, [WARPGROUP_ROWS, d])
+    q_desc, k_desc, v_desc, o_desc = plan.descriptors
     counter = tile_counter(q.device) if plan.dynamic else None
     launch(_attn_fwd_sm90, plan.grid,
-        q_desc, k_desc, v_desc, o_desc, out, lse,
+        q_desc(q), k_desc(k), v_desc(v), o_desc(out), out, lse,
         geom.q.cu_seqlens, geom.q.seq_offsets, geom.q.seqlens,
         geom.k.cu_seqlens, geom.k.seq_offsets, geom.k.seqlens,
         *plan.ints, float(softmax_scale) * LOG2E, plan.order_pairs, plan.num_pairs, counter,
@@ -383,9 +382,8 @@ class _LaunchPlan(NamedTuple):
     """What a launch of `_attn_fwd_sm90` derives from the call's signature (`_launch_plan`)."""
 
     grid: tuple[int]
-    block_n: int
     dynamic: bool  # a causal persistent grid: takes a tile counter
-    out_view: tuple  # out's TMA grid (`tma_view`; out is a fresh contiguous tensor)
+    descriptors: tuple  # makers of q's, k's, v's and out's TMA descriptors (`descriptor_maker`)
     ints: tuple  # strides of q, k, v, out, lse; heads, group, lengths
     order_pairs: int
     num_pairs: int
@@ -420,9 +418,19 @@ def _launch_plan(q, k, v, out, lse, geom, causal, bottom_right, signature) -> _L
     grid = (min(tiles, multiprocessors(q.device)) if persistent else tiles,)
     # Causal tiles differ in length: a persistent causal launch takes them from a counter.
     dynamic = persistent and causal
+    views = plan_views(q, k, v, geom.varlen)
     out_view = tma_view(out, geom.varlen, WARPGROUP_ROWS)
-    if out_view is None:  # `run_sm90` allocates out contiguous: TMA can always write it
-        raise RuntimeError(f"sm_90 forward: out {tuple(out.shape)} {out.stride()} has no TMA grid")
+    if views is None or out_view is None:  # `_forward_paths.sm90_plan` sends these elsewhere
+        raise ValueError(
+            f"sm_90 forward: TMA cannot read q {q.stride()}, k {k.stride()}, v {v.stride()} "
+            f"or write out {out.stride()} in place"
+        )
+    descriptors = tuple(
+        descriptor_maker(t, view, [rows, d])
+        for t, view, rows in zip(
+            (q, k, v, out), (*views, out_view), (WARPGROUP_ROWS, block_n, block_n, WARPGROUP_ROWS)
+        )
+    )
     sq, sk, sv, so = (strides4(t, geom.varlen) for t in (q, k, v, out))
     ints = (
         sq[0], sq[1], sq[2], sk[0], sk[1], sk[2], sv[0], sv[1], sv[2], so[0], so[1], so[2],
@@ -441,9 +449,8 @@ def _launch_plan(q, k, v, out, lse, geom, causal, bottom_right, signature) -> _L
     )  # fmt: skip
     signature, slot = launch_binding(signature, order_pairs)
     return _LaunchPlan(
-        grid, block_n, dynamic, tuple(out_view), ints, order_pairs, num_pairs, constexprs,
-        signature, slot,
-    )  # fmt: skip
+        grid, dynamic, descriptors, ints, order_pairs, num_pairs, constexprs, signature, slot
+    )
 
 
 __all__ = ["GLUON_AVAILABLE", "SUPPORTED_HEAD_DIMS", "forward_sm90", "plan_views", "tma_view"]

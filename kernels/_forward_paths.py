@@ -94,14 +94,14 @@ def sm90_plan(
     return views, window_right == 0
 
 
-def run_sm90(q, k, v, geom, plan, *, softmax_scale, bottom_right, signature=None):
-    """The sm_90 forward: (out, lse), allocated here. `signature`: the call's
-    `_common.attention_signature`, for the launch (`sm90.forward_sm90`).
+def run_sm90(q, k, v, geom, *, causal, softmax_scale, bottom_right, signature=None):
+    """The sm_90 forward of a call `sm90_plan` sends there: (out, lse), allocated here.
+    `signature`: the call's `_common.attention_signature`, for the launch
+    (`sm90.forward_sm90`).
 
     Rows that may see no key (padding, varlen, or a bottom-right causal diagonal with more
     queries than keys) are never written by the kernel, so out / lse start as 0 / -inf there.
     """
-    views, causal = plan
     out_shape = (*q.shape[:-1], v.shape[-1])
     lse_shape = (q.shape[1], q.shape[0]) if geom.varlen else (q.shape[0], q.shape[2], q.shape[1])
     dense = geom.q.mode == SEQ_DENSE and geom.k.mode == SEQ_DENSE
@@ -113,7 +113,7 @@ def run_sm90(q, k, v, geom, plan, *, softmax_scale, bottom_right, signature=None
         out = torch.zeros(out_shape, dtype=q.dtype, device=q.device)
         lse = torch.full(lse_shape, float("-inf"), dtype=torch.float32, device=q.device)
     sm90.forward_sm90(
-        q, k, v, out, lse, views, geom,
+        q, k, v, out, lse, geom,
         softmax_scale=softmax_scale, causal=causal, bottom_right=bottom_right, signature=signature,
     )  # fmt: skip
     return out, lse

@@ -119,9 +119,8 @@ def _recorded_bwd_launches(monkeypatch, calls):
         geom = launch_geometry(q, k)
         lse, delta = (torch.zeros(2, 4, 256) for _ in range(2))
         _flash_bwd_sm90.backward_sm90(
-            q, k, v, dout, lse, delta, torch.empty_like(k), torch.empty_like(v),
-            _flash_bwd_sm90.plan_views(q, k, v, dout, False), geom, softmax_scale=0.125,
-            causal=causal, bottom_right=True, signature=signature,
+            q, k, v, dout, lse, delta, torch.empty_like(k), torch.empty_like(v), geom,
+            softmax_scale=0.125, causal=causal, bottom_right=True, signature=signature,
         )  # fmt: skip
     return launches
 

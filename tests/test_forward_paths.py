@@ -125,6 +125,35 @@ def test_auto_takes_sm90_from_the_measured_lengths(d, keys, causal, taken, monke
     assert (plan is not None) == taken
 
 
+def test_descriptor_maker_makes_what_the_constructor_makes():
+    """A plan's descriptor maker (`descriptor_maker`) checks once and then only puts each call's
+    tensor into the checked fields: its descriptors must equal the constructor's for another
+    tensor of the same signature, and it must keep no reference to the tensor it was made
+    from (a plan outlives its first call's tensors)."""
+    import gc
+    import weakref
+
+    from fusedlayers.kernels import _sm90_common
+
+    if not _sm90_common.GLUON_AVAILABLE:
+        pytest.skip("this Triton has no Gluon")
+    first = torch.randn(2, 300, 4, 64, dtype=torch.bfloat16)
+    view = _sm90_common.tma_view(first, False, 128)
+    make = _sm90_common.descriptor_maker(first, view, [128, 64])
+    alive = weakref.ref(first)
+    del first
+    gc.collect()
+    assert alive() is None, "the maker keeps its first tensor alive"
+    other = torch.randn(2, 300, 4, 64, dtype=torch.bfloat16)
+    made = make(other)
+    layout = _sm90_common._smem_layout(128, 64, torch.bfloat16)
+    built = _sm90_common.TensorDescriptor(other, *view, [128, 64], layout)
+    assert type(made) is type(built) and made.base is other
+    fields = lambda d: {k: v for k, v in vars(d).items() if k != "base"}  # noqa: E731
+    assert fields(made) == fields(built)
+    assert make(other) is not made  # one descriptor per call
+
+
 def test_sm90_common_exports_only_what_it_defines(monkeypatch):
     """`_sm90_common.__all__` names only what exists, with Gluon and without it (then only the
     host side), so a star import never fails on an install without Gluon."""
@@ -143,7 +172,7 @@ def test_sm90_common_exports_only_what_it_defines(monkeypatch):
     assert not module.GLUON_AVAILABLE
     assert set(module.__all__) == {
         "GLUON_AVAILABLE", "MAX_PLANS", "tma_view", "planned", "launch_binding", "_smem_layout",
-        "_descriptor",
+        "descriptor_maker",
     }  # fmt: skip
     assert all(hasattr(module, name) for name in module.__all__)
 
@@ -162,8 +191,8 @@ def _recorded_sm90_launches(monkeypatch, calls):
         out = torch.empty_like(q)
         lse = torch.empty(q.shape[0], q.shape[2], q.shape[1])
         sm90.forward_sm90(
-            q, k, v, out, lse, sm90.plan_views(q, k, v, False), geom, softmax_scale=0.125,
-            causal=causal, bottom_right=True, signature=signature,
+            q, k, v, out, lse, geom, softmax_scale=0.125, causal=causal, bottom_right=True,
+            signature=signature,
         )  # fmt: skip
     return launches
 

@@ -169,7 +169,7 @@ def compile_forward(d: int, causal: bool, persistent: bool = False, layout: str 
     try:
         with offline_sm90(fwd._attn_fwd_sm90):
             fwd.forward_sm90(
-                q, k, v, out, lse, fwd.plan_views(q, k, v, geom.varlen), geom,
+                q, k, v, out, lse, geom,
                 softmax_scale=d**-0.5, causal=causal, bottom_right=layout != "topleft",
             )  # fmt: skip
     finally:
@@ -207,10 +207,9 @@ def _compile_backward(bwd, d: int, causal: bool, layout: str):
         q.shape[0], q.shape[2], q.shape[1])  # fmt: skip
     delta = torch.randn_like(lse)
     dk, dv = torch.empty_like(k), torch.empty_like(v)
-    views = bwd.plan_views(q, k, v, dout, geom.varlen)
     with offline_sm90(bwd._attn_bwd_sm90):
         bwd.backward_sm90(
-            q, k, v, dout, lse, delta, dk, dv, views, geom,
+            q, k, v, dout, lse, delta, dk, dv, geom,
             softmax_scale=d**-0.5, causal=causal, bottom_right=layout != "topleft",
         )  # fmt: skip
     return COMPILED[-1]
