@@ -313,15 +313,15 @@ if GLUON_AVAILABLE:
 
         rows = row0 + gl.arange(0, WG_ROWS, layout=gl.SliceLayout(1, o_layout))
         row_ok = rows < len_q
-        # A block of rows reaching past len_q must not be stored whole: in bshd / thd storage
-        # the rows after a sequence's end are the next sequence's.
+        # A block of rows reaching past len_q must not be stored whole: the rows after a
+        # sequence's end are the next sequence's, or padding the launcher zero-filled.
         by_tma = row0 + WG_ROWS <= len_q
         if not O_TMA:
             by_tma = False
         if by_tma:
             # One TMA store per warpgroup from shared memory, in flight while the next tile
-            # starts (32 masked 4-byte stores a thread from registers took issue slots and
-            # address registers the next tile's first products waited for).
+            # starts, instead of masked stores from registers at every tile boundary (32 of 4
+            # bytes a thread at d = 128; `_flash_fwd_sm90.TMA_EPILOGUE` has the measurements).
             o_tile = o_smem.index(WG)
             tma.store_wait(0)  # the previous tile's store has read the buffer
             o_tile.store(out.to(dtype))
@@ -572,4 +572,4 @@ if GLUON_AVAILABLE:
                 ring_base += num_blocks
                 tile_count += 1
         if O_TMA:
-            tma.store_wait(0)
+            tma.store_wait(0)  # the shared memory of a pending store must outlive it
