@@ -304,6 +304,11 @@ class _EagerFlashAttention(torch.autograd.Function):
     def forward(ctx, *inputs):
         out, lse, signature = _launch_forward(**dict(zip(_FWD_ARGS, inputs)))
         _setup_context(ctx, inputs, (out, lse))
+        # lse never has a gradient (non-differentiable), and only out's is used: without this
+        # autograd allocates and zero-fills one the size of lse for every backward, an
+        # allocation and a kernel launch on its device thread. out's gradient is always given
+        # (a backward runs only when some output has one, and lse never does).
+        ctx.set_materialize_grads(False)
         ctx.signature = signature
         # The packed-gradient plan, made on the host while q/k/v are at hand (memoized per
         # geometry) so the backward only allocates and views.

@@ -235,6 +235,38 @@ def test_eager_backward_starts_from_the_forward_signature(
     assert len(fwd_plans) == 1 and len(bwd_plans) == 1 and not signed_again
 
 
+def test_eager_backward_gets_no_zero_filled_lse_gradient():
+    """lse has no gradient (non-differentiable), and the eager route asks autograd not to
+    materialize one: no zero fill of lse's size per backward (an allocation and a kernel
+    launch on autograd's device thread), and the gradients stay the reference's."""
+    from fusedlayers.kernels import flash_attention
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from fusedlayers.attention.reference import attention_reference
+
+    class Fills(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.shapes = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if "zero" in str(func) or "fill" in str(func):
+                shape = args[0] if str(func).startswith("aten.zeros") else args[0].shape
+                self.shapes.append(tuple(shape))
+            return func(*args, **(kwargs or {}))
+
+    q, k, v = (t.requires_grad_() for t in _qkv(0, s_k=20, h=2, h_kv=2))
+    out, lse = flash_attention(q, k, v, softmax_scale=0.25, window_size=(-1, 0))
+    dout = torch.randn_like(out)
+    with Fills() as fills:
+        got = torch.cat(torch.autograd.grad(out, (q, k, v), dout))
+    assert tuple(lse.shape) not in fills.shapes, f"zero fills in the backward: {fills.shapes}"
+    ref = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref_out = attention_reference(*ref, softmax_scale=0.25, window_size=(-1, 0))
+    want = torch.cat(torch.autograd.grad(ref_out, ref, dout.double()))
+    torch.testing.assert_close(got.double(), want, atol=2e-2, rtol=0)
+
+
 @pytest.fixture
 def decode_plans(monkeypatch):
     """The decode plans made during a test (`_count_plans`)."""
