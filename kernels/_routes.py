@@ -39,14 +39,15 @@ def eager_function(
 
 def pick_forward(
     op: Callable,
-    function: type[torch.autograd.Function],
+    eager_apply: Callable,
     forward: Callable,
     tensors: tuple[torch.Tensor | None, ...],
 ) -> Callable:
     """The custom op under torch.compile (Dynamo sees is_compiling() as True and traces it); in
-    eager, `function.apply` when one of `tensors` needs a gradient, else the bare `forward`."""
+    eager, `eager_apply` (an autograd.Function's `apply`, taking the op's arguments) when one
+    of `tensors` needs a gradient, else the bare `forward`."""
     if torch.compiler.is_compiling():
         return op
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
-        return function.apply
+        return eager_apply
     return forward

@@ -79,7 +79,7 @@ def fused_activation(x: Tensor, activation: str) -> Tensor:
     Returns:
         y [..., w] or [..., w / 2] (gated) in x's dtype, contiguous; differentiable in x.
     """
-    forward = pick_forward(activation_fwd, _EagerActivation, _forward_impl, (x,))
+    forward = pick_forward(activation_fwd, _EagerActivation.apply, _forward_impl, (x,))
     return forward(x, activation)
 
 

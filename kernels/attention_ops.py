@@ -18,7 +18,6 @@ one new buffer laid out the same way (kernels/_packed.py), so the packed gradien
 The LSE is not differentiable (the kernels have no gradient for it).
 """
 
-import functools
 import inspect
 import operator
 
@@ -27,7 +26,7 @@ import torch
 from ._common import attention_signature
 from ._flash_bwd import flash_attention_backward
 from ._flash_fwd import flash_attention_forward
-from ._packed import GradGroup, packed_grad_buffers, plan_packed_grads
+from ._packed import packed_grad_buffers, plan_packed_grads
 from ._routes import pick_forward
 
 Tensor = torch.Tensor
@@ -189,27 +188,6 @@ def _launch_backward(
     return dq, dk, dv, dbias
 
 
-def _backward_packed(
-    plan: tuple[GradGroup, ...],
-    forward_signature: tuple,
-    dout: Tensor,
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    *args,
-    **kwargs,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """The eager backward: q/k/v that tile one packed buffer (`plan`, from the forward) get
-    their gradients as views of one new buffer laid out like it, written by the kernels in
-    place, so a split of the packed tensor can hand back its gradient without a copy
-    (`kernels/_packed.py`). The others get new contiguous gradients, as the op's do.
-    `forward_signature`: the forward's `attention_signature` (`flash_attention_backward`)."""
-    grads = tuple(packed_grad_buffers(plan, q, k, v))
-    return _launch_backward(
-        dout, q, k, v, *args, grads=grads, forward_signature=forward_signature, **kwargs
-    )
-
-
 flash_attn_bwd = torch.library.custom_op("fusedlayers::flash_attn_bwd", mutates_args=())(
     _backward_impl
 )
@@ -294,31 +272,65 @@ def _backward(ctx, dout, _dlse, backward_op=flash_attn_bwd):
 flash_attn_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
+# What the eager route saves besides out and lse, and the backward's keywords for the saved
+# tensors after q, k and v (the op's route saves rng_state too; the eager one reads it once).
+_EAGER_SAVED = tuple(name for name in _TENSOR_INPUTS if name != "rng_state")
+_EAGER_SAVED_TENSORS = operator.itemgetter(*(_FWD_ARGS.index(name) for name in _EAGER_SAVED))
+
+
 class _EagerFlashAttention(torch.autograd.Function):
-    """The eager route (host time: see _routes.py): what `_routes.eager_function` builds,
-    written out because its forward hands the call's `attention_signature` to the backward,
-    where the launch plans start from it instead of signing every input again. Only this route
-    shares one gradient buffer between packed q/k/v; the op keeps fresh outputs."""
+    """The eager route (host time: see _routes.py), taken where a gradient is needed.
+
+    `apply(q, k, v, bias, args)`, `args` being `_forward_impl`'s whole argument list: autograd
+    tracks the four tensors that can have a gradient and passes the rest through as one tuple,
+    so its per-input work covers five arguments rather than twenty-one. Autograd runs the
+    backward on its device thread, where the same Python takes longer than on the caller's
+    (docs/performance.md, "Host time on autograd's device thread"), so the forward gathers what
+    the backward passes on: its keywords, the call's `attention_signature` (the backward's launch
+    plans start from it) and the packed-gradient plan. Only this route shares one gradient buffer
+    between packed q/k/v (kernels/_packed.py); the op keeps fresh outputs.
+    """
 
     @staticmethod
-    def forward(ctx, *inputs):
-        out, lse, signature = _launch_forward(**dict(zip(_FWD_ARGS, inputs)))
-        _setup_context(ctx, inputs, (out, lse))
-        # lse never has a gradient (non-differentiable), and only out's is used: without this
-        # autograd allocates and zero-fills one the size of lse for every backward, an
-        # allocation and a kernel launch on its device thread. out's gradient is always given
-        # (a backward runs only when some output has one, and lse never does).
+    def forward(ctx, q, k, v, bias, args):
+        named = dict(zip(_FWD_ARGS, args))
+        out, lse, signature = _launch_forward(**named)
+        # The kernels have no LSE gradient: marking it non-differentiable makes a loss built on
+        # it fail loudly ("does not require grad") instead of silently dropping that term.
+        ctx.mark_non_differentiable(lse)
+        ctx.save_for_backward(out, lse, *_EAGER_SAVED_TENSORS(args))
+        # lse never has a gradient and out's is always given (a backward runs only when some
+        # output has one): without this autograd would allocate and zero-fill one the size of
+        # lse for every backward, an allocation and a kernel launch on its device thread.
         ctx.set_materialize_grads(False)
-        ctx.signature = signature
-        # The packed-gradient plan, made on the host while q/k/v are at hand (memoized per
-        # geometry) so the backward only allocates and views.
-        ctx.grad_plan = plan_packed_grads(*inputs[:3])
+        seed, offset = _seed_offset(named["rng_state"])
+        ctx.options = dict(
+            zip(_SCALAR_INPUTS, _SAVED_SCALARS(args)), seed=seed, offset=offset,
+            bias_requires_grad=bias is not None and bias.requires_grad,
+            forward_signature=signature,
+        )  # fmt: skip
+        ctx.grad_plan = plan_packed_grads(q, k, v)
         return out, lse
 
     @staticmethod
-    def backward(ctx, dout, dlse):
-        backward_op = functools.partial(_backward_packed, ctx.grad_plan, ctx.signature)
-        return _backward(ctx, dout, dlse, backward_op=backward_op)
+    def backward(ctx, dout, _dlse):
+        out, lse, q, k, v, *saved = ctx.saved_tensors
+        # q/k/v tiling one packed buffer get their gradients as views of one new buffer.
+        dq, dk, dv = packed_grad_buffers(ctx.grad_plan, q, k, v)
+        dq, dk, dv, dbias = flash_attention_backward(
+            # Autograd may pass an expanded (stride 0) gradient; the kernels need stride(-1) == 1.
+            dout.contiguous(), q, k, v, out, lse, **dict(zip(_EAGER_SAVED[3:], saved)),
+            **ctx.options, dq=dq, dk=dk, dv=dv,
+        )  # fmt: skip
+        if ctx.options["bias_requires_grad"]:
+            bias = saved[_EAGER_SAVED.index("bias") - 3]
+            dbias = dbias.reshape(bias.shape).to(bias.dtype).contiguous()
+        return dq, dk, dv, dbias, None
+
+
+def _eager_apply(*args):
+    """`_EagerFlashAttention.apply` on `_forward_impl`'s argument list."""
+    return _EagerFlashAttention.apply(args[0], args[1], args[2], args[_BIAS], args)
 
 
 def flash_attention(
@@ -378,7 +390,7 @@ def flash_attention(
         # torch.randint on the default generator: reproducible under torch.manual_seed, and
         # traceable by torch.compile (the state is an op input, not a Python-side int).
         rng_state = torch.randint(0, _RNG_BOUND, (2,), dtype=torch.int64)
-    return pick_forward(flash_attn_fwd, _EagerFlashAttention, _forward_impl, (q, k, v, bias))(
+    return pick_forward(flash_attn_fwd, _eager_apply, _forward_impl, (q, k, v, bias))(
         q,
         k,
         v,

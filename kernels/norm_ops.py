@@ -130,7 +130,7 @@ def layer_norm(
         y [..., n] in x's dtype, contiguous; differentiable in x, weight and bias, with
         deterministic gradients (dweight/dbias in the parameters' dtypes).
     """
-    forward = pick_forward(norm_fwd, _EagerNorm, _forward_impl, (x, weight, bias))
+    forward = pick_forward(norm_fwd, _EagerNorm.apply, _forward_impl, (x, weight, bias))
     y, _mean, _rstd = forward(x, weight, bias, float(eps), bool(rms), bool(zero_centered_gamma))
     return y
 
@@ -218,7 +218,7 @@ def add_layer_norm(
     and residual get the same gradient.
     """
     forward = pick_forward(
-        add_norm_fwd, _EagerAddNorm, _add_forward_impl, (x, residual, weight, bias)
+        add_norm_fwd, _EagerAddNorm.apply, _add_forward_impl, (x, residual, weight, bias)
     )
     y, h, _mean, _rstd = forward(
         x, residual, weight, bias, float(eps), bool(rms), bool(zero_centered_gamma)

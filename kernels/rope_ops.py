@@ -105,7 +105,7 @@ def rope(
     Returns:
         out of t's shape and dtype, contiguous; differentiable in t only.
     """
-    forward = pick_forward(rope_fwd, _EagerRope, _forward_impl, (t,))
+    forward = pick_forward(rope_fwd, _EagerRope.apply, _forward_impl, (t,))
     return forward(t, cos, sin, positions, int(seq_dim), bool(interleaved))
 
 
