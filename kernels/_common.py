@@ -430,6 +430,13 @@ def attention_signature(
     )  # fmt: skip
 
 
+def shape_only_geometry(geom: LaunchGeometry) -> LaunchGeometry | None:
+    """`geom` when it holds no tensor (dense q and k without seqlens): it then follows from the
+    shapes alone, so a plan can keep it for every call of its signature instead of normalizing
+    the arguments again per call. None otherwise: its tensors are the call's."""
+    return geom if geom.q.mode == SEQ_DENSE and geom.k.mode == SEQ_DENSE else None
+
+
 def seq_pointers(geom: LaunchGeometry, order: tuple[int, ...]) -> operator.itemgetter:
     """For a plan: a getter that takes a call's (cu_seqlens_q, cu_seqlens_k, seq_offsets_q,
     seq_offsets_k, seqlens_q, seqlens_k, stand-in) and returns, at the positions `order` names,

@@ -37,6 +37,7 @@ from . import _common
 from . import _flash_bwd_sm90 as sm90
 from ._backward_paths import backward_path, sm90_backward_plan
 from ._common import (
+    LaunchGeometry,
     attention_signature,
     causal_order_heads,
     cdiv,
@@ -49,6 +50,7 @@ from ._common import (
     next_pow2_dim,
     remember,
     seq_bounds,
+    shape_only_geometry,
     strides4,
 )
 from ._flash_bwd_dkdv import _flash_bwd_dkdv_kernel
@@ -58,14 +60,18 @@ from ._launch import call_signature, launch, launch_slot
 
 @triton.jit
 def _flash_bwd_preprocess_kernel(
-    OUT, DO, DELTA, CU_Q, OFF_Q, LENS_Q,
+    OUT, DO, DELTA, DQ_ACC, CU_Q, OFF_Q, LENS_Q,
     stride_ob, stride_os, stride_oh, stride_dob, stride_dos, stride_doh,
-    stride_lb, stride_lh, stride_ls, H_Q, MAX_Q, D_V,
-    BLOCK_M: tl.constexpr, HEAD_DIM_V: tl.constexpr, PAD_V: tl.constexpr, SEQ_MODE_Q: tl.constexpr,
+    stride_lb, stride_lh, stride_ls, stride_ab, stride_as, stride_ah, H_Q, MAX_Q, D_QK, D_V,
+    BLOCK_M: tl.constexpr, HEAD_DIM_QK: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+    PAD_QK: tl.constexpr, PAD_V: tl.constexpr, SEQ_MODE_Q: tl.constexpr, ZERO_DQ: tl.constexpr,
 ):  # fmt: skip
-    """delta[z, h, i] = sum_d dO[i, h, d] * O[i, h, d] in fp32, laid out like the LSE.
+    """delta[z, h, i] = sum_d dO[i, h, d] * O[i, h, d] in fp32, laid out like the LSE; with
+    ZERO_DQ also the same rows of the fp32 dQ accumulator DQ_ACC (strides `stride_a*`) set to 0,
+    so the schemes that sum dQ with atomics need no separate fill of it.
 
-    Grid: (cdiv(MAX_Q, BLOCK_M) * batch * H_Q,). Rows past the sequence are left unwritten.
+    Grid: (cdiv(MAX_Q, BLOCK_M) * batch * H_Q,). Rows past the sequence are left unwritten (the
+    launcher zero-fills the accumulator itself when some rows belong to no sequence).
     """
     num_m = tl.cdiv(MAX_Q, BLOCK_M)
     pid_zh = tl.program_id(0) // num_m
@@ -83,6 +89,12 @@ def _flash_bwd_preprocess_kernel(
     do = load_tile(do_ptrs, row_ok, d_ok, True, PAD_V, 0).to(tl.float32)
     delta_ptrs = DELTA + z * stride_lb + h * stride_lh + rows * stride_ls
     tl.store(delta_ptrs, tl.sum(o * do, axis=1), mask=row_ok)
+    if ZERO_DQ:
+        offs_k = tl.arange(0, HEAD_DIM_QK)
+        acc_ptrs = DQ_ACC + z * stride_ab + h * stride_ah + rows[:, None] * stride_as
+        acc_ok = row_ok[:, None] & dim_mask(offs_k, D_QK, PAD_QK)[None, :]
+        zeros = tl.zeros([BLOCK_M, HEAD_DIM_QK], dtype=tl.float32)
+        tl.store(acc_ptrs + offs_k[None, :], zeros, mask=acc_ok)
 
 
 # Launch shapes per padded head dim (the larger of d_qk and d_v): the one place to tune.
@@ -224,6 +236,7 @@ class BackwardPlan(NamedTuple):
 
     sm90: bool  # the sm_90 kernel takes the call (`_backward_paths.sm90_backward_plan`)
     pointers: operator.itemgetter  # (cu_q, cu_k, off_q, off_k, lens_q, lens_k, stand-in) -> 6
+    geometry: LaunchGeometry | None  # `shape_only_geometry`: the sm_90 launch's, where it holds
     owns_q: bool  # every row of q / k belongs to a sequence (else gradients start at 0)
     owns_k: bool
     atomic: bool  # dQ summed with atomics in the dK/dV pass (`use_atomic_dq`)
@@ -331,11 +344,21 @@ def flash_attention_backward(
     seq_ptrs = plan.pointers(
         (cu_seqlens_q, cu_seqlens_k, seq_offsets_q, seq_offsets_k, seqlens_q, seqlens_k, q)
     )
-    delta = _preprocess(plan.preprocess, out, dout, lse, seq_ptrs, signature)
+    # The fp32 dQ accumulator of the schemes that sum dQ with atomics, zeroed by the preprocess
+    # where the plan says so. Where it does not, q stands in (the kernel never reads it), so the
+    # preprocess's tensor arguments follow from the signature and that switch.
+    zero_dq = plan.preprocess.kwargs["ZERO_DQ"]
+    dq_acc = None
+    if plan.sm90 or plan.atomic:
+        dq_acc = sm90.dq_accumulator(q, zeroed=not zero_dq)
+    delta = _preprocess(
+        plan.preprocess, out, dout, lse, dq_acc if zero_dq else q, seq_ptrs, signature
+    )
     if plan.sm90:
         # One launch for dQ, dK and dV on Hopper (`_backward_paths`); dQ sums by TMA reduce-adds.
-        dq_acc = sm90.backward_sm90(
-            q, k, v, dout, lse, delta, dk, dv, launch_geometry(q, k, **seq_args),
+        geom = plan.geometry if plan.geometry is not None else launch_geometry(q, k, **seq_args)
+        sm90.backward_sm90(
+            q, k, v, dout, lse, delta, dq_acc, dk, dv, geom,
             softmax_scale=softmax_scale, causal=window_right == 0, bottom_right=bottom_right,
             signature=signature,
         )  # fmt: skip
@@ -345,7 +368,6 @@ def flash_attention_backward(
     alibi_ptr = alibi_slopes if alibi_slopes is not None else q
     tail = (seed, offset)
     if plan.atomic:
-        dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         _launch_dkdv(plan, (q, k, v, dout, lse, delta), dk, dv, (bias_ptr, alibi_ptr, dq_acc),
                      seq_ptrs, tail, signature)  # fmt: skip
         return _scaled_dq(dq_acc, dq, q.dtype, softmax_scale), dk, dv, None
@@ -423,17 +445,22 @@ def _make_plan(
             softcap if softcap > 0 else 1.0, window_left, window_right, dropout_p)  # fmt: skip
     bias_strides = tuple(bias.stride()) if bias is not None else (0, 0, 0, 0)
     alibi_strides = tuple(alibi_slopes.stride()) if alibi_slopes is not None else (0, 0)
-    d_v = v.shape[-1]
+    d_qk, d_v = q.shape[-1], v.shape[-1]
+    atomic = use_atomic_dq(q, deterministic, dbias_shape is not None)
+    # The schemes that sum dQ into an fp32 accumulator (`dq_accumulator`) have the preprocess
+    # zero it where every row belongs to a sequence (its grid visits every owned row); else
+    # the launcher allocates it zero-filled.
+    zero_dq = (sm90_here or atomic) and geo.q.owns_all_rows
     preprocess = _Launch(
         (cdiv(max_q, PREPROCESS_BLOCK_M) * geo.batch * h_q,),
         (*strides4(out, varlen)[:3], *strides4(dout, varlen)[:3], *lse_strides(lse, varlen),
-         h_q, max_q, d_v),
-        dict(BLOCK_M=PREPROCESS_BLOCK_M, HEAD_DIM_V=next_pow2_dim(d_v),
-             PAD_V=next_pow2_dim(d_v) != d_v, SEQ_MODE_Q=geo.q.mode),
+         *strides4(_meta(q.shape), varlen)[:3], h_q, max_q, d_qk, d_v),
+        dict(BLOCK_M=PREPROCESS_BLOCK_M, HEAD_DIM_QK=next_pow2_dim(d_qk),
+             HEAD_DIM_V=next_pow2_dim(d_v), PAD_QK=next_pow2_dim(d_qk) != d_qk,
+             PAD_V=next_pow2_dim(d_v) != d_v, SEQ_MODE_Q=geo.q.mode, ZERO_DQ=zero_dq),
         launch_slot(),
     )  # fmt: skip
-    head_dim = max(q.shape[-1], d_v)
-    atomic = use_atomic_dq(q, deterministic, dbias_shape is not None)
+    head_dim = max(d_qk, d_v)
     if atomic:
         cfg = bwd_atomic_config(head_dim, q.is_cuda)
     else:
@@ -476,7 +503,8 @@ def _make_plan(
     # Absent tensors still need a pointer argument (index 6, q); the kernels never read it.
     pointers = operator.itemgetter(*(i if t is not None else 6 for i, t in enumerate(seq_tensors)))
     return BackwardPlan(
-        sm90=sm90_here, pointers=pointers, owns_q=geo.q.owns_all_rows,
+        sm90=sm90_here, pointers=pointers, geometry=shape_only_geometry(geo),
+        owns_q=geo.q.owns_all_rows,
         owns_k=geo.k.owns_all_rows, atomic=atomic, splits=splits, dbias_shape=dbias_shape,
         preprocess=preprocess, dkdv=dkdv, dq=dq_launch,
     )  # fmt: skip
@@ -527,11 +555,14 @@ def _strides(q, k, v, dout, lse, varlen: bool) -> tuple[int, ...]:
     return (*[s for triple in per_operand for s in triple], *lse_strides(lse, varlen))
 
 
-def _preprocess(launch_plan: _Launch, out, dout, lse, seq_ptrs, signature) -> torch.Tensor:
-    """delta = rowsum(dout * out) in fp32, shaped and strided like the (contiguous) LSE."""
+def _preprocess(
+    launch_plan: _Launch, out, dout, lse, dq_acc, seq_ptrs, signature
+) -> torch.Tensor:  # fmt: skip
+    """delta = rowsum(dout * out) in fp32, shaped and strided like the (contiguous) LSE; zeroes
+    `dq_acc` too where the plan says so (`ZERO_DQ`; otherwise q stands in for it)."""
     delta = torch.empty_like(lse)
     launch(_flash_bwd_preprocess_kernel, launch_plan.grid,
-        out, dout, delta, seq_ptrs[0], seq_ptrs[2], seq_ptrs[4], *launch_plan.ints,
+        out, dout, delta, dq_acc, seq_ptrs[0], seq_ptrs[2], seq_ptrs[4], *launch_plan.ints,
         **launch_plan.kwargs, signature=signature, slot=launch_plan.slot,
     )  # fmt: skip
     return delta

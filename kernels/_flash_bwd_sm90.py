@@ -36,9 +36,9 @@ of every query head of its GQA group that can see them (FlashAttention-3's backw
   V 32 KiB, two dS^T tiles [128, 128] 64 KiB, the dQ staging tiles 32 KiB, LSE/delta 2 KiB,
   barriers: 199,152 bytes with P^T in registers (P^T in shared memory adds 32 KiB: 231,936 of
   the 232,448 a block may have); a third stage would need 512 bytes more than the block has.
-`backward_sm90` allocates the accumulator (`dq_accumulator`); `_flash_bwd` scales and casts it
-afterwards (its atomic-dQ epilogue) and computes delta = rowsum(dO * O) first
-(`_flash_bwd._preprocess`).
+`_flash_bwd` allocates the accumulator (`dq_accumulator`), computes delta = rowsum(dO * O)
+first and zeroes the accumulator in the same launch (`_flash_bwd._preprocess`), and scales and
+casts it afterwards (its atomic-dQ epilogue).
 
 Tiles are addressed as in the forward (`_sm90_common.tma_view`): one 2-D TMA grid over
 each operand's storage, any layout whose heads sit inside one storage row. Rows past a
@@ -539,9 +539,11 @@ def _dq_layout():
     return gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
 
 
-def dq_accumulator(q):
-    """The zero-filled fp32 dQ accumulator, shaped like q and contiguous, with storage for at
-    least one whole TMA box of rows behind it.
+def dq_accumulator(q, zeroed: bool = True):
+    """The fp32 dQ accumulator, shaped like q and contiguous, with storage for at least one
+    whole TMA box of rows behind it; zero-filled when `zeroed`, else left for the backward's
+    preprocess to zero (`_flash_bwd`, `ZERO_DQ`: it does so where every row belongs to a
+    sequence; the rows behind q's are never read).
 
     `tma_view` describes a grid of at least one box of rows however short the tensor is; TMA
     clips its writes only at the grid's end, so a reduce into a shorter buffer would add (zeros)
@@ -549,7 +551,10 @@ def dq_accumulator(q):
     """
     row_elems = q.shape[-1] * q.shape[-2]
     rows = q.numel() // row_elems if row_elems else 0
-    storage = torch.zeros(max(rows, DQ_BOX[0]) * row_elems, dtype=torch.float32, device=q.device)
+    new = torch.zeros if zeroed else torch.empty
+    if rows >= DQ_BOX[0]:
+        return new(q.shape, dtype=torch.float32, device=q.device)
+    storage = new(DQ_BOX[0] * row_elems, dtype=torch.float32, device=q.device)
     return storage[: q.numel()].view(q.shape)
 
 
@@ -569,17 +574,16 @@ def plan_views(q, k, v, dout, varlen: bool):
 
 
 def backward_sm90(
-    q, k, v, dout, lse, delta, dk, dv, geom, *, softmax_scale, causal, bottom_right,
+    q, k, v, dout, lse, delta, dq_acc, dk, dv, geom, *, softmax_scale, causal, bottom_right,
     signature=None,
 ):  # fmt: skip
     """Launch `_attn_bwd_sm90` on input TMA can read in place (`plan_views` says so:
     `_backward_paths.sm90_backward_plan`): writes dk / dv (any strides with stride(-1) == 1;
-    rows past a sequence's end are left alone) and returns the unscaled dQ, fp32, laid out like
-    a contiguous q (`dq_accumulator`). `lse`, `delta`: contiguous fp32 as the portable backward
+    rows past a sequence's end are left alone) and adds the unscaled dQ into `dq_acc` (fp32,
+    from `dq_accumulator`, zeroed). `lse`, `delta`: contiguous fp32 as the portable backward
     has them. `signature`: the backward's launch signature (`_flash_bwd`); with it everything
     but the TMA descriptors' tensors and the pointers is planned once per signature
     (`_launch_plan`) and the launch goes straight to the compiled kernel after the first."""
-    dq_acc = dq_accumulator(q)
     plan = planned(
         _PLANS, signature, (bool(causal), bool(bottom_right), _settings(q.shape[-1])),
         lambda: _launch_plan(
@@ -587,7 +591,7 @@ def backward_sm90(
         ),
     )  # fmt: skip
     if plan.grid[0] == 0:
-        return dq_acc
+        return
     q_desc, k_desc, v_desc, do_desc, dq_desc = plan.descriptors
     launch(_attn_bwd_sm90, plan.grid,
         q_desc(q), k_desc(k), v_desc(v), do_desc(dout), dq_desc(dq_acc), lse, delta, dk, dv,
@@ -596,7 +600,6 @@ def backward_sm90(
         *plan.ints, float(softmax_scale) * LOG2E, float(softmax_scale), plan.order_pairs,
         **plan.constexprs, signature=plan.signature, slot=plan.slot,
     )  # fmt: skip
-    return dq_acc
 
 
 class _LaunchPlan(NamedTuple):

@@ -34,6 +34,7 @@ from . import _common
 from ._common import (
     LN2,
     LOG2E,
+    LaunchGeometry,
     attention_signature,
     causal_order_heads,
     cdiv,
@@ -53,6 +54,7 @@ from ._common import (
     seed_offset,
     seq_bounds,
     seq_pointers,
+    shape_only_geometry,
     smem_per_block,
     strides4,
     visible_tile,
@@ -340,6 +342,7 @@ class ForwardPlan(NamedTuple):
     `_make_plan`. Per call there is left: allocating out and lse, and the argument tuple."""
 
     sm90: bool  # the sm_90 kernel takes the call (`_forward_paths.sm90_plan`)
+    geometry: LaunchGeometry | None  # `shape_only_geometry`: the sm_90 launch's, where it holds
     pointers: operator.itemgetter  # `seq_pointers` in the kernel's order, None for absent ones
     out_shape: tuple[int, ...]
     lse_shape: tuple[int, ...]
@@ -418,8 +421,9 @@ def _make_plan(
     dtypes = (q.dtype, k.dtype, v.dtype, q.dtype, torch.float32,
               *(t.dtype for t in (bias, alibi_slopes, *seq) if t is not None))  # fmt: skip
     return ForwardPlan(
-        sm90=sm90, pointers=pointers, out_shape=out_shape, lse_shape=lse_shape,
-        owns_all_rows=geom.q.owns_all_rows, grid=grid, launches=max_q * rows > 0, ints=ints,
+        sm90=sm90, geometry=shape_only_geometry(geom), pointers=pointers,
+        out_shape=out_shape, lse_shape=lse_shape, owns_all_rows=geom.q.owns_all_rows,
+        grid=grid, launches=max_q * rows > 0, ints=ints,
         constexprs=constexprs, tuning=(tuple(constexprs.values()), dtypes, bucket),
         slot=launch_slot(),
     )  # fmt: skip
@@ -498,11 +502,14 @@ def flash_attention_forward(
     call = locals()  # every parameter by name
     plan = _plan(call)
     if plan.sm90:
-        geom = launch_geometry(
-            q, k, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-            seq_offsets_q=seq_offsets_q, seq_offsets_k=seq_offsets_k, max_seqlen_q=max_seqlen_q,
-            max_seqlen_k=max_seqlen_k, seqlens_q=seqlens_q, seqlens_k=seqlens_k,
-        )  # fmt: skip
+        geom = plan.geometry
+        if geom is None:
+            geom = launch_geometry(
+                q, k, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                seq_offsets_q=seq_offsets_q, seq_offsets_k=seq_offsets_k,
+                max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, seqlens_q=seqlens_q,
+                seqlens_k=seqlens_k,
+            )  # fmt: skip
         return run_sm90(
             q, k, v, geom, causal=window_right == 0, softmax_scale=softmax_scale,
             bottom_right=bottom_right, signature=call["signature"],

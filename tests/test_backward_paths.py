@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 from fusedlayers.kernels import _backward_paths, _flash_bwd_sm90, _flash_fwd_sm90, set_backward_path
-from fusedlayers.kernels._common import launch_geometry
+from fusedlayers.kernels._common import launch_geometry, shape_only_geometry
 
 
 def _plan(q, k, v, dout, **overrides):
@@ -77,13 +77,16 @@ def test_set_backward_path_names_bad_values():
     [(2, 5, 3, 64), (1, 300, 2, 128), (7, 4, 64), (130, 1, 128), (0, 2, 64)],
     ids=["dense-short", "dense-long", "varlen-short", "varlen-long", "empty"],
 )
-def test_dq_accumulator_has_a_whole_tma_box_behind_it(shape):
+@pytest.mark.parametrize("zeroed", [True, False], ids=["zeroed", "for-the-preprocess"])
+def test_dq_accumulator_has_a_whole_tma_box_behind_it(shape, zeroed):
     # The TMA reduce-add writes whole boxes of DQ_BOX[0] rows wherever the grid allows, and
-    # `tma_view` claims at least that many rows: the storage must really have them.
+    # `tma_view` claims at least that many rows: the storage must really have them, whether the
+    # accumulator comes zero-filled or is left for the backward's preprocess to zero.
     q = torch.randn(shape, dtype=torch.float16)
-    acc = _flash_bwd_sm90.dq_accumulator(q)
+    acc = _flash_bwd_sm90.dq_accumulator(q, zeroed=zeroed)
     assert acc.shape == q.shape and acc.dtype == torch.float32 and acc.is_contiguous()
-    assert bool((acc == 0).all())
+    if zeroed:
+        assert bool((acc == 0).all())
     row = q.shape[-1] * q.shape[-2]
     storage_rows = acc.untyped_storage().nbytes() // (4 * row)
     rows = q.numel() // row
@@ -119,7 +122,8 @@ def _recorded_bwd_launches(monkeypatch, calls):
         geom = launch_geometry(q, k)
         lse, delta = (torch.zeros(2, 4, 256) for _ in range(2))
         _flash_bwd_sm90.backward_sm90(
-            q, k, v, dout, lse, delta, torch.empty_like(k), torch.empty_like(v), geom,
+            q, k, v, dout, lse, delta, _flash_bwd_sm90.dq_accumulator(q), torch.empty_like(k),
+            torch.empty_like(v), geom,
             softmax_scale=0.125, causal=causal, bottom_right=True, signature=signature,
         )  # fmt: skip
     return launches
@@ -149,3 +153,31 @@ def test_sm90_backward_launch_plan_is_made_once_per_signature(monkeypatch):
     monkeypatch.setitem(_flash_bwd_sm90.DQ_BEFORE_DK, 128, False)  # a module setting
     ((_, _, k5),) = _recorded_bwd_launches(monkeypatch, [(128, True, sig)])
     assert k5["slot"] is not k1["slot"] and not k5["DQ_FIRST"]
+
+
+@pytest.mark.parametrize("layout", ["dense", "seqlens_q", "seqlens_k", "varlen", "varlen_offsets"])
+def test_plans_keep_only_geometries_without_tensors(layout):
+    """The launch plans keep a call's geometry for every later call of its signature only when
+    the geometry holds no tensor: a later call's seqlens or cu_seqlens are its own tensors."""
+    q = torch.randn(2, 16, 2, 64, dtype=torch.float16)
+    lens = torch.tensor([16, 9], dtype=torch.int32)
+    cu = torch.tensor([0, 16, 25], dtype=torch.int32)
+    args = {
+        "dense": dict(),
+        "seqlens_q": dict(seqlens_q=lens),
+        "seqlens_k": dict(seqlens_k=lens),
+        "varlen": dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=16, max_seqlen_k=16),
+        "varlen_offsets": dict(cu_seqlens_q=cu, cu_seqlens_k=cu, seq_offsets_q=cu,
+                               seq_offsets_k=cu, max_seqlen_q=16, max_seqlen_k=16),
+    }[layout]  # fmt: skip
+    x = q.flatten(0, 1) if "cu_seqlens_q" in args else q
+    geom = launch_geometry(x, x, **args)
+    holds_tensor = any(
+        isinstance(t, torch.Tensor)
+        for seq in (geom.q, geom.k)
+        for t in (seq.cu_seqlens, seq.seq_offsets, seq.seqlens)
+    )
+    kept = shape_only_geometry(geom)
+    assert (kept is None) == holds_tensor
+    if kept is not None:
+        assert kept == launch_geometry(torch.randn_like(x), torch.randn_like(x))

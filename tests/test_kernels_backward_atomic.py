@@ -150,3 +150,34 @@ def test_default_and_cuda_only_settings_keep_cpu_on_two_passes(spies, monkeypatc
     case = Case(s_q=17, s_k=17)
     run_kernel(case, make_inputs(case, "cpu"))
     assert not _ran_atomic(spies)
+
+
+@pytest.mark.parametrize(
+    "case, fills",
+    [
+        # Every row belongs to a sequence: the preprocess zeroes the accumulator.
+        (Case(b=2, h=4, h_kv=2, s_q=23, s_k=37, d=40, d_v=24, dtype=F32, window=CAUSAL), False),
+        (Case(b=1, h=2, h_kv=1, s_q=70, s_k=30), False),
+        # Rows no program may visit (padding; varlen tokens past cu_seqlens[-1], which the
+        # host does not read): the launcher hands over a zero-filled one.
+        (Case(layout="seqlens", b=2, s_q=18, s_k=21, window=CAUSAL, dtype=F32), True),
+        (Case(layout="varlen", b=3, s_q=17, s_k=19, h=2, h_kv=1, window=CAUSAL), True),
+    ],
+    ids=["dense-d40-dv24", "dense-70-rows", "seqlens", "varlen"],
+)
+def test_preprocess_zeroes_the_dq_accumulator(case, fills, atomic, monkeypatch):
+    """The atomic schemes sum dQ into an fp32 accumulator that must start at 0. Where the plan
+    leaves that to the preprocess, the accumulator arrives NaN-filled here, so any row it
+    missed makes dq NaN and fails the comparison with fp64 autograd."""
+    real = _flash_bwd.sm90.dq_accumulator
+    asked = []
+
+    def nan_unless_zeroed(q, zeroed=True):
+        asked.append(zeroed)
+        acc = real(q, zeroed=zeroed)
+        return acc if zeroed else acc.fill_(float("nan"))
+
+    monkeypatch.setattr(_flash_bwd.sm90, "dq_accumulator", nan_unless_zeroed)
+    check_case(case, "cpu")
+    assert _ran_atomic(atomic)
+    assert asked and all(zeroed == fills for zeroed in asked)

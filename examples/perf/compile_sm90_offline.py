@@ -209,7 +209,7 @@ def _compile_backward(bwd, d: int, causal: bool, layout: str):
     dk, dv = torch.empty_like(k), torch.empty_like(v)
     with offline_sm90(bwd._attn_bwd_sm90):
         bwd.backward_sm90(
-            q, k, v, dout, lse, delta, dk, dv, geom,
+            q, k, v, dout, lse, delta, bwd.dq_accumulator(q), dk, dv, geom,
             softmax_scale=d**-0.5, causal=causal, bottom_right=layout != "topleft",
         )  # fmt: skip
     return COMPILED[-1]
