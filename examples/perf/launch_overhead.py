@@ -96,10 +96,19 @@ def sm90_rows(calls: int, top: int) -> tuple[list[tuple[str, float]], str]:
     """The Hopper kernels' host time (sm_90 GPUs with Gluon only): a causal forward and
     forward+backward pinned to the sm_90 kernels, on a shape small enough for the GPU to
     finish first (b=1, s=2048, one head, d=128), through the direct launcher and through
-    Triton's `kernel[grid]`, beside SDPA-flash on the same shape; and a profile of the
-    forward without grad by own time (its frames, not autograd's)."""
+    Triton's `kernel[grid]`, beside SDPA-flash on the same shape; a profile of the
+    forward without grad by own time (its frames, not autograd's); the backward's breakdown
+    (`backward_breakdown`, with the sm_90 backward's pieces timed); and torch.profiler's table
+    of a forward+backward by self CPU time, which also names the CUDA runtime calls and
+    autograd's own work."""
     import torch.nn.functional as F
-    from fusedlayers.kernels import _flash_fwd_sm90, set_backward_path, set_forward_path
+    from fusedlayers.kernels import (
+        _flash_bwd,
+        _flash_bwd_sm90,
+        _flash_fwd_sm90,
+        set_backward_path,
+        set_forward_path,
+    )
     from fusedlayers.kernels._launch import set_direct_launch
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -116,6 +125,9 @@ def sm90_rows(calls: int, top: int) -> tuple[list[tuple[str, float]], str]:
     def fwd():
         with torch.no_grad():
             return fusedlayers.flash_attn_func(q, k, v, causal=True)
+
+    def fwd_grad():
+        return fusedlayers.flash_attn_func(q, k, v, causal=True)
 
     def fwdbwd():
         torch.autograd.grad(fusedlayers.flash_attn_func(q, k, v, causal=True), (q, k, v), dout)
@@ -141,6 +153,10 @@ def sm90_rows(calls: int, top: int) -> tuple[list[tuple[str, float]], str]:
             how = "direct launcher" if direct else "Triton's launcher"
             rows += [
                 (f"sm_90 kernels, s=2k d=128: fwd, no grad ({how})", host_us_per_call(fwd, calls)),
+                (
+                    f"sm_90 kernels, s=2k d=128: fwd, inputs require grad ({how})",
+                    host_us_per_call(fwd_grad, calls),
+                ),
                 (f"sm_90 kernels, s=2k d=128: fwd+bwd ({how})", host_us_per_call(fwdbwd, calls)),
             ]
             set_direct_launch(previous)
@@ -149,6 +165,28 @@ def sm90_rows(calls: int, top: int) -> tuple[list[tuple[str, float]], str]:
         for _ in range(calls):
             fwd()
         profile.disable()
+        parts = (
+            (_flash_bwd, "_preprocess"),
+            (_flash_bwd, "launch_geometry"),
+            (_flash_bwd, "_new_grad"),
+            (_flash_bwd, "_scaled_dq"),
+            (_flash_bwd, "call_signature"),
+            (_flash_bwd.sm90, "backward_sm90"),
+            (_flash_bwd_sm90, "dq_accumulator"),
+            (_flash_bwd_sm90, "launch"),
+        )
+        breakdown, backward_profile = backward_breakdown(
+            *(t.detach() for t in (q, k, v)), dout, calls, top, parts
+        )
+        rows += [(f"sm_90 kernels, s=2k d=128: {name.strip()}", us) for name, us in breakdown]
+        for _ in range(20):
+            fwdbwd()
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            for _ in range(calls):
+                fwdbwd()
+            torch.cuda.synchronize()
+        table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=top)
     finally:
         set_forward_path(paths[0])
         set_backward_path(paths[1])
@@ -156,10 +194,14 @@ def sm90_rows(calls: int, top: int) -> tuple[list[tuple[str, float]], str]:
     rows.append(("sdpa-flash, s=2k d=128: fwd+bwd", host_us_per_call(sdpa_fwdbwd, calls)))
     text = io.StringIO()
     pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(top)
+    text.write("\nThe sm_90 backward on autograd's device thread, by own time:\n")
+    text.write(backward_profile)
+    text.write(f"\ntorch.profiler, {calls} sm_90 forward+backward calls, by self CPU time:\n")
+    text.write(table)
     return rows, text.getvalue()
 
 
-def backward_breakdown(q, k, v, dout, calls: int, top: int) -> tuple[list, str]:
+def backward_breakdown(q, k, v, dout, calls: int, top: int, parts: tuple = ()) -> tuple[list, str]:
     """Where the backward's host time goes, and a floor for it.
 
     Rows: a no-op autograd `Function` over the same tensors (autograd's own cost: the handoff to
@@ -170,7 +212,10 @@ def backward_breakdown(q, k, v, dout, calls: int, top: int) -> tuple[list, str]:
     kernels instead would send them through Triton's own `kernel[grid]` path). The second value
     is a cProfile of the backward as autograd runs it, on its device thread (a profiler follows
     one thread: it is switched on inside the backward), taken in a separate pass so its own
-    cost stays out of the timed rows."""
+    cost stays out of the timed rows.
+
+    `parts`: more functions to time inside the launcher, as (module, attribute name) pairs
+    (the sm_90 backward's pieces: `sm90_rows`); each is wrapped where the launcher looks it up."""
     import torch.nn.functional as F
     from fusedlayers.kernels import _flash_bwd, attention_ops
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -225,7 +270,10 @@ def backward_breakdown(q, k, v, dout, calls: int, top: int) -> tuple[list, str]:
 
     eager = attention_ops._EagerFlashAttention
     saved = (_flash_bwd.launch, attention_ops.flash_attention_backward, eager.backward)
+    saved_parts = [(module, name, getattr(module, name)) for module, name in parts]
     try:
+        for module, name, fn in saved_parts:
+            setattr(module, name, timed(f"part {name}", fn))
         _flash_bwd.launch = timed(launch_name, saved[0])
         attention_ops.flash_attention_backward = timed("launcher", saved[1])
         eager.backward = staticmethod(timed("Function.backward", saved[2], profiled=True))
@@ -254,6 +302,8 @@ def backward_breakdown(q, k, v, dout, calls: int, top: int) -> tuple[list, str]:
     finally:
         _flash_bwd.launch, attention_ops.flash_attention_backward = saved[:2]
         eager.backward = staticmethod(saved[2])
+        for module, name, fn in saved_parts:
+            setattr(module, name, fn)
 
     def nested(times: dict) -> list:  # outermost first: Function.backward, launcher, launches
         depth = {"Function.backward": 1, "launcher": 2}
