@@ -3,11 +3,16 @@
     python examples/benchmark_gpt.py                      # gpt-125m, context 2048, batch 8, H100
     python examples/benchmark_gpt.py --compile --json runs/bench.json
     python examples/benchmark_gpt.py --variants default,norm-kernels,atomic-dq,both
+    python examples/benchmark_gpt.py --batch-size 1 --backward-on-calling-thread
 
 Both models have the same architecture and parameter count (pre-norm RMSNorm, fused QKV, RoPE,
 SwiGLU, tied embeddings), run under bf16 autocast with fp32 master weights, and take the same
 fused AdamW step on the same random batch. The plain model calls
 `F.scaled_dot_product_attention` pinned to the cuDNN backend.
+
+`--backward-on-calling-thread` runs every backward on the training loop's thread instead of
+autograd's device thread (docs/performance.md, "The backward on the calling thread"): the
+Python of each layer's backward then runs on the core that ran its forward.
 
 Reported per model: ms/step, tokens/s and model FLOPs utilization, counting
 `6 * N + 6 * n_layer * s * d_model` FLOPs per token (N = non-embedding parameters plus the LM
@@ -158,6 +163,12 @@ def parse_args() -> argparse.Namespace:
         help=f"comma-separated fusedlayers variants to time: {', '.join(VARIANTS)}",
     )
     p.add_argument("--compile", action="store_true", help="torch.compile every model")
+    p.add_argument(
+        "--backward-on-calling-thread",
+        action="store_true",
+        help="run each backward on the training loop's thread instead of autograd's device "
+        "thread (torch.autograd.set_multithreading_enabled(False)), for every model",
+    )
     p.add_argument("--peak-tflops", type=float, default=None, help="default: by GPU name")
     p.add_argument("--json", type=Path, default=None, help="also write the results here")
     p.add_argument(
@@ -188,7 +199,8 @@ def bench(model: torch.nn.Module, c: GPTConfig, args: argparse.Namespace) -> dic
     def step() -> torch.Tensor:
         with torch.autocast("cuda", dtype=torch.bfloat16):
             loss = lm_loss(step_fn(x), y)
-        loss.backward()
+        with torch.autograd.set_multithreading_enabled(not args.backward_on_calling_thread):
+            loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         return loss

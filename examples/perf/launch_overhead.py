@@ -342,10 +342,23 @@ def main(calls: int = 1000, top: int = 30, stubbed: bool = False) -> None:
     def ours_fwdbwd():
         torch.autograd.grad(ours_grad(), (qg, kg, vg), dout)
 
+    def on_calling_thread(fn: Callable[[], object]) -> Callable[[], object]:
+        """fn with autograd's backward on this thread instead of its device thread."""
+
+        def run():
+            with torch.autograd.set_multithreading_enabled(False):
+                return fn()
+
+        return run
+
     rows = [
         ("fusedlayers fwd, no grad", host_us_per_call(ours, calls)),
         ("fusedlayers fwd, inputs require grad", host_us_per_call(ours_grad, calls)),
         ("fusedlayers fwd+bwd", host_us_per_call(ours_fwdbwd, calls // 2)),
+        (
+            "fusedlayers fwd+bwd, backward on the calling thread",
+            host_us_per_call(on_calling_thread(ours_fwdbwd), calls // 2),
+        ),
     ]
     rows += decode_rows(device, dtype, calls)
     if not stubbed:  # the same calls with every launch through `kernel[grid]` (Triton's path)
@@ -373,6 +386,10 @@ def main(calls: int = 1000, top: int = 30, stubbed: bool = False) -> None:
         rows += [
             ("sdpa-flash fwd, no grad", host_us_per_call(sdpa, calls)),
             ("sdpa-flash fwd+bwd", host_us_per_call(lambda: sdpa(True), calls // 2)),
+            (
+                "sdpa-flash fwd+bwd, backward on the calling thread",
+                host_us_per_call(on_calling_thread(lambda: sdpa(True)), calls // 2),
+            ),
         ]
         breakdown, worker_profile = backward_breakdown(q, k, v, dout, calls // 2, top)
         rows += breakdown
