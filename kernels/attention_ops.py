@@ -159,11 +159,10 @@ def _launch_backward(
     bias: Tensor | None,
     bias_requires_grad: bool,
     rng_state: Tensor | None,
-    grads: tuple[Tensor | None, ...] = (None, None, None),
     **options,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """The backward launch shared by the op and the eager route: `options` are
-    `_backward_impl`'s remaining arguments; `grads` optional preallocated (dq, dk, dv)."""
+    """The op's backward launch: `options` are `_backward_impl`'s remaining arguments. (The
+    eager route calls `flash_attention_backward` itself, with keywords its forward gathered.)"""
     seed, offset = _seed_offset(rng_state)
     dq, dk, dv, dbias = flash_attention_backward(
         dout,
@@ -176,9 +175,6 @@ def _launch_backward(
         bias_requires_grad=bias_requires_grad,
         seed=seed,
         offset=offset,
-        dq=grads[0],
-        dk=grads[1],
-        dv=grads[2],
         **options,
     )
     if bias_requires_grad:
