@@ -355,6 +355,11 @@ class LaunchGeometry(NamedTuple):
     q: SeqArgs
     k: SeqArgs
 
+    @property
+    def dense(self) -> bool:
+        """q and k dense without seqlens: the geometry holds no tensor."""
+        return self.q.mode == SEQ_DENSE and self.k.mode == SEQ_DENSE
+
 
 def strides4(t: torch.Tensor, varlen: bool) -> tuple[int, int, int, int]:
     """(stride_b, stride_s, stride_h, stride_d) of a dense [b, s, h, d] or varlen [t, h, d] tensor.
@@ -434,7 +439,7 @@ def shape_only_geometry(geom: LaunchGeometry) -> LaunchGeometry | None:
     """`geom` when it holds no tensor (dense q and k without seqlens): it then follows from the
     shapes alone, so a plan can keep it for every call of its signature instead of normalizing
     the arguments again per call. None otherwise: its tensors are the call's."""
-    return geom if geom.q.mode == SEQ_DENSE and geom.k.mode == SEQ_DENSE else None
+    return geom if geom.dense else None
 
 
 def seq_pointers(geom: LaunchGeometry, order: tuple[int, ...]) -> operator.itemgetter:

@@ -17,7 +17,6 @@ import os
 import torch
 
 from . import _flash_fwd_sm90 as sm90
-from ._common import SEQ_DENSE
 
 _PATHS = ("auto", "portable", "sm90")
 _path = "auto"
@@ -104,9 +103,8 @@ def run_sm90(q, k, v, geom, *, causal, softmax_scale, bottom_right, signature=No
     """
     out_shape = (*q.shape[:-1], v.shape[-1])
     lse_shape = (q.shape[1], q.shape[0]) if geom.varlen else (q.shape[0], q.shape[2], q.shape[1])
-    dense = geom.q.mode == SEQ_DENSE and geom.k.mode == SEQ_DENSE
     empty_rows = causal and bottom_right and geom.q.max_len > geom.k.max_len
-    if dense and not empty_rows:
+    if geom.dense and not empty_rows:
         out = torch.empty(out_shape, dtype=q.dtype, device=q.device)
         lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
     else:

@@ -214,6 +214,7 @@ _TENSOR_INPUTS = (
     "alibi_slopes",
     "rng_state",
 )
+assert _TENSOR_INPUTS[-1] == "rng_state"  # the eager backward leaves the last one out
 _SCALAR_INPUTS = (
     "max_seqlen_q",
     "max_seqlen_k",
@@ -268,12 +269,6 @@ def _backward(ctx, dout, _dlse, backward_op=flash_attn_bwd):
 flash_attn_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
-# What the eager route saves besides out and lse, and the backward's keywords for the saved
-# tensors after q, k and v (the op's route saves rng_state too; the eager one reads it once).
-_EAGER_SAVED = tuple(name for name in _TENSOR_INPUTS if name != "rng_state")
-_EAGER_SAVED_TENSORS = operator.itemgetter(*(_FWD_ARGS.index(name) for name in _EAGER_SAVED))
-
-
 class _EagerFlashAttention(torch.autograd.Function):
     """The eager route (host time: see _routes.py), taken where a gradient is needed.
 
@@ -291,18 +286,14 @@ class _EagerFlashAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, bias, args):
         named = dict(zip(_FWD_ARGS, args))
         out, lse, signature = _launch_forward(**named)
-        # The kernels have no LSE gradient: marking it non-differentiable makes a loss built on
-        # it fail loudly ("does not require grad") instead of silently dropping that term.
-        ctx.mark_non_differentiable(lse)
-        ctx.save_for_backward(out, lse, *_EAGER_SAVED_TENSORS(args))
+        _setup_context(ctx, args, (out, lse))
         # lse never has a gradient and out's is always given (a backward runs only when some
         # output has one): without this autograd would allocate and zero-fill one the size of
         # lse for every backward, an allocation and a kernel launch on its device thread.
         ctx.set_materialize_grads(False)
         seed, offset = _seed_offset(named["rng_state"])
         ctx.options = dict(
-            zip(_SCALAR_INPUTS, _SAVED_SCALARS(args)), seed=seed, offset=offset,
-            bias_requires_grad=bias is not None and bias.requires_grad,
+            ctx.scalars, seed=seed, offset=offset, bias_requires_grad=ctx.bias_requires_grad,
             forward_signature=signature,
         )  # fmt: skip
         ctx.grad_plan = plan_packed_grads(q, k, v)
@@ -311,15 +302,16 @@ class _EagerFlashAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, _dlse):
         out, lse, q, k, v, *saved = ctx.saved_tensors
+        # The saved tensors after q, k and v, but rng_state (last): the forward read its seed.
+        tensors = dict(zip(_TENSOR_INPUTS[3:-1], saved))
         # q/k/v tiling one packed buffer get their gradients as views of one new buffer.
         dq, dk, dv = packed_grad_buffers(ctx.grad_plan, q, k, v)
         dq, dk, dv, dbias = flash_attention_backward(
             # Autograd may pass an expanded (stride 0) gradient; the kernels need stride(-1) == 1.
-            dout.contiguous(), q, k, v, out, lse, **dict(zip(_EAGER_SAVED[3:], saved)),
-            **ctx.options, dq=dq, dk=dk, dv=dv,
+            dout.contiguous(), q, k, v, out, lse, **tensors, **ctx.options, dq=dq, dk=dk, dv=dv,
         )  # fmt: skip
-        if ctx.options["bias_requires_grad"]:
-            bias = saved[_EAGER_SAVED.index("bias") - 3]
+        if ctx.bias_requires_grad:
+            bias = tensors["bias"]
             dbias = dbias.reshape(bias.shape).to(bias.dtype).contiguous()
         return dq, dk, dv, dbias, None
 

@@ -167,7 +167,6 @@ def sm90_rows(calls: int, top: int) -> tuple[list[tuple[str, float]], str]:
         profile.disable()
         parts = (
             (_flash_bwd, "_preprocess"),
-            (_flash_bwd, "launch_geometry"),
             (_flash_bwd, "_new_grad"),
             (_flash_bwd, "_scaled_dq"),
             (_flash_bwd, "call_signature"),
