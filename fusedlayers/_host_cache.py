@@ -19,8 +19,11 @@ _MEMO: dict[tuple[int, str], tuple[weakref.ref, int, Any]] = {}
 
 
 def per_version(t: torch.Tensor, what: str, compute: Callable[[torch.Tensor], Any]) -> Any:
-    """`compute(t)`, remembered under `what` until `t` is modified in place or dies."""
-    if torch.compiler.is_compiling():
+    """`compute(t)`, remembered under `what` until `t` is modified in place or dies.
+
+    Tensors made under `torch.inference_mode()` keep no version counter, so an in-place edit of
+    one could not be seen: their facts are computed on every call."""
+    if torch.compiler.is_compiling() or t.is_inference():
         return compute(t)
     key = (id(t), what)
     hit = _MEMO.get(key)

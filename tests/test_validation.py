@@ -116,6 +116,21 @@ def test_cu_seqlens_read_once_per_version_and_rechecked_after_an_in_place_edit(m
         dpa(q, k, v, cu_seqlens_q=cu, cu_seqlens_kv=cu)
 
 
+def test_cu_seqlens_made_in_inference_mode_are_read_every_call():
+    """Inference tensors have no version counter: nothing about them may be remembered, and
+    an in-place edit of the lengths must still change the result."""
+    q, k, v = (t[0] for t in _qkv(b=1, s=10))
+    dpa = _dpa(qkv_format="thd")
+    with torch.inference_mode():
+        cu = torch.tensor([0, 4, 10], dtype=torch.int32)
+        first = dpa(q, k, v, cu_seqlens_q=cu, cu_seqlens_kv=cu)
+        cu[1] = 6
+        second = dpa(q, k, v, cu_seqlens_q=cu, cu_seqlens_kv=cu)
+        expected = dpa(q, k, v, cu_seqlens_q=cu.clone(), cu_seqlens_kv=cu.clone())
+    assert not torch.allclose(first[:6], second[:6])
+    torch.testing.assert_close(second, expected, rtol=0, atol=0)
+
+
 def test_padding_mask_read_once_per_version_and_rechecked_after_an_in_place_edit(monkeypatch):
     """A padding mask's right-padding check (a host read) runs once per mask version."""
     q, k, v = _qkv(b=2, s=6)
