@@ -177,6 +177,13 @@ def parse_args() -> argparse.Namespace:
         default=0,
         help="after timing, profile this many steps per model and print the top GPU kernels",
     )
+    p.add_argument(
+        "--profile-host",
+        type=int,
+        default=0,
+        help="after timing, profile this many steps per model and print where the host's time "
+        "goes: per module class, per autograd node and per op, with launches per step",
+    )
     return p.parse_args()
 
 
@@ -219,14 +226,18 @@ def bench(model: torch.nn.Module, c: GPTConfig, args: argparse.Namespace) -> dic
     peak = args.peak_tflops or next(
         (v for k, v in PEAK_BF16_TFLOPS.items() if k in torch.cuda.get_device_name()), 989.4
     )
-    return {
-        "ms_per_step": seconds * 1e3,
-        "tokens_per_s": tokens,
-        "mfu": tokens * flops_per_token(model, c) / (peak * 1e12),
-        "first_loss": first_loss,
-        "final_loss": loss.item(),
-        "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30,
-    } | (profile_steps(step, args.profile) if args.profile else {})
+    return (
+        {
+            "ms_per_step": seconds * 1e3,
+            "tokens_per_s": tokens,
+            "mfu": tokens * flops_per_token(model, c) / (peak * 1e12),
+            "first_loss": first_loss,
+            "final_loss": loss.item(),
+            "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30,
+        }
+        | (profile_steps(step, args.profile) if args.profile else {})
+        | (profile_host(model, step, args.profile_host) if args.profile_host else {})
+    )
 
 
 def profile_steps(step, steps: int, top: int = 25) -> dict[str, float]:
@@ -248,6 +259,48 @@ def profile_steps(step, steps: int, top: int = 25) -> dict[str, float]:
     busy = sum(e.self_device_time_total for e in kernels) / steps / 1e3
     print(f"GPU busy {busy:.1f} ms per step of {wall * 1e3:.1f} ms wall (profiled)")
     return {"profiled_gpu_busy_ms": busy, "profiled_wall_ms": wall * 1e3}
+
+
+LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx")
+
+
+def profile_host(model: torch.nn.Module, step, steps: int, top: int = 40) -> dict[str, float]:
+    """Print the host's time per step by module class (forward only: "module: <class>"), by
+    autograd node (each layer's backward, "autograd::engine::evaluate_function: ...") and by op,
+    totals over every layer, and return the kernel launches per step. A host-bound step (small
+    batch) spends its wall time here rather than on the GPU."""
+    from torch.autograd.profiler import record_function
+    from torch.profiler import ProfilerActivity, profile
+
+    scopes, handles = [], []  # forward hooks nest, so the open scopes form a stack
+
+    def enter(module, _args):
+        scopes.append(record_function(f"module: {type(module).__name__}"))
+        scopes[-1].__enter__()
+
+    def leave(_module, _args, _output):
+        scopes.pop().__exit__(None, None, None)
+
+    for module in model.modules():
+        handles.append(module.register_forward_pre_hook(enter))
+        handles.append(module.register_forward_hook(leave))
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else lambda: None
+    sync()
+    try:
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            start = time.perf_counter()
+            for _ in range(steps):
+                step()
+            sync()
+            wall = (time.perf_counter() - start) / steps
+    finally:
+        for handle in handles:
+            handle.remove()
+    events = prof.key_averages()
+    print(events.table(sort_by="cpu_time_total", row_limit=top, max_name_column_width=90))
+    launches = sum(e.count for e in events if e.key in LAUNCHES) / steps
+    print(f"{launches:.0f} kernel launches per step, {wall * 1e3:.1f} ms wall (profiled)")
+    return {"launches_per_step": launches, "host_profiled_wall_ms": wall * 1e3}
 
 
 def build_models(c: GPTConfig, formats: list[str]) -> dict[str, torch.nn.Module]:

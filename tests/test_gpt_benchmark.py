@@ -58,3 +58,22 @@ def test_variants_switch_the_off_by_default_kernels_and_restore_them(bench):
     with bench.switched(**bench.VARIANTS["default"]):
         assert normalization.KERNEL_MIN_HIDDEN == before[0]
         assert _flash_bwd.ATOMIC_DQ_DEVICES == "never"
+
+
+def test_host_profile_names_the_layers_and_removes_its_hooks(bench, capsys):
+    c = GPTConfig.named("tiny", n_layer=2, d_model=64, context_length=16)
+    gpt = GPT(c)
+    idx = torch.randint(0, 256, (1, 17))
+
+    def step():
+        lm_loss(gpt(idx[:, :-1]), idx[:, 1:]).backward()
+
+    result = bench.profile_host(gpt, step, steps=2)
+    table = capsys.readouterr().out
+    for scope in ("module: TransformerLayer", "module: MultiheadAttention", "evaluate_function"):
+        assert scope in table
+    assert set(result) == {"launches_per_step", "host_profiled_wall_ms"}
+    assert result["host_profiled_wall_ms"] > 0
+    hooks = [m for m in gpt.modules() if m._forward_hooks or m._forward_pre_hooks]
+    assert not hooks
+    step()  # the model still runs without the profile's scopes
