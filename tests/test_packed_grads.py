@@ -38,6 +38,7 @@ from fusedlayers import (
     split_packed,
 )
 from fusedlayers.layers.multihead_attention import MultiheadAttention
+from fusedlayers.layers.rope import RotaryPositionEmbedding
 
 pytestmark = pytest.mark.skipif(
     front_end.flash_attention is None
@@ -285,6 +286,42 @@ def test_mha_projection_split_matches_contiguous(
     assert all(_same_storage(packed[0], g) for g in pieces) == shared
     monkeypatch.setattr(mha_module, "split_qkv", _contiguous_split(mha_module.split_qkv))
     baseline(x, **kwargs).backward(dout)
+    for (name, p), q in zip(module.named_parameters(), baseline.parameters()):
+        assert torch.equal(p.grad, q.grad), name
+
+
+def _graph_nodes(t: torch.Tensor) -> set[str]:
+    """The type names of every autograd node behind t."""
+    seen, todo = set(), [t.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is not None and node not in seen:
+            seen.add(node)
+            todo += [next_node for next_node, _ in node.next_functions]
+    return {type(node).__name__ for node in seen}
+
+
+@pytest.mark.parametrize("fmt", ["sbhd", "bshd"])
+def test_mha_with_rope_splits_the_projection_with_torch(kernels_on_cpu, fmt):
+    """RoPE gives q and k new tensors, so no buffer could be handed back: the projection is
+    split by torch (a C++ autograd node), with the gradients the packed split gives."""
+    torch.manual_seed(0)
+    module = MultiheadAttention(H * D, H, kv_channels=D, attention_dropout=0.0, qkv_format=fmt)
+    module.core_attention.deterministic = True
+    baseline = copy.deepcopy(module)
+    freqs = RotaryPositionEmbedding(D)(S)
+    x = torch.randn((S, B, H * D) if fmt == "sbhd" else (B, S, H * D))
+    out = module(x, rotary_pos_emb=freqs)
+    assert "_SplitPackedBackward" not in _graph_nodes(out)
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    split_qkv = mha_module.split_qkv
+    with pytest.MonkeyPatch.context() as patch:  # the packed split, as before
+        patch.setattr(mha_module, "split_qkv", lambda *args: split_qkv(*args[:5]))
+        packed_out = baseline(x, rotary_pos_emb=freqs)
+    assert "_SplitPackedBackward" in _graph_nodes(packed_out)
+    packed_out.backward(dout)
+    torch.testing.assert_close(out, packed_out, rtol=0, atol=0)
     for (name, p), q in zip(module.named_parameters(), baseline.parameters()):
         assert torch.equal(p.grad, q.grad), name
 

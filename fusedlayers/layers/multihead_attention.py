@@ -41,26 +41,41 @@ from .rope import apply_rotary_pos_emb
 FORMATS = ("sbhd", "bshd", "thd")
 
 
-def split_qkv(mixed: torch.Tensor, heads: int, groups: int, head_dim: int, interleaved: bool):
+def split_qkv(
+    mixed: torch.Tensor,
+    heads: int,
+    groups: int,
+    head_dim: int,
+    interleaved: bool,
+    views_reach_attention: bool = True,
+):
     """Projection output `[..., (h + 2g) * d]` -> q `[..., h, d]`, k, v `[..., g, d]` (views;
     q is copied only for interleaved rows with `1 < g < h`).
 
     The split is `split_packed`'s: when q, k and v reach the attention kernels as views, their
-    gradients come back as one buffer and `mixed` gets it without a cat.
+    gradients come back as one buffer and `mixed` gets it without a cat. When they do not
+    (`views_reach_attention=False`: RoPE makes new q and k tensors, so their gradients are new
+    buffers too), torch's own split serves: its backward is the same cat, without a Python
+    autograd node (host time per layer).
     """
     lead = mixed.shape[:-1]
     per_group = heads // groups
+    split = split_packed if views_reach_attention else _split
     if interleaved:  # rows [g, h/g + 2, d]
         rows = mixed.view(*lead, groups, per_group + 2, head_dim)
-        q, k, v = split_packed(rows, -2, [per_group, 1, 1])
+        q, k, v = split(rows, -2, [per_group, 1, 1])
     else:  # rows [h/g + 2, g, d] == [all q | all k | all v]
         rows = mixed.view(*lead, per_group + 2, groups, head_dim)
-        q, k, v = split_packed(rows, -3, [per_group, 1, 1])
+        q, k, v = split(rows, -3, [per_group, 1, 1])
     return (
         q.reshape(*lead, heads, head_dim),
         k.reshape(*lead, groups, head_dim),
         v.reshape(*lead, groups, head_dim),
     )
+
+
+def _split(rows: torch.Tensor, dim: int, sizes: list[int]) -> tuple[torch.Tensor, ...]:
+    return rows.split(sizes, dim)
 
 
 def split_kv(mixed: torch.Tensor, groups: int, head_dim: int, interleaved: bool):
@@ -234,9 +249,10 @@ class MultiheadAttention(ReferenceSwitch):
         kv_spec = QKVSpec(("key", "value"), (groups, groups), groups, head_dim)
         install_qkv_storage_hooks(self.key_value, kv_spec, form)
 
-    def _project(self, hidden_states, encoder_output, residual):
+    def _project(self, hidden_states, encoder_output, residual, rotated: bool):
         """-> q, k, v views (see `split_qkv`), the normalized input (or None) and, with a
-        `residual`, the sum `residual + hidden_states` the input norm ran on (else None)."""
+        `residual`, the sum `residual + hidden_states` the input norm ran on (else None).
+        `rotated`: q and k go through RoPE before attention."""
         heads, groups = self.num_attention_heads, self.num_gqa_groups
         head_dim, interleaved = self.hidden_size_per_attention_head, self.qkv_weight_interleaved
         if self.attention_type == "self":
@@ -244,7 +260,8 @@ class MultiheadAttention(ReferenceSwitch):
                 mixed, ln_out, total = self._normed(self.layernorm_qkv, hidden_states, residual)
             else:
                 mixed, ln_out, total = self.qkv(hidden_states), None, None
-            return (*split_qkv(mixed, heads, groups, head_dim, interleaved), ln_out, total)
+            q, k, v = split_qkv(mixed, heads, groups, head_dim, interleaved, not rotated)
+            return q, k, v, ln_out, total
         if encoder_output is None:
             raise ValueError("cross-attention needs encoder_output")
         k, v = split_kv(self.key_value(encoder_output), groups, head_dim, interleaved)
@@ -334,7 +351,9 @@ class MultiheadAttention(ReferenceSwitch):
         if self.qkv_format == "thd" and self.attention_type == "self" and cu_seqlens_kv is None:
             cu_seqlens_kv, max_seqlen_kv = cu_seqlens_q, max_seqlen_q
             cu_seqlens_kv_padded = cu_seqlens_q_padded
-        q, k, v, ln_out, total = self._project(hidden_states, encoder_output, residual)
+        q, k, v, ln_out, total = self._project(
+            hidden_states, encoder_output, residual, rotated=rotary_pos_emb is not None
+        )
         if inference_params is not None and self.attention_type == "self":
             if self.core_attention.cp_group is not None:
                 raise ValueError("inference_params (KV cache) is not supported with cp_group")
