@@ -1,4 +1,5 @@
-"""Per-tensor, per-version memo for facts the front end reads off small index/mask tensors.
+"""Per-tensor, per-version memo for facts the front end reads off small index/mask tensors,
+and for small tables derived from one (RoPE's cos/sin).
 
 Reading a CUDA tensor's values (`tolist()`, `torch.equal`) stalls the host until the device
 drains; a model hands the same `cu_seqlens` or padding mask to every layer, forward and backward,
@@ -30,6 +31,10 @@ def per_version(t: torch.Tensor, what: str, compute: Callable[[torch.Tensor], An
     if hit is not None and hit[0]() is t and hit[1] == t._version:
         return hit[2]
     value = compute(t)
+    if t.is_cuda and torch.cuda.is_current_stream_capturing():
+        # Kernels captured into a CUDA graph run only when it replays: a device result made
+        # now holds nothing yet, so it serves this call (the capture) and is not remembered.
+        return value
     ref = weakref.ref(t, lambda _, key=key: _MEMO.pop(key, None))
     _MEMO[key] = (ref, t._version, value)
     return value

@@ -257,6 +257,30 @@ def test_kernel_forced_under_the_interpreter(device):
     torch.testing.assert_close(out, want)
 
 
+def test_tables_computed_once_per_table_version(device, monkeypatch):
+    """cos/sin of a table are computed once and reused by every call (every layer's q and k),
+    and computed again after the table is edited in place: the rotation follows the edit."""
+    computed = []
+    cos_sin = rope_front._cos_sin
+    monkeypatch.setattr(rope_front, "_cos_sin", lambda f: computed.append(f) or cos_sin(f))
+    q, k = (torch.randn(2, 5, 3, 8, device=device) for _ in range(2))
+    freqs = (torch.rand(6, 1, 1, 8) * 6).to(device)  # random angles, more positions than s
+    rotate = dict(tensor_format="bshd", backend="kernel")
+    apply_rotary_pos_emb(q, freqs, **rotate)
+    apply_rotary_pos_emb(k, freqs, **rotate)
+    assert len(computed) == 1
+    freqs.mul_(0.5)
+    edited = apply_rotary_pos_emb(q, freqs, **rotate)
+    assert len(computed) == 2
+    want = apply_rotary_pos_emb(q, freqs, tensor_format="bshd", backend="reference")
+    torch.testing.assert_close(edited, want)
+    with torch.inference_mode():  # no version counter: computed on every call
+        table = freqs.clone()
+        for _ in range(2):
+            apply_rotary_pos_emb(q, table, **rotate)
+    assert len(computed) == 4
+
+
 def test_freqs_requiring_grad_takes_reference(device, monkeypatch):
     """The kernel has no gradient for the table: never drop it silently."""
     t = torch.randn(4, 2, 3, 8, device=device)

@@ -26,12 +26,11 @@ from __future__ import annotations
 
 import torch
 
-from .._host_cache import per_version
 from ..attention import frontend, masks
 from ..attention.kvcache import cache_attention
 from ..attention.validation import KERNEL_DTYPES, MAX_KERNEL_HEAD_DIM
 from .inference import InferenceParams
-from .rope import apply_rotary_pos_emb
+from .rope import apply_rotary_pos_emb, rope_tables
 
 # With a KV cache the new queries are the last rows of the key sequence, so causal masks align
 # to the bottom-right corner.
@@ -40,18 +39,6 @@ BOTTOM_RIGHT = {"causal": "causal_bottom_right", "padding_causal": "padding_caus
 
 def _to_bshd(t: torch.Tensor, qkv_format: str) -> torch.Tensor:
     return t.transpose(0, 1) if qkv_format == "sbhd" else t
-
-
-def _tables(freqs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 (cos, sin) [n_pos, d_rot] of a TE angle table [n_pos, 1, 1, d_rot], computed once
-    per table: a model that builds its table once pays for cos/sin once, not per layer and step
-    (and a captured step then holds no table kernels)."""
-
-    def compute(t: torch.Tensor):
-        angles = t.reshape(t.shape[0], t.shape[-1]).float()
-        return angles.cos(), angles.sin()
-
-    return per_version(freqs, "rope_cos_sin", compute)
 
 
 def _split_rotary(rotary_pos_emb):
@@ -153,8 +140,8 @@ def _kernel_step(module, q, k, v, params, spec, rotary, alibi, alibi_slopes) -> 
         params.batch_seqlens(b),
         k=k.detach(),
         v=v.detach(),
-        rotary_q=None if q_freqs is None else _tables(q_freqs),
-        rotary_k=None if k_freqs is None else _tables(k_freqs),
+        rotary_q=None if q_freqs is None else rope_tables(q_freqs),
+        rotary_k=None if k_freqs is None else rope_tables(k_freqs),
         rotary_local=True,  # TE: every token rotates at its own position
         rotary_interleaved=module.rotary_pos_interleaved,
         block_table=table,

@@ -19,8 +19,8 @@ Channel pairing: rotate-half (default) pairs channel `j` with `j + d_rot/2` and 
 Two paths behind `apply_rotary_pos_emb`, chosen by `backend`:
 - kernel: the fused Triton kernel of `fusedlayers.kernels.rope`, one read of t and one write of
   the output per direction, strided views (q/k sliced from a fused QKV projection) read in place.
-  torch computes the fp32 cos/sin tables from `freqs` (only the first s rows for dense input
-  from position 0). `auto` takes it for CUDA tensors of fp16/bf16/fp32.
+  torch computes the fp32 cos/sin tables from `freqs` once per table (`rope_tables`, remembered
+  until `freqs` is edited in place or freed). `auto` takes it for CUDA tensors of fp16/bf16/fp32.
 - reference: the PyTorch code below (fp32, fp64 for fp64 inputs): the `use_reference=True` path
   and the tests' oracle. CPU tensors, fp64 and a `freqs` that requires grad (the kernel has no
   gradient for the table) take it under `auto`.
@@ -31,6 +31,7 @@ from __future__ import annotations
 import torch
 
 from .._backend import choose_backend
+from .._host_cache import per_version
 from .._logging import debug_enabled, log_decision
 from ..attention.validation import host_values
 
@@ -225,6 +226,19 @@ def _use_kernel(
     return choose_backend(backend, t, "t", _kernel_blocker(t, freqs, tensor_format))
 
 
+def _cos_sin(freqs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    angles = freqs.reshape(freqs.shape[0], freqs.shape[-1]).float()
+    return angles.cos(), angles.sin()
+
+
+def rope_tables(freqs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 (cos, sin) [n_pos, d_rot] of a TE angle table [n_pos, 1, 1, d_rot], computed once
+    per table and in-place version: a model that builds its table once per step pays for cos and
+    sin once, not per layer and tensor (two launches each on the host-bound small-batch step),
+    and a captured decode step holds no table kernels."""
+    return per_version(freqs, "rope_cos_sin", _cos_sin)
+
+
 def _rope_kernel(
     t: torch.Tensor,
     freqs: torch.Tensor,
@@ -234,17 +248,16 @@ def _rope_kernel(
     cu_seqlens: torch.Tensor | None,
     cp: tuple[int, int] = (1, 0),
 ) -> torch.Tensor:
-    """The fused kernel on validated input: torch turns the angles into fp32 cos/sin tables."""
-    table = freqs.reshape(freqs.shape[0], freqs.shape[-1])
+    """The fused kernel on validated input, with the table's fp32 cos/sin (`rope_tables`)."""
+    cos, sin = rope_tables(freqs)
     seq_dim = _seq_dim(tensor_format)
     if start_positions is None and tensor_format != "thd" and cp[0] == 1:
         # Dense from 0: the kernel takes each token's position from its index, so there is no
-        # positions tensor, and only the s rows used get a cos and a sin.
-        table, positions = table[: t.shape[seq_dim]], None
+        # positions tensor.
+        positions = None
     else:
         positions = token_positions(t, tensor_format, cu_seqlens, start_positions, cp)
-    angles = table.to(torch.float32)
-    return rope(t, angles.cos(), angles.sin(), positions, seq_dim=seq_dim, interleaved=interleaved)
+    return rope(t, cos, sin, positions, seq_dim=seq_dim, interleaved=interleaved)
 
 
 def _rope_reference(
