@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from ._common import cdiv, next_pow2, rows_view
-from ._launch import launch
+from ._launch import call_signature, launch
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # TE activation name -> (the elementwise activation, gated?)
@@ -190,6 +190,7 @@ def activation_forward(x: torch.Tensor, activation: str) -> torch.Tensor:
         x2.stride(0), n_cols,
         n_rows, n_cols,
         ACTIVATION=base, GATED=gated, **blocks,
+        signature=call_signature((x2,), ()),
     )  # fmt: skip
     return y
 
@@ -211,5 +212,6 @@ def activation_backward(dy: torch.Tensor, x: torch.Tensor, activation: str) -> t
         x2.stride(0), dy2.stride(0), x.shape[-1],
         n_rows, n_cols,
         ACTIVATION=base, GATED=gated, **blocks,
+        signature=call_signature((x2, dy2), ()),
     )  # fmt: skip
     return dx

@@ -279,6 +279,7 @@ def norm_backward(
         n_rows, n_cols, 1.0 / n_cols, blocks_per_program,
         IS_RMS=rms, HAS_BIAS=has_bias, ZERO_CENTERED=zero_centered_gamma,
         BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
+        signature=call_signature((x2, weight, dy2, mean, rstd), ()),
     )  # fmt: skip
     dweight = dw_partial.sum(0).to(weight.dtype)
     dbias = db_partial.sum(0).to(bias_dtype) if has_bias else None

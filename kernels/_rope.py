@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from ._common import cdiv, next_pow2
-from ._launch import launch
+from ._launch import call_signature, launch
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # Elements (of t) per [BLOCK_T, BLOCK_H, d] tile and the warps that hold it: 16 per thread at
@@ -208,5 +208,7 @@ def rotate(
         HAS_POSITIONS=pos2 is not None, INTERLEAVED=interleaved, INVERSE=inverse,
         BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_P=block_p, BLOCK_PASS=block_pass,
         num_warps=_NUM_WARPS,
+        # out's strides follow from t's shape and how it is viewed as [b, s, ...].
+        signature=call_signature((t4, cos, sin, pos2), (seq_dim, t.dim())),
     )  # fmt: skip
     return out
