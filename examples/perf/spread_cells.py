@@ -10,10 +10,12 @@ bf16, b = 16384 / s, h = 2048 / d, causal and not, forward and forward+backward;
 addresses change between rounds as they do between processes, and times ours and cuDNN
 interleaved (`triton.testing.do_bench` medians, L2 flushed before each run); the rounds go over
 every cell in turn, after `--preheat` seconds of load (the GPU runs at its power cap and slows
-as it heats, so a cell's reading depends on when in the process it is taken). A cell prints the
-median over rounds per provider, the spread over rounds (max / min - 1) and the ratio of the
-medians. `--compare` reads the JSON of several processes and prints each cell's medians side by
-side with the spread between processes (max / min - 1), the number the stability target bounds.
+as it heats, so a cell's reading depends on when in the process it is taken), and only if a bf16
+matmul then still reaches `--min-matmul` TFLOP/s (a GPU that runs hot reads everything slow).
+A cell prints the median over rounds per provider, the spread over rounds (max / min - 1) and
+the ratio of the medians. `--compare` reads the JSON of several processes and prints each cell's
+medians side by side with the spread between processes (max / min - 1), the number the stability
+target bounds.
 TFLOP/s count 4 b h s^2 d forward and 3.5x that forward+backward, halved when causal.
 """
 
@@ -35,7 +37,7 @@ from fusedlayers import flash_attn_func
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench_utils import bench_ms  # noqa: E402
+from bench_utils import bench_ms, matmul_ceiling_tflops  # noqa: E402
 
 TOKENS, HIDDEN = 16384, 2048
 PROVIDERS = ("ours", "cudnn")
@@ -125,6 +127,9 @@ def compare(paths: list[str], bound: float = 0.03) -> list[str]:
         with open(path) as f:
             runs.append(json.load(f))
     lines = [f"{len(runs)} processes; spread = max / min - 1 over the processes' medians"]
+    matmuls = [run.get("matmul_tflops") for run in runs]
+    if all(m is not None for m in matmuls):
+        lines.append("bf16 matmul after the preheat: " + ", ".join(f"{m:.0f}" for m in matmuls))
     for i, cell in enumerate(runs[0]["cells"]):
         for p in runs[0]["passes"]:
             medians = {
@@ -151,6 +156,13 @@ def main() -> None:
     parser.add_argument("--passes", default="fwd,fwdbwd")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--preheat", type=float, default=20.0, help="seconds of load first")
+    parser.add_argument(
+        "--min-matmul",
+        type=float,
+        default=550.0,
+        help="TFLOP/s a bf16 8192^3 matmul must reach after the preheat, else nothing is timed "
+        "(a throttled GPU; 0 turns the check off)",
+    )
     parser.add_argument("--json", default=None)
     parser.add_argument("--compare", nargs="+", default=None, metavar="JSON")
     args = parser.parse_args()
@@ -169,6 +181,15 @@ def main() -> None:
         for c in args.causal.split(",")
     ]
     preheat(args.preheat)
+    # A healthy H100 runs this matmul at 650-790 TFLOP/s warm; one lent hot (idle at 59-72 C)
+    # read 410 a second into load, and every attention cell at a quarter of its rate.
+    matmul = matmul_ceiling_tflops()
+    print(f"bf16 8192^3 matmul after the preheat: {matmul:.0f} TFLOP/s", flush=True)
+    if matmul < args.min_matmul:
+        raise SystemExit(
+            f"the matmul ran at {matmul:.0f} TFLOP/s, under --min-matmul {args.min_matmul:.0f}: "
+            "the GPU is throttled (hot or power-capped), so its readings would not compare"
+        )
     # Round by round over every cell, so each cell's rounds sample the whole run's GPU state
     # rather than one stretch of it.
     times = {shape: [] for shape in shapes}
@@ -180,7 +201,7 @@ def main() -> None:
         print("\n".join(report(cell, passes)), flush=True)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"passes": passes, "cells": cells}, f, indent=1)
+            json.dump({"passes": passes, "matmul_tflops": matmul, "cells": cells}, f, indent=1)
 
 
 if __name__ == "__main__":
