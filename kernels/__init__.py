@@ -46,6 +46,9 @@ Offers:
         [t, h, d] in `ROPE_DTYPES`, any strides (stride(-1) == 1) read in place; fp32 cos/sin
         tables [n_pos, d_rot]; positions from the sequence index or an int tensor; rotate-half
         or interleaved pairs, partial rotation (channels d_rot..d pass through).
+    rope_pair(q, k, cos, sin, positions=None, *, seq_dim, interleaved) -> (q_out, k_out)
+        `rope` of q and of k (same tokens and positions, their own head counts) in one launch
+        per pass and one autograd node.
 
 The kernels assume validated input; `fusedlayers` checks and normalizes everything first.
 """
@@ -63,7 +66,7 @@ from ._rope import SUPPORTED_DTYPES as ROPE_DTYPES
 from .activation_ops import fused_activation
 from .attention_ops import flash_attention
 from .norm_ops import add_layer_norm, layer_norm
-from .rope_ops import rope
+from .rope_ops import rope, rope_pair
 
 KERNEL_ACTIVATIONS = tuple(_ACTIVATIONS)
 
@@ -83,6 +86,7 @@ __all__ = [
     "layer_norm",
     "add_layer_norm",
     "rope",
+    "rope_pair",
     "rotate_and_append",
     "set_backward_path",
     "set_forward_path",

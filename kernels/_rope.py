@@ -22,12 +22,14 @@ over the heads, so each program reads its tokens' table rows once and t once, an
 
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
 
 from ._common import cdiv, next_pow2
-from ._launch import call_signature, launch
+from ._launch import call_signature, int_signature, launch
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # Elements (of t) per [BLOCK_T, BLOCK_H, d] tile and the warps that hold it: 16 per thread at
@@ -86,15 +88,36 @@ def _rope_kernel(
     stride_ob, stride_os, stride_oh,
     stride_pb, stride_ps, stride_table,
     n_tokens, seq_len, n_heads,
+    t2_from_t, out2_from_out,
+    stride_tb2, stride_ts2, stride_th2,
+    stride_ob2, stride_os2, stride_oh2,
+    n_heads2,
     HEAD_DIM: tl.constexpr, ROT_DIM: tl.constexpr,
     HAS_POSITIONS: tl.constexpr, INTERLEAVED: tl.constexpr, INVERSE: tl.constexpr,
+    PAIR: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_PASS: tl.constexpr,
 ):  # fmt: skip
     """Tokens are numbered b-major over the [b, s] view the launcher makes: token = bi * s + si.
     BLOCK_P = next_pow2(ROT_DIM / 2) pairs; BLOCK_PASS = next_pow2(HEAD_DIM - ROT_DIM), 0 when
-    every channel rotates."""
+    every channel rotates.
+
+    PAIR: a second tensor with the same tokens and positions (k beside q) is rotated by the
+    programs of grid axis 1 = 1: it starts `t2_from_t` elements after T (its output
+    `out2_from_out` after Out; either may be negative) and has its own strides and head count.
+    """
     tl.static_assert(ROT_DIM % 2 == 0)
     half = ROT_DIM // 2
+    if PAIR:
+        second = tl.program_id(1) == 1
+        T += tl.where(second, t2_from_t, 0)
+        Out += tl.where(second, out2_from_out, 0)
+        stride_tb = tl.where(second, stride_tb2, stride_tb)
+        stride_ts = tl.where(second, stride_ts2, stride_ts)
+        stride_th = tl.where(second, stride_th2, stride_th)
+        stride_ob = tl.where(second, stride_ob2, stride_ob)
+        stride_os = tl.where(second, stride_os2, stride_os)
+        stride_oh = tl.where(second, stride_oh2, stride_oh)
+        n_heads = tl.where(second, n_heads2, n_heads)
     # int64 before any multiply by a stride: token * stride passes 2**31 on large activations.
     tokens = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     tokens_ok = tokens < n_tokens
@@ -185,30 +208,70 @@ def rotate(
     incoming gradient); see the module docstring for shapes. Assumes validated input: t
     fp16/bf16/fp32 on cos/sin's device, d_rot = cos.shape[1] even and <= d, every position
     below n_pos. Reads t in place (a copy only when stride(-1) != 1)."""
-    if t.stride(-1) != 1:
-        t = t.contiguous()
-    out = torch.empty(t.shape, dtype=t.dtype, device=t.device)
+    return _rotate((t,), cos, sin, positions, seq_dim, interleaved, inverse)[0]
+
+
+def rotate_pair(
+    t: torch.Tensor,
+    t2: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    positions: torch.Tensor | None,
+    seq_dim: int,
+    interleaved: bool,
+    inverse: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`rotate` of t and of t2 in one launch: two tensors with the same leading (token) dims,
+    dtype, device, head dim and positions, their own head counts and strides (q and k of one
+    self-attention layer). The outputs are back to back in one buffer, t's first."""
+    return _rotate((t, t2), cos, sin, positions, seq_dim, interleaved, inverse)
+
+
+def _rotate(ts, cos, sin, positions, seq_dim, interleaved, inverse) -> tuple[torch.Tensor, ...]:
+    """The launch of `rotate` (one tensor) and `rotate_pair` (two)."""
+    ts = tuple(t if t.stride(-1) == 1 else t.contiguous() for t in ts)
+    t = ts[0]
+    if len(ts) == 1:
+        outs = (torch.empty(t.shape, dtype=t.dtype, device=t.device),)
+    else:
+        # One buffer for both outputs, the second 16-byte aligned as the allocator's buffers
+        # are: one allocation, and the attention backward can write both gradients into one.
+        align = max(1, 16 // t.element_size())
+        start = -(-t.numel() // align) * align
+        flat = torch.empty(start + ts[1].numel(), dtype=t.dtype, device=t.device)
+        outs = (flat[: t.numel()].view(t.shape), flat[start:].view(ts[1].shape))
     if t.numel() == 0:
-        return out
+        return outs
     cos, sin = cos.contiguous(), sin.contiguous()
-    t4, out4 = _as_bshd(t, seq_dim), _as_bshd(out, seq_dim)
-    b, s, n_heads, head_dim = t4.shape
+    t4s, out4s = [_as_bshd(x, seq_dim) for x in ts], [_as_bshd(x, seq_dim) for x in outs]
+    b, s, _, head_dim = t4s[0].shape
+    heads = [x.shape[2] for x in t4s]
     rot_dim = cos.shape[1]
     pos2 = None if positions is None else _as_bshd(positions, seq_dim)
-    block_t, block_h, block_p, block_pass = _geometry(n_heads, head_dim, rot_dim)
+    # A head block both tensors' head counts divide (the largest power of two dividing both).
+    block_t, block_h, block_p, block_pass = _geometry(math.gcd(*heads), head_dim, rot_dim)
     n_tokens = b * s
-    launch(_rope_kernel, (cdiv(n_tokens, block_t),),
-        t4, out4, cos, sin, cos if pos2 is None else pos2,
-        t4.stride(0), t4.stride(1), t4.stride(2),
-        out4.stride(0), out4.stride(1), out4.stride(2),
+    pair = len(ts) == 2
+    t4b, out4b = (t4s[1], out4s[1]) if pair else (t4s[0], out4s[0])
+    elem = t.element_size()
+    t2_from_t = (t4b.data_ptr() - t4s[0].data_ptr()) // elem
+    out2_from_out = (out4b.data_ptr() - out4s[0].data_ptr()) // elem
+    launch(_rope_kernel, (cdiv(n_tokens, block_t), len(ts)),
+        t4s[0], out4s[0], cos, sin, cos if pos2 is None else pos2,
+        *t4s[0].stride()[:3], *out4s[0].stride()[:3],
         0 if pos2 is None else pos2.stride(0), 0 if pos2 is None else pos2.stride(1),
         cos.stride(0),
-        n_tokens, s, n_heads,
+        n_tokens, s, heads[0],
+        t2_from_t, out2_from_out, *t4b.stride()[:3], *out4b.stride()[:3], heads[-1],
         HEAD_DIM=head_dim, ROT_DIM=rot_dim,
-        HAS_POSITIONS=pos2 is not None, INTERLEAVED=interleaved, INVERSE=inverse,
+        HAS_POSITIONS=pos2 is not None, INTERLEAVED=interleaved, INVERSE=inverse, PAIR=pair,
         BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_P=block_p, BLOCK_PASS=block_pass,
         num_warps=_NUM_WARPS,
-        # out's strides follow from t's shape and how it is viewed as [b, s, ...].
-        signature=call_signature((t4, cos, sin, pos2), (seq_dim, t.dim())),
+        # The outputs' strides follow from the inputs' shapes and how they are viewed as
+        # [b, s, ...]; where the second tensors start does not.
+        signature=call_signature(
+            (*t4s, cos, sin, pos2),
+            (seq_dim, t.dim(), int_signature(t2_from_t), int_signature(out2_from_out)),
+        ),
     )  # fmt: skip
-    return out
+    return outs

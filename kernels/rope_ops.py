@@ -13,7 +13,7 @@ contiguous. Only t gets a gradient: the tables and positions are constants to th
 
 import torch
 
-from ._rope import rotate
+from ._rope import rotate, rotate_pair
 from ._routes import eager_function, pick_forward
 
 Tensor = torch.Tensor
@@ -109,4 +109,68 @@ def rope(
     return forward(t, cos, sin, positions, int(seq_dim), bool(interleaved))
 
 
-__all__ = ["rope", "rope_bwd", "rope_fwd"]
+def _pair_forward_impl(
+    q: Tensor,
+    k: Tensor,
+    cos: Tensor,
+    sin: Tensor,
+    positions: Tensor | None,
+    seq_dim: int,
+    interleaved: bool,
+) -> tuple[Tensor, Tensor]:
+    return rotate_pair(q, k, cos, sin, positions, seq_dim, interleaved, inverse=False)
+
+
+def _pair_setup_context(ctx, inputs, output) -> None:
+    _q, _k, cos, sin, positions, seq_dim, interleaved = inputs
+    ctx.save_for_backward(cos, sin, positions)
+    ctx.seq_dim, ctx.interleaved = seq_dim, interleaved
+
+
+def _pair_backward(ctx, dq_out, dk_out):
+    cos, sin, positions = ctx.saved_tensors
+    # Autograd hands a zero tensor for an output without a gradient; the attention backward's
+    # two gradients often lie in one buffer, which the pair launch reads in place.
+    dq, dk = rotate_pair(
+        dq_out, dk_out, cos, sin, positions, ctx.seq_dim, ctx.interleaved, inverse=True
+    )
+    needs_q, needs_k = ctx.needs_input_grad[:2]
+    return dq if needs_q else None, dk if needs_k else None, None, None, None, None, None
+
+
+_EagerRopePair = eager_function(
+    "_EagerRopePair", _pair_forward_impl, _pair_setup_context, _pair_backward
+)
+
+
+def _pair_as_ops(q, k, cos, sin, positions, seq_dim, interleaved) -> tuple[Tensor, Tensor]:
+    """Under torch.compile: the one-tensor op twice (what Inductor traces and fuses)."""
+    return (
+        rope_fwd(q, cos, sin, positions, seq_dim, interleaved),
+        rope_fwd(k, cos, sin, positions, seq_dim, interleaved),
+    )
+
+
+def rope_pair(
+    q: Tensor,
+    k: Tensor,
+    cos: Tensor,
+    sin: Tensor,
+    positions: Tensor | None = None,
+    *,
+    seq_dim: int,
+    interleaved: bool,
+) -> tuple[Tensor, Tensor]:
+    """`rope(q, ...)` and `rope(k, ...)` with one launch each way and one autograd node.
+
+    q and k as `rope`'s t, with the same leading (token) dims, dtype, device and head dim, any
+    head counts (self-attention's q and k; GQA's k has fewer heads): one table and one set of
+    positions serve both. Returns (q_out, k_out), contiguous, back to back in one buffer.
+    Eager calls save the host a Function and a launch per pass against two `rope` calls; under
+    torch.compile it is the two ops.
+    """
+    forward = pick_forward(_pair_as_ops, _EagerRopePair.apply, _pair_forward_impl, (q, k))
+    return forward(q, k, cos, sin, positions, int(seq_dim), bool(interleaved))
+
+
+__all__ = ["rope", "rope_bwd", "rope_fwd", "rope_pair"]

@@ -326,6 +326,36 @@ def test_mha_with_rope_splits_the_projection_with_torch(kernels_on_cpu, fmt):
         assert torch.equal(p.grad, q.grad), name
 
 
+@pytest.mark.parametrize("groups", [2, 1])
+def test_mha_rope_pair_and_attention_share_gradient_buffers(kernels_on_cpu, written, groups):
+    """RoPE on the kernel: q and k leave the pair launch back to back in one buffer, so the
+    attention backward writes dq and dk into one buffer too (poisoned first: every element must
+    be written) and the pair's backward reads both in place; every gradient matches the
+    reference path's."""
+    import fusedlayers.layers.rope as rope_front
+
+    torch.manual_seed(0)
+    module = MultiheadAttention(
+        4 * D, 4, kv_channels=D, num_gqa_groups=groups, attention_dropout=0.0, qkv_format="bshd"
+    )
+    module.core_attention.deterministic = True
+    reference = copy.deepcopy(module)
+    reference.use_reference = True
+    freqs = RotaryPositionEmbedding(D)(S)
+    x = torch.randn(B, S, 4 * D)
+    with pytest.MonkeyPatch.context() as patch:
+        original = rope_front._use_kernel
+        patch.setattr(rope_front, "_use_kernel", lambda b, *a: original("kernel", *a))
+        out = module(x, rotary_pos_emb=freqs)
+        dout = torch.randn_like(out)
+        out.backward(dout)
+    ((dq, dk, _dv),) = written
+    assert _same_storage(dq, dk)
+    reference(x, rotary_pos_emb=freqs).backward(dout)
+    for (name, p), q in zip(module.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, msg=name)
+
+
 def test_mha_cross_attention_kv_split_shares_the_buffer(kernels_on_cpu, written, monkeypatch):
     torch.manual_seed(0)
     module = MultiheadAttention(

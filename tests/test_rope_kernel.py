@@ -281,6 +281,95 @@ def test_tables_computed_once_per_table_version(device, monkeypatch):
     assert len(computed) == 4
 
 
+def qk_views(case: RopeCase, groups: int, dtype: torch.dtype, device) -> tuple:
+    """q [..., h, d] and k [..., g, d] sliced from one interleaved projection [..., g, h/g + 2,
+    d] (q copied where its heads are not equally spaced: 1 < g < h), leaves for the grads."""
+    g = torch.Generator().manual_seed(case.seed)
+    per = case.h // groups
+    mixed = torch.randn(*case.lead, groups, per + 2, case.d, generator=g)
+    mixed = mixed.to(device, dtype).requires_grad_()
+    q = mixed[..., :per, :].reshape(*case.lead, case.h, case.d)
+    return mixed, q, mixed[..., per, :]
+
+
+@pytest.mark.parametrize(
+    "fmt, interleaved, d_rot, start, groups",
+    [
+        ("sbhd", False, None, False, 6),
+        ("bshd", True, 10, False, 2),  # GQA: k has 2 heads, q's 6 copied out of the rows
+        ("bshd", False, None, True, 1),  # MQA, decoding offsets
+        ("thd", True, 10, False, 3),
+        ("thd", False, None, True, 6),
+    ],
+)
+def test_pair_equals_two_calls(device, fmt, interleaved, d_rot, start, groups):
+    """rotate_qk (one launch per pass, one autograd node) gives q and k, and their gradients,
+    exactly as two apply_rotary_pos_emb calls do; incoming gradients from one buffer (as the
+    attention backward writes them) or from two."""
+    case = RopeCase(fmt=fmt, interleaved=interleaved, d_rot=d_rot, start=start, seed=9)
+    inputs = {k: v if v is None else v.to(device) for k, v in make_inputs(case).items()}
+    rope = dict(
+        tensor_format=fmt, start_positions=inputs["start_positions"], interleaved=interleaved,
+        cu_seqlens=inputs["cu_seqlens"], backend="kernel",
+    )  # fmt: skip
+    for dtype in (torch.float32, torch.float16):
+        for one_buffer in (False, True):
+            mixed, q, k = qk_views(case, groups, dtype, device)
+            pair = rope_front.rotate_qk(q, k, inputs["freqs"], **rope)
+            assert type(pair[0].grad_fn).__name__ == "_EagerRopePairBackward"
+            assert pair[0].grad_fn is pair[1].grad_fn
+            apart = [apply_rotary_pos_emb(t, inputs["freqs"], **rope) for t in (q, k)]
+            flat = torch.randn(q.numel() + k.numel(), device=device).to(dtype)
+            dq_out = flat[: q.numel()].view(q.shape)
+            dk_out = flat[q.numel() :].view(k.shape)
+            if not one_buffer:
+                dk_out = dk_out.clone()
+            got = torch.autograd.grad(pair, mixed, (dq_out, dk_out))
+            want = torch.autograd.grad(apart, mixed, (dq_out, dk_out))
+            for a, b in zip((*pair, *got), (*apart, *want)):
+                assert torch.equal(a, b)
+
+
+def test_pair_falls_back_where_one_cannot_take_the_kernel(device, monkeypatch):
+    """k refused by the kernel: q and k each take their own path, with their own results."""
+    case = RopeCase(fmt="bshd", seed=10)
+    mixed, q, k = qk_views(case, 3, torch.float32, device)
+    freqs = make_inputs(case)["freqs"].to(device)
+    original = rope_front._use_kernel
+
+    def refuse_k(backend, t, *args):
+        return (False, "test") if t.shape[-2] == 3 else original("kernel", t, *args)
+
+    monkeypatch.setattr(rope_front, "_use_kernel", refuse_k)
+    q_out, k_out = rope_front.rotate_qk(q, k, freqs, "bshd", backend="auto")
+    assert type(q_out.grad_fn).__name__ == "_EagerRopeBackward"
+    want_k = apply_rotary_pos_emb(k, freqs, "bshd", backend="reference")
+    assert torch.equal(k_out, want_k)
+    torch.testing.assert_close(q_out, apply_rotary_pos_emb(q, freqs, "bshd", backend="kernel"))
+
+
+def _pair_call(q, k, freqs):
+    return rope_front.rotate_qk(q, k, freqs, "sbhd", backend="kernel")
+
+
+def test_pair_compiles_to_the_one_tensor_ops(device):
+    torch._dynamo.reset()
+    q = torch.randn(5, 2, 4, 16, device=device, requires_grad=True)
+    k = torch.randn(5, 2, 2, 16, device=device, requires_grad=True)
+    freqs = RotaryPositionEmbedding(16)(8).to(device)
+    seen = []
+
+    def record(gm, example_inputs):
+        seen.extend(str(node.target) for node in gm.graph.nodes)
+        return gm
+
+    torch.compile(_pair_call, fullgraph=True, backend=record)(q, k, freqs)
+    assert seen.count("fusedlayers.rope_fwd.default") == 2
+    compiled = torch.compile(_pair_call, fullgraph=True, backend="aot_eager")(q, k, freqs)
+    for a, b in zip(compiled, _pair_call(q, k, freqs)):
+        assert torch.equal(a, b)
+
+
 def test_freqs_requiring_grad_takes_reference(device, monkeypatch):
     """The kernel has no gradient for the table: never drop it silently."""
     t = torch.randn(4, 2, 3, 8, device=device)
@@ -350,7 +439,8 @@ def rope_kernel_on_cpu(monkeypatch):
     """`auto` sends CPU tensors to the RoPE kernel (attention stays on its reference path);
     counts the launches."""
     calls = []
-    original_choice, original_rope = rope_front._use_kernel, rope_front.rope
+    original_choice = rope_front._use_kernel
+    original_rope, original_pair = rope_front.rope, rope_front.rope_pair
 
     def choose(backend, t, freqs, tensor_format):
         return original_choice("kernel" if backend == "auto" else backend, t, freqs, tensor_format)
@@ -359,8 +449,13 @@ def rope_kernel_on_cpu(monkeypatch):
         calls.append(args[0].shape)
         return original_rope(*args, **kwargs)
 
+    def counting_pair(*args, **kwargs):
+        calls.append((args[0].shape, args[1].shape))
+        return original_pair(*args, **kwargs)
+
     monkeypatch.setattr(rope_front, "_use_kernel", choose)
     monkeypatch.setattr(rope_front, "rope", counting)
+    monkeypatch.setattr(rope_front, "rope_pair", counting_pair)
     return calls
 
 
@@ -382,9 +477,10 @@ def test_multihead_attention_rope_on_kernel_vs_reference(rope_kernel_on_cpu, fmt
         out = module(x, rotary_pos_emb=table)
         outs.append(out)
         grads.append(torch.autograd.grad(out.square().sum(), [x, *module.parameters()]))
-        if module is mha:
-            assert len(rope_kernel_on_cpu) == 2  # q and k
-    assert len(rope_kernel_on_cpu) == 2  # none on the reference path
+        if module is mha:  # q and k in one pair launch
+            lead = (7, 2) if fmt == "sbhd" else (2, 7)
+            assert rope_kernel_on_cpu == [((*lead, 4, 8), (*lead, 2, 8))]
+    assert len(rope_kernel_on_cpu) == 1  # none on the reference path
     torch.testing.assert_close(outs[0], outs[1])
     for a, b in zip(*grads):
         torch.testing.assert_close(a, b)

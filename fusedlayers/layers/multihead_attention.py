@@ -36,7 +36,7 @@ from .cached_attention import self_attention_with_cache
 from .inference import InferenceParams
 from .linear import LayerNormLinear, Linear, check_extra_state
 from .qkv_storage import QKVSpec, install_qkv_storage_hooks, storage_form
-from .rope import apply_rotary_pos_emb
+from .rope import apply_rotary_pos_emb, rotate_qk
 
 FORMATS = ("sbhd", "bshd", "thd")
 
@@ -297,6 +297,9 @@ class MultiheadAttention(ReferenceSwitch):
             cp_rank=self.cp_rank,
             backend="reference" if self.reference_active else "auto",
         )
+        if q_freqs is k_freqs and cu_seqlens_q is cu_seqlens_kv:
+            # Self-attention: one table, the same positions; one launch and node for both.
+            return rotate_qk(q, k, q_freqs, cu_seqlens=cu_seqlens_q, **rope)
         q = apply_rotary_pos_emb(q, q_freqs, cu_seqlens=cu_seqlens_q, **rope)
         k = apply_rotary_pos_emb(k, k_freqs, cu_seqlens=cu_seqlens_kv, **rope)
         return q, k

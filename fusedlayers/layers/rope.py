@@ -21,6 +21,8 @@ Two paths behind `apply_rotary_pos_emb`, chosen by `backend`:
   the output per direction, strided views (q/k sliced from a fused QKV projection) read in place.
   torch computes the fp32 cos/sin tables from `freqs` once per table (`rope_tables`, remembered
   until `freqs` is edited in place or freed). `auto` takes it for CUDA tensors of fp16/bf16/fp32.
+  `rotate_qk` (what MultiheadAttention calls for self-attention) rotates q and k with one launch
+  per pass and one autograd node where both take the kernel.
 - reference: the PyTorch code below (fp32, fp64 for fp64 inputs): the `use_reference=True` path
   and the tests' oracle. CPU tensors, fp64 and a `freqs` that requires grad (the kernel has no
   gradient for the table) take it under `auto`.
@@ -36,9 +38,10 @@ from .._logging import debug_enabled, log_decision
 from ..attention.validation import host_values
 
 try:
-    from ..kernels import ROPE_DTYPES, rope
+    from ..kernels import ROPE_DTYPES, rope, rope_pair
 except ImportError as error:  # Triton missing (no Linux wheel) or broken: the reference serves
-    rope, ROPE_DTYPES, _KERNELS_MISSING = None, (), f"kernels unavailable ({error})"
+    rope = rope_pair = None
+    ROPE_DTYPES, _KERNELS_MISSING = (), f"kernels unavailable ({error})"
 else:
     _KERNELS_MISSING = None
 
@@ -239,6 +242,19 @@ def rope_tables(freqs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return per_version(freqs, "rope_cos_sin", _cos_sin)
 
 
+def _kernel_arguments(t, freqs, tensor_format, start_positions, cu_seqlens, cp):
+    """(cos, sin, positions, seq_dim) for the kernels: the table's fp32 cos/sin
+    (`rope_tables`) and, unless the positions are the sequence index, every token's position."""
+    cos, sin = rope_tables(freqs)
+    if start_positions is None and tensor_format != "thd" and cp[0] == 1:
+        # Dense from 0: the kernel takes each token's position from its index, so there is no
+        # positions tensor.
+        positions = None
+    else:
+        positions = token_positions(t, tensor_format, cu_seqlens, start_positions, cp)
+    return cos, sin, positions, _seq_dim(tensor_format)
+
+
 def _rope_kernel(
     t: torch.Tensor,
     freqs: torch.Tensor,
@@ -248,15 +264,10 @@ def _rope_kernel(
     cu_seqlens: torch.Tensor | None,
     cp: tuple[int, int] = (1, 0),
 ) -> torch.Tensor:
-    """The fused kernel on validated input, with the table's fp32 cos/sin (`rope_tables`)."""
-    cos, sin = rope_tables(freqs)
-    seq_dim = _seq_dim(tensor_format)
-    if start_positions is None and tensor_format != "thd" and cp[0] == 1:
-        # Dense from 0: the kernel takes each token's position from its index, so there is no
-        # positions tensor.
-        positions = None
-    else:
-        positions = token_positions(t, tensor_format, cu_seqlens, start_positions, cp)
+    """The fused kernel on validated input."""
+    cos, sin, positions, seq_dim = _kernel_arguments(
+        t, freqs, tensor_format, start_positions, cu_seqlens, cp
+    )
     return rope(t, cos, sin, positions, seq_dim=seq_dim, interleaved=interleaved)
 
 
@@ -316,6 +327,15 @@ def apply_rotary_pos_emb(
     sequences, `t` holds this rank's chunks, thd `cu_seqlens` describe the full sequences.
     """
     del fused  # TE's switch between its own two implementations; `backend` decides here
+    cp = _check_call(t, freqs, tensor_format, start_positions, cu_seqlens, cp_size, cp_rank)
+    use_kernel = _decide(backend, t, freqs, tensor_format)
+    path = _rope_kernel if use_kernel else _rope_reference
+    return path(t, freqs, tensor_format, start_positions, interleaved, cu_seqlens, cp)
+
+
+def _check_call(t, freqs, tensor_format, start_positions, cu_seqlens, cp_size, cp_rank):
+    """Every check `apply_rotary_pos_emb` makes before either path runs; returns (cp_size,
+    cp_rank)."""
     if cp_size < 1 or not 0 <= cp_rank < cp_size:
         raise ValueError(f"cp_rank ({cp_rank}) must be in [0, cp_size ({cp_size}))")
     cp = (int(cp_size), int(cp_rank))
@@ -324,11 +344,51 @@ def apply_rotary_pos_emb(
         raise ValueError(f"rotary dim ({d_rot}) must be even and at most head dim ({t.shape[-1]})")
     _check_format(tensor_format)
     _check_table_bound(t, freqs, tensor_format, cu_seqlens, start_positions, cp)
+    return cp
+
+
+def _decide(backend: str, t: torch.Tensor, freqs: torch.Tensor, tensor_format: str) -> bool:
+    """Whether t takes the kernel (`_use_kernel`), logged when debugging."""
     use_kernel, why = _use_kernel(backend, t, freqs, tensor_format)
     if debug_enabled():
         log_decision("RoPE", ("kernel: " if use_kernel else "reference: ") + why)
-    path = _rope_kernel if use_kernel else _rope_reference
-    return path(t, freqs, tensor_format, start_positions, interleaved, cu_seqlens, cp)
+    return use_kernel
+
+
+def rotate_qk(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    freqs: torch.Tensor,
+    tensor_format: str = "sbhd",
+    start_positions: torch.Tensor | None = None,
+    interleaved: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+    cp_size: int = 1,
+    cp_rank: int = 0,
+    backend: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`apply_rotary_pos_emb` of q and of k with one table and the same positions: the
+    self-attention case, q `[..., h, d]` and k `[..., g, d]` with the same leading dims (shapes
+    as `apply_rotary_pos_emb`'s t). Same checks and results; where both take the kernel they
+    share one launch per pass and one autograd node (`kernels.rope_pair`), a Function and a
+    launch less of host time per layer and pass."""
+    cp = _check_call(q, freqs, tensor_format, start_positions, cu_seqlens, cp_size, cp_rank)
+    _check_call(k, freqs, tensor_format, start_positions, cu_seqlens, cp_size, cp_rank)
+    q_kernel = _decide(backend, q, freqs, tensor_format)
+    k_kernel = _decide(backend, k, freqs, tensor_format)
+    shared = q.shape[:-2] == k.shape[:-2] and q.dtype == k.dtype and q.shape[-1] == k.shape[-1]
+    if not (q_kernel and k_kernel and shared):
+        rotated = []
+        for t, use_kernel in ((q, q_kernel), (k, k_kernel)):
+            path = _rope_kernel if use_kernel else _rope_reference
+            rotated.append(
+                path(t, freqs, tensor_format, start_positions, interleaved, cu_seqlens, cp)
+            )
+        return rotated[0], rotated[1]
+    cos, sin, positions, seq_dim = _kernel_arguments(
+        q, freqs, tensor_format, start_positions, cu_seqlens, cp
+    )
+    return rope_pair(q, k, cos, sin, positions, seq_dim=seq_dim, interleaved=interleaved)
 
 
 __all__ = ["RotaryPositionEmbedding", "apply_rotary_pos_emb"]

@@ -9,7 +9,7 @@ import copy
 
 import pytest
 import torch
-from test_rope_kernel import RopeCase, check_rope_case
+from test_rope_kernel import RopeCase, check_rope_case, make_inputs, qk_views
 
 import fusedlayers.layers.rope as rope_front
 from fusedlayers.layers.multihead_attention import MultiheadAttention
@@ -58,6 +58,29 @@ def test_auto_takes_the_kernel_on_cuda():
     assert torch.autograd.grad(out.float().sum(), freqs)[0].abs().sum() > 0
 
 
+@pytest.mark.parametrize("dtype", list(DTYPES.values()), ids=list(DTYPES))
+@pytest.mark.parametrize(
+    "fmt, groups, start", [("bshd", 8, False), ("sbhd", 2, False), ("thd", 4, True)]
+)
+def test_pair_equals_two_calls(dtype, fmt, groups, start):
+    """q and k of one projection (GQA group-interleaved rows, as MultiheadAttention makes them)
+    rotated in one launch each way: the same bits as two launches, forward and backward."""
+    case = RopeCase(fmt=fmt, b=2, s=512, h=8, d=128, d_rot=64, dtype=dtype, start=start)
+    inputs = {k: v if v is None else v.cuda() for k, v in make_inputs(case).items()}
+    mixed, q, k = qk_views(case, groups, dtype, "cuda")
+    rope = dict(
+        tensor_format=fmt, start_positions=inputs["start_positions"],
+        cu_seqlens=inputs["cu_seqlens"], backend="kernel",
+    )  # fmt: skip
+    pair = rope_front.rotate_qk(q, k, inputs["freqs"], **rope)
+    apart = [apply_rotary_pos_emb(t, inputs["freqs"], **rope) for t in (q, k)]
+    douts = [torch.randn_like(t) for t in pair]
+    got = torch.autograd.grad(pair, mixed, douts)
+    want = torch.autograd.grad(apart, mixed, douts)
+    for a, b in zip((*pair, *got), (*apart, *want)):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("fmt", ["bshd", "sbhd"])
 def test_compiled_matches_eager(fmt):
     """torch.compile(fullgraph=True, inductor) traces the custom ops and runs the same kernel;
@@ -81,15 +104,20 @@ def test_compiled_matches_eager(fmt):
 
 @pytest.fixture
 def rope_calls(monkeypatch):
-    """Counts launches of the RoPE kernel entry by the front end."""
+    """The tensors the front end sends to the RoPE kernel entries (a pair counts two)."""
     calls = []
-    original = rope_front.rope
+    original, original_pair = rope_front.rope, rope_front.rope_pair
 
     def counting(*args, **kwargs):
         calls.append(args[0].shape)
         return original(*args, **kwargs)
 
+    def counting_pair(*args, **kwargs):
+        calls.extend((args[0].shape, args[1].shape))
+        return original_pair(*args, **kwargs)
+
     monkeypatch.setattr(rope_front, "rope", counting)
+    monkeypatch.setattr(rope_front, "rope_pair", counting_pair)
     return calls
 
 
