@@ -8,6 +8,7 @@
     python examples/perf/ab_sm90_variants.py --set dq_wait --passes fwdbwd --dims 128,64
     python examples/perf/ab_sm90_variants.py --set p_regs --passes fwdbwd --dims 128,64
     python examples/perf/ab_sm90_variants.py --set epilogue --causal 0,1 --dims 128,64
+    python examples/perf/ab_sm90_variants.py --set order_bytes --causal 0,1 --dims 128
 
 A variant set flips module settings in this process (`variants`):
 - `consumers`: the sm_90 forward with two and with three consumer warpgroups
@@ -28,6 +29,10 @@ A variant set flips module settings in this process (`variants`):
   (`_flash_bwd_sm90.TILES`, which fit once P^T leaves shared memory), and the portable backward.
 - `epilogue`: the sm_90 forward storing its output rows from registers and by TMA from shared
   memory (`_flash_fwd_sm90.TMA_EPILOGUE`), and the portable forward.
+- `order_bytes`: the sm_90 kernels with `_common.CAUSAL_ORDER_L2_BYTES` at 16 MiB (the
+  default), 0 (one pair at a time), 8, 32 and 64 MiB: how many (sequence, head) pairs' K and V
+  the programs running at once stream, causal or not (the persistent grid deals its tiles in
+  that order too).
 To compare another variant, add its flip to `variants`.
 
 bf16, b = 16384 / s, h = 2048 / d, inputs needing gradients as a training step has them. Each
@@ -154,6 +159,14 @@ def variants(which: str, d: int) -> dict:
             "sm90-wait-at-start": select("sm90", wait_late=False),
             "sm90-wait-before-store": select("sm90", wait_late=True),
         }
+    if which == "order_bytes":
+        return {
+            "sm90 (16 MiB)": select("sm90"),
+            "sm90-pairwise": select("sm90", order=0),
+            "sm90-8MiB": select("sm90", order=8 << 20),
+            "sm90-32MiB": select("sm90", order=32 << 20),
+            "sm90-64MiB": select("sm90", order=64 << 20),
+        }
     return {
         "portable-pairwise": select("portable", order=0),
         "portable": select("portable"),
@@ -221,7 +234,16 @@ def measure(which: str, d: int, s: int, causal: bool, passes: list[str], rounds:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    sets = ("consumers", "order", "persistent", "epilogue", "dq_order", "dq_wait", "p_regs")
+    sets = (
+        "consumers",
+        "order",
+        "order_bytes",
+        "persistent",
+        "epilogue",
+        "dq_order",
+        "dq_wait",
+        "p_regs",
+    )
     parser.add_argument("--set", choices=sets, default="consumers")
     parser.add_argument("--dims", default="64")
     parser.add_argument("--seqlens", default="1024,4096,16384")
