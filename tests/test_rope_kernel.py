@@ -199,6 +199,18 @@ def test_default_tile_geometry(device, monkeypatch):
         check_close(name, a, b, c, factor=factor)
 
 
+def _traced_targets(fn, *args) -> list[str]:
+    """The targets of the nodes dynamo traces `fn(*args)` into, fullgraph."""
+    seen = []
+
+    def record(gm, example_inputs):
+        seen.extend(str(node.target) for node in gm.graph.nodes)
+        return gm
+
+    torch.compile(fn, fullgraph=True, backend=record)(*args)
+    return seen
+
+
 def _dense_call(t: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
     return apply_rotary_pos_emb(t, freqs, "sbhd", backend="kernel")
 
@@ -210,14 +222,7 @@ def test_compile_traces_without_graph_break(device):
     torch._dynamo.reset()
     t = torch.randn(5, 2, 4, 16, device=device, requires_grad=True)
     freqs = RotaryPositionEmbedding(16)(8).to(device)
-    seen = []
-
-    def record(gm, example_inputs):
-        seen.extend(str(node.target) for node in gm.graph.nodes)
-        return gm
-
-    torch.compile(_dense_call, fullgraph=True, backend=record)(t, freqs)
-    assert "fusedlayers.rope_fwd.default" in seen
+    assert "fusedlayers.rope_fwd.default" in _traced_targets(_dense_call, t, freqs)
     compiled = torch.compile(_dense_call, fullgraph=True, backend="aot_eager")
     eager_out, compiled_out = _dense_call(t, freqs), compiled(t, freqs)
     assert type(eager_out.grad_fn).__name__ == "_EagerRopeBackward"
@@ -357,14 +362,7 @@ def test_pair_compiles_to_the_one_tensor_ops(device):
     q = torch.randn(5, 2, 4, 16, device=device, requires_grad=True)
     k = torch.randn(5, 2, 2, 16, device=device, requires_grad=True)
     freqs = RotaryPositionEmbedding(16)(8).to(device)
-    seen = []
-
-    def record(gm, example_inputs):
-        seen.extend(str(node.target) for node in gm.graph.nodes)
-        return gm
-
-    torch.compile(_pair_call, fullgraph=True, backend=record)(q, k, freqs)
-    assert seen.count("fusedlayers.rope_fwd.default") == 2
+    assert _traced_targets(_pair_call, q, k, freqs).count("fusedlayers.rope_fwd.default") == 2
     compiled = torch.compile(_pair_call, fullgraph=True, backend="aot_eager")(q, k, freqs)
     for a, b in zip(compiled, _pair_call(q, k, freqs)):
         assert torch.equal(a, b)
