@@ -4,6 +4,7 @@
     python examples/benchmark_gpt.py --compile --json runs/bench.json
     python examples/benchmark_gpt.py --variants default,norm-kernels,atomic-dq,both
     python examples/benchmark_gpt.py --batch-size 1 --backward-on-calling-thread
+    python examples/benchmark_gpt.py --batch-size 1 --profile-host 3   # where the host's time goes
 
 Both models have the same architecture and parameter count (pre-norm RMSNorm, fused QKV, RoPE,
 SwiGLU, tied embeddings), run under bf16 autocast with fp32 master weights, and take the same
