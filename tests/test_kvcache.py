@@ -459,6 +459,40 @@ def test_int_seqlens_beyond_cache():
     assert not cache.any()
 
 
+def test_int_seqlens_beyond_the_rotary_table():
+    """An int cache_seqlens needs no device read, and the rotary table's length is still
+    checked (it once went unchecked when no tensor had to be read)."""
+    q, k = (torch.randn(1, 1, 2, 16, dtype=F16) for _ in range(2))
+    cache = torch.zeros(1, 32, 2, 16, dtype=F16)
+    table = torch.randn(8, 8, dtype=F16)
+    with pytest.raises(ValueError, match="8 positions, but position 20 is needed"):
+        flash_attn_with_kvcache(
+            q, cache, cache.clone(), k, k, rotary_cos=table, rotary_sin=table, cache_seqlens=20
+        )
+    assert not cache.any()
+
+
+def test_cache_seqlens_read_once_per_version(monkeypatch):
+    """The layers of one decode step share cache_seqlens: its values are read from the device
+    once per tensor and in-place version, and an edit that overflows the cache still raises."""
+    reads = []
+    original = torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda t: reads.append(t) or original(t))
+    q = torch.randn(2, 1, 2, 16, dtype=F16)
+    k_cache, v_cache = (torch.randn(2, 16, 2, 16, dtype=F16) for _ in range(2))
+    seqlens = torch.tensor([5, 9], dtype=torch.int32)
+    first = [flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens) for _ in range(3)]
+    assert sum(r is seqlens for r in reads) == 1
+    assert all(torch.equal(first[0], out) for out in first[1:])
+    seqlens += 7  # same tensor, new lengths: read again, and 16 is the cache's capacity
+    shifted = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens)
+    assert sum(r is seqlens for r in reads) == 2
+    assert not torch.allclose(first[0], shifted)
+    seqlens[1] = 17
+    with pytest.raises(ValueError, match="reaches 17, beyond the cache capacity 16"):
+        flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens)
+
+
 def test_cpu_tensors_need_the_interpreter(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     q = torch.randn(1, 1, 2, 16, dtype=F16)

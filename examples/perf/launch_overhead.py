@@ -68,8 +68,10 @@ def _stub_launches() -> None:
 def decode_rows(device, dtype, calls: int) -> list[tuple[str, float]]:
     """One eager decode step's attention (b=1, one query, 4 query heads over 2 KV heads, d=64,
     1,024 cached keys, split-KV with the heuristic's split count): the kernel entry
-    `decode_attention` alone, and `flash_attn_with_kvcache` around it (validation, one host
-    read of the lengths)."""
+    `decode_attention` alone, and `flash_attn_with_kvcache` around it (validation; the lengths
+    are read from the device once per tensor version, as the layers of one decode step share
+    them), and the same with the lengths edited in place before every call (`add_(0)`: a new
+    version, so a host read each call, as in a one-layer model)."""
     from fusedlayers.kernels import decode_attention
 
     import fusedlayers
@@ -86,9 +88,17 @@ def decode_rows(device, dtype, calls: int) -> list[tuple[str, float]]:
             q, k_cache, v_cache, cache_seqlens=seqlens, causal=True
         )
 
+    def api_new_lengths():
+        seqlens.add_(0)
+        return api()
+
     return [
         ("decode_attention (kernel entry), 1 query, 1k cache", host_us_per_call(entry, calls)),
         ("flash_attn_with_kvcache, same call", host_us_per_call(api, calls)),
+        (
+            "flash_attn_with_kvcache, lengths edited in place before each call",
+            host_us_per_call(api_new_lengths, calls),
+        ),
     ]
 
 

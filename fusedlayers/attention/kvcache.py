@@ -47,6 +47,7 @@ from .validation import (
     check_head_counts,
     check_softcap,
     check_softmax_scale,
+    host_values,
 )
 
 try:
@@ -175,9 +176,41 @@ def _check_device_values(
     seqlens, host_len, s_new, capacity, cache_leftpad, cache_batch_idx, b_cache, block_table,
     num_blocks, page_size, seqlen_ro,
 ) -> None:  # fmt: skip
-    """The checks that need device values, reduced on the device and read back once."""
+    """The checks that need device values. Without `cache_leftpad` and `block_table` each fact
+    is one tensor's (`host_values`: read once per tensor and in-place version, so the layers of a
+    decode step that share `cache_seqlens` read it once; PyTorch's version counter is what marks
+    an edit); with them, the facts that combine tensors are reduced on the device and read back
+    once per call."""
     if seqlens.numel() == 0:  # an empty batch: nothing to check, nothing to write
         return
+    if host_len is not None and host_len + s_new > capacity:
+        raise ValueError(
+            f"appending {s_new} rows at cache_seqlens={host_len} overflows the cache "
+            f"capacity {capacity}"
+        )
+    if cache_leftpad is None and block_table is None:
+        got = _facts_per_tensor(seqlens, host_len, s_new, cache_batch_idx)
+    else:
+        got = _facts_on_device(
+            seqlens, host_len, s_new, cache_leftpad, cache_batch_idx, block_table, page_size
+        )
+    _check_facts(got, host_len, s_new, capacity, b_cache, num_blocks, seqlen_ro)
+
+
+def _facts_per_tensor(seqlens, host_len, s_new, cache_batch_idx) -> dict[str, int]:
+    got = {}
+    if host_len is None:
+        lengths = host_values(seqlens)
+        got["seq_min"], got["end_max"] = min(lengths), max(lengths) + s_new
+    if cache_batch_idx is not None:
+        entries = host_values(cache_batch_idx)
+        got["idx_min"], got["idx_max"] = min(entries), max(entries)
+    return got
+
+
+def _facts_on_device(
+    seqlens, host_len, s_new, cache_leftpad, cache_batch_idx, block_table, page_size
+) -> dict[str, int]:
     names, values = [], []
     if host_len is None:
         seq = seqlens.long()
@@ -185,11 +218,6 @@ def _check_device_values(
         values += [seq.min(), (seq + s_new).max()]
     else:
         seq = None
-        if host_len + s_new > capacity:
-            raise ValueError(
-                f"appending {s_new} rows at cache_seqlens={host_len} overflows the cache "
-                f"capacity {capacity}"
-            )
     if cache_leftpad is not None:
         pad = cache_leftpad.long()
         names += ["pad_min", "pad_excess"]
@@ -206,8 +234,11 @@ def _check_device_values(
         names += ["page_min", "page_max"]
         values += [torch.where(used, table, 0).min(), torch.where(used, table, 0).max()]
     if not values:
-        return
-    got = dict(zip(names, torch.stack(values).tolist()))  # the one host read
+        return {}
+    return dict(zip(names, torch.stack(values).tolist()))  # the one host read
+
+
+def _check_facts(got, host_len, s_new, capacity, b_cache, num_blocks, seqlen_ro) -> None:
     if "seq_min" in got:
         if got["seq_min"] < 0:
             raise ValueError(f"cache_seqlens must be >= 0, got minimum {got['seq_min']}")
