@@ -181,7 +181,7 @@ def main() -> None:
         for c in args.causal.split(",")
     ]
     preheat(args.preheat)
-    # A healthy H100 runs this matmul at 650-790 TFLOP/s warm; one lent hot (idle at 59-72 C)
+    # A healthy H100 runs this matmul at 650-790 TFLOP/s warm; one that ran hot (idle at 59-72 C)
     # read 410 a second into load, and every attention cell at a quarter of its rate.
     matmul = matmul_ceiling_tflops()
     print(f"bf16 8192^3 matmul after the preheat: {matmul:.0f} TFLOP/s", flush=True)
