@@ -196,39 +196,21 @@ def _geometry(n_heads: int, head_dim: int, rot_dim: int) -> tuple[int, int, int,
 
 
 def rotate(
-    t: torch.Tensor,
+    ts: tuple[torch.Tensor, ...],
     cos: torch.Tensor,
     sin: torch.Tensor,
     positions: torch.Tensor | None,
     seq_dim: int,
     interleaved: bool,
     inverse: bool,
-) -> torch.Tensor:
-    """RoPE of `t` (the forward), or its transpose with `inverse` (the backward of the
-    incoming gradient); see the module docstring for shapes. Assumes validated input: t
-    fp16/bf16/fp32 on cos/sin's device, d_rot = cos.shape[1] even and <= d, every position
-    below n_pos. Reads t in place (a copy only when stride(-1) != 1)."""
-    return _rotate((t,), cos, sin, positions, seq_dim, interleaved, inverse)[0]
-
-
-def rotate_pair(
-    t: torch.Tensor,
-    t2: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    positions: torch.Tensor | None,
-    seq_dim: int,
-    interleaved: bool,
-    inverse: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """`rotate` of t and of t2 in one launch: two tensors with the same leading (token) dims,
-    dtype, device, head dim and positions, their own head counts and strides (q and k of one
-    self-attention layer). The outputs are back to back in one buffer, t's first."""
-    return _rotate((t, t2), cos, sin, positions, seq_dim, interleaved, inverse)
-
-
-def _rotate(ts, cos, sin, positions, seq_dim, interleaved, inverse) -> tuple[torch.Tensor, ...]:
-    """The launch of `rotate` (one tensor) and `rotate_pair` (two)."""
+) -> tuple[torch.Tensor, ...]:
+    """RoPE of each tensor of `ts` (the forward), or its transpose with `inverse` (the backward
+    of the incoming gradient), in one launch; see the module docstring for shapes. One tensor,
+    or two with the same leading (token) dims, dtype, device, head dim and positions and their
+    own head counts and strides (q and k of one self-attention layer), whose outputs then lie
+    back to back in one buffer, the first's first. Assumes validated input: fp16/bf16/fp32 on
+    cos/sin's device, d_rot = cos.shape[1] even and <= d, every position below n_pos. Reads the
+    tensors in place (a copy only when stride(-1) != 1)."""
     ts = tuple(t if t.stride(-1) == 1 else t.contiguous() for t in ts)
     t = ts[0]
     if len(ts) == 1:

@@ -13,7 +13,7 @@ contiguous. Only t gets a gradient: the tables and positions are constants to th
 
 import torch
 
-from ._rope import rotate, rotate_pair
+from ._rope import rotate
 from ._routes import eager_function, pick_forward
 
 Tensor = torch.Tensor
@@ -27,7 +27,7 @@ def _forward_impl(
     seq_dim: int,
     interleaved: bool,
 ) -> Tensor:
-    return rotate(t, cos, sin, positions, seq_dim, interleaved, inverse=False)
+    return rotate((t,), cos, sin, positions, seq_dim, interleaved, inverse=False)[0]
 
 
 rope_fwd = torch.library.custom_op("fusedlayers::rope_fwd", mutates_args=())(_forward_impl)
@@ -47,7 +47,7 @@ def _backward_impl(
     interleaved: bool,
 ) -> Tensor:
     """dt = the transpose of the rotation applied to `dout` (any strides)."""
-    return rotate(dout, cos, sin, positions, seq_dim, interleaved, inverse=True)
+    return rotate((dout,), cos, sin, positions, seq_dim, interleaved, inverse=True)[0]
 
 
 rope_bwd = torch.library.custom_op("fusedlayers::rope_bwd", mutates_args=())(_backward_impl)
@@ -118,7 +118,7 @@ def _pair_forward_impl(
     seq_dim: int,
     interleaved: bool,
 ) -> tuple[Tensor, Tensor]:
-    return rotate_pair(q, k, cos, sin, positions, seq_dim, interleaved, inverse=False)
+    return rotate((q, k), cos, sin, positions, seq_dim, interleaved, inverse=False)
 
 
 def _pair_setup_context(ctx, inputs, output) -> None:
@@ -131,8 +131,8 @@ def _pair_backward(ctx, dq_out, dk_out):
     cos, sin, positions = ctx.saved_tensors
     # Autograd hands a zero tensor for an output without a gradient; the attention backward's
     # two gradients often lie in one buffer, which the pair launch reads in place.
-    dq, dk = rotate_pair(
-        dq_out, dk_out, cos, sin, positions, ctx.seq_dim, ctx.interleaved, inverse=True
+    dq, dk = rotate(
+        (dq_out, dk_out), cos, sin, positions, ctx.seq_dim, ctx.interleaved, inverse=True
     )
     needs_q, needs_k = ctx.needs_input_grad[:2]
     return dq if needs_q else None, dk if needs_k else None, None, None, None, None, None

@@ -373,10 +373,11 @@ def rotate_qk(
     share one launch per pass and one autograd node (`kernels.rope_pair`), a Function and a
     launch less of host time per layer and pass."""
     cp = _check_call(q, freqs, tensor_format, start_positions, cu_seqlens, cp_size, cp_rank)
-    _check_call(k, freqs, tensor_format, start_positions, cu_seqlens, cp_size, cp_rank)
+    shared = q.shape[:-2] == k.shape[:-2] and q.dtype == k.dtype and q.shape[-1] == k.shape[-1]
+    if not shared:  # with q's tokens and head dim, k passes every check q passed
+        _check_call(k, freqs, tensor_format, start_positions, cu_seqlens, cp_size, cp_rank)
     q_kernel = _decide(backend, q, freqs, tensor_format)
     k_kernel = _decide(backend, k, freqs, tensor_format)
-    shared = q.shape[:-2] == k.shape[:-2] and q.dtype == k.dtype and q.shape[-1] == k.shape[-1]
     if not (q_kernel and k_kernel and shared):
         rotated = []
         for t, use_kernel in ((q, q_kernel), (k, k_kernel)):
