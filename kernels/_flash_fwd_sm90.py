@@ -85,8 +85,9 @@ if GLUON_AVAILABLE:
     )
 
 CONSUMER_WARPS = 4  # the default partition: consumer warpgroup 0; the others are workers
-# (BLOCK_N, NUM_STAGES) per head dim. Shared memory: Q BLOCK_M x d, NUM_STAGES K and V tiles and
-# the output's staging, BLOCK_M x d (192 KiB at d = 128, 144 KiB at d = 64).
+# (BLOCK_N, NUM_STAGES) per head dim. Shared memory: Q BLOCK_M x d, NUM_STAGES K and V tiles and,
+# with the TMA store (`TMA_EPILOGUE`), the output's staging, BLOCK_M x d (192 KiB at d = 128, 144
+# KiB at d = 64).
 TILES = {64: (128, 3), 128: (128, 2)}
 SUPPORTED_HEAD_DIMS = tuple(TILES)
 # Consumer warpgroups per head dim, so BLOCK_M = 64 x this. d = 128: two (FlashAttention-3's
@@ -173,8 +174,11 @@ if GLUON_AVAILABLE:
         q_smem = gl.allocate_shared_memory(dtype, [NUM_WG, WG_ROWS, HEAD_DIM], q_desc.layout)
         k_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
         v_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
-        # Each consumer warpgroup's output rows on their way to the TMA store (O_TMA).
-        o_smem = gl.allocate_shared_memory(dtype, [NUM_WG, WG_ROWS, HEAD_DIM], o_desc.layout)
+        if O_TMA:
+            # Each consumer warpgroup's output rows on their way to the TMA store.
+            o_smem = gl.allocate_shared_memory(dtype, [NUM_WG, WG_ROWS, HEAD_DIM], o_desc.layout)
+        else:
+            o_smem = q_smem  # a stand-in, never touched: the rows go out from registers
         bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
         q_bars = gl.allocate_shared_memory(gl.int64, [NUM_WG, 1], bar_layout)
         q_empty = gl.allocate_shared_memory(gl.int64, [NUM_WG, 1], bar_layout)

@@ -9,6 +9,7 @@
     python examples/perf/ab_sm90_variants.py --set p_regs --passes fwdbwd --dims 128,64
     python examples/perf/ab_sm90_variants.py --set epilogue --causal 0,1 --dims 128,64
     python examples/perf/ab_sm90_variants.py --set order_bytes --causal 0,1 --dims 128
+    python examples/perf/ab_sm90_variants.py --set stages --causal 0,1 --dims 128 --rounds 8
 
 A variant set flips module settings in this process (`variants`):
 - `consumers`: the sm_90 forward with two and with three consumer warpgroups
@@ -33,14 +34,19 @@ A variant set flips module settings in this process (`variants`):
   default), 0 (one pair at a time), 8, 32 and 64 MiB: how many (sequence, head) pairs' K and V
   the programs running at once stream, causal or not (the persistent grid deals its tiles in
   that order too).
+- `stages`: the sm_90 forward with its K/V stages and TMA-stored output (the default), its
+  output stored from registers, and that with one K/V stage more (`_flash_fwd_sm90.TILES`;
+  at d = 128 the third stage takes the output staging's shared memory).
 To compare another variant, add its flip to `variants`.
 
 bf16, b = 16384 / s, h = 2048 / d, inputs needing gradients as a training step has them. Each
 variant's output (and, with `fwdbwd`, its gradients) is first checked against the first
 variant's (relative error under 1e-2, else the row says WRONG and it is not timed). The providers
 then run in `--rounds` interleaved rounds (`triton.testing.do_bench` medians), so a drift of the
-GPU's clock reaches every provider alike; the table gives the median of the rounds. TFLOP/s
-count 4 b h s^2 d forward and 2.5x that forward+backward, halved when causal.
+GPU's clock reaches every provider alike, each round starting one provider later than the one
+before (run as many rounds as there are providers, or a multiple, for each to take every
+place); the table gives the median of the rounds. TFLOP/s count 4 b h s^2 d forward and 2.5x
+that forward+backward, halved when causal.
 """
 
 from __future__ import annotations
@@ -70,6 +76,7 @@ SAVED = {
     "persistent": dict(_flash_fwd_sm90.PERSISTENT),
     "persistent_causal": dict(_flash_fwd_sm90.PERSISTENT_CAUSAL),
     "tma_epilogue": dict(_flash_fwd_sm90.TMA_EPILOGUE),
+    "fwd_tiles": dict(_flash_fwd_sm90.TILES),
 }
 # The sm_90 backward's per-head-dim switches a variant may flip, by `select` keyword.
 BACKWARD_SWITCHES = {
@@ -91,6 +98,7 @@ def restore() -> None:
     _flash_fwd_sm90.PERSISTENT.update(SAVED["persistent"])
     _flash_fwd_sm90.PERSISTENT_CAUSAL.update(SAVED["persistent_causal"])
     _flash_fwd_sm90.TMA_EPILOGUE.update(SAVED["tma_epilogue"])
+    _flash_fwd_sm90.TILES.update(SAVED["fwd_tiles"])
     for name, table in BACKWARD_SWITCHES.items():
         table.update(SAVED[name])
     set_forward_path("auto")
@@ -100,7 +108,10 @@ def restore() -> None:
 def variants(which: str, d: int) -> dict:
     """name -> a function that selects that variant before a call; the first is the reference."""
 
-    def select(path, consumers=None, order=None, persistent=None, tma_epilogue=None, **backward):
+    def select(
+        path, consumers=None, order=None, persistent=None, tma_epilogue=None, fwd_stages=None,
+        **backward,
+    ):  # fmt: skip
         def apply():
             restore()
             set_forward_path(path)
@@ -114,6 +125,8 @@ def variants(which: str, d: int) -> dict:
                 _flash_fwd_sm90.PERSISTENT_CAUSAL[d] = persistent
             if tma_epilogue is not None:
                 _flash_fwd_sm90.TMA_EPILOGUE[d] = tma_epilogue
+            if fwd_stages is not None:
+                _flash_fwd_sm90.TILES[d] = (_flash_fwd_sm90.TILES[d][0], fwd_stages)
             for name, value in backward.items():
                 BACKWARD_SWITCHES[name][d] = value
 
@@ -136,6 +149,16 @@ def variants(which: str, d: int) -> dict:
             "portable": select("portable"),
             "sm90-stores": select("sm90", tma_epilogue=False),
             "sm90-tma-store": select("sm90", tma_epilogue=True),
+        }
+    if which == "stages":
+        stages = SAVED["fwd_tiles"][d][1]
+        return {
+            "portable": select("portable"),
+            "sm90-tma-store": select("sm90"),
+            "sm90-stores": select("sm90", tma_epilogue=False),
+            f"sm90-stores-{stages + 1}-stages": select(
+                "sm90", tma_epilogue=False, fwd_stages=stages + 1
+            ),
         }
     if which == "dq_order":
         return {
@@ -217,8 +240,13 @@ def measure(which: str, d: int, s: int, causal: bool, passes: list[str], rounds:
     providers = {name: (apply, ours) for name, apply in chosen.items() if name not in wrong}
     providers["cudnn"] = (restore, cudnn)
     runs = {(name, p): [] for name in providers for p in passes}
-    for _ in range(rounds):
-        for name, (apply, fn) in providers.items():
+    names = list(providers)
+    for r in range(rounds):
+        # Each round starts one provider later: timed in the same place every round, identical
+        # kernels read up to 2% apart (docs/performance.md, "The forward's softmax and the P V
+        # product").
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            apply, fn = providers[name]
             apply()
             for p in passes:
                 runs[(name, p)].append(timed(fn if p == "fwd" else both(fn), grads))
@@ -240,6 +268,7 @@ def main() -> None:
         "order_bytes",
         "persistent",
         "epilogue",
+        "stages",
         "dq_order",
         "dq_wait",
         "p_regs",
