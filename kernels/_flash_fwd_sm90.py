@@ -22,11 +22,12 @@ atomic add and hands its index to the consumers through shared memory
   "ready" mbarrier (the TMA's transaction count) and an "empty" one (every consumer's release);
   it keeps 24 registers a thread and leaves the rest to the consumers (`setmaxnreg`);
 - two or three consumer warpgroups of 64 rows each run the products on asynchronous wgmma and
-  the online softmax. Within a warpgroup the products are software-pipelined: the next block's
-  S = Q K^T and the previous block's O += P V are both in flight while the softmax of the
-  current scores runs. Between the warpgroups one mbarrier each makes them take turns issuing
-  products (ping-pong, round-robin with three), so one warpgroup's softmax runs on the CUDA
-  cores while the others' products run on the tensor cores.
+  the online softmax. A warpgroup issues the next block's S = Q K^T and the previous block's
+  O += P V together; the softmax then waits for both (ptxas schedules the P V product's wait
+  ahead of the softmax: docs/performance.md, "The forward's softmax and the P V product").
+  Between the warpgroups one mbarrier each makes them take turns issuing products (ping-pong,
+  round-robin with three), so one warpgroup's softmax runs on the CUDA cores while the others'
+  products run on the tensor cores.
 - each consumer warpgroup writes its 64 output rows into its own shared-memory buffer and
   stores them with one TMA store, which runs on while the next tile starts (`TMA_EPILOGUE`);
   a block of rows that reaches past its sequence's end takes masked stores from registers.
@@ -87,7 +88,8 @@ if GLUON_AVAILABLE:
 CONSUMER_WARPS = 4  # the default partition: consumer warpgroup 0; the others are workers
 # (BLOCK_N, NUM_STAGES) per head dim. Shared memory: Q BLOCK_M x d, NUM_STAGES K and V tiles and,
 # with the TMA store (`TMA_EPILOGUE`), the output's staging, BLOCK_M x d (192 KiB at d = 128, 144
-# KiB at d = 64).
+# KiB at d = 64). A third stage at d = 128 (224 KiB, without the staging) measured no faster
+# (docs/performance.md, "The forward's softmax and the P V product").
 TILES = {64: (128, 3), 128: (128, 2)}
 SUPPORTED_HEAD_DIMS = tuple(TILES)
 # Consumer warpgroups per head dim, so BLOCK_M = 64 x this. d = 128: two (FlashAttention-3's

@@ -234,8 +234,13 @@ if GLUON_AVAILABLE:
         p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale)
         p_op = gl.convert_layout(p.to(dtype), p_layout)
 
-        # Steady state: issue S(it) and O += P(it-1) V(it-1), take S(it)'s softmax while the P V
-        # product runs, then rescale O by the new max once that product has landed.
+        # Steady state: issue S(it) and O += P(it-1) V(it-1), take S(it)'s softmax, then rescale
+        # O by the new max. The softmax does not overlap the P V product: ptxas schedules the
+        # product's wait ahead of it (the SASS's wait sits before the first exponential).
+        # Forcing the overlap (an mbarrier wait between the softmax and the product's wait,
+        # which ptxas does not move the wait across) and cuDNN's order (one block at a time,
+        # the turns around the exponentials) both measured slower without a mask
+        # (docs/performance.md, "The forward's softmax and the P V product").
         NUM_WG: gl.constexpr = q_smem.type.shape[0]
         if NUM_WG > 2:
             wg_blocks = _warpgroup_blocks(row0, len_q, len_k, diag, num_blocks, BLOCK_N)
@@ -262,7 +267,8 @@ if GLUON_AVAILABLE:
             if it >= first_masked:
                 s = _masked_scores(s, it * BLOCK_N, offs_m, offs_n, len_k, diag)
             p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale)
-            # p_op travels through the wait: its registers must live until the product is done.
+            # p_op travels through the wait so that LLVM keeps it until the product is done
+            # (ptxas does not see these operands: they sit in the wait's comment).
             acc, p_op = warpgroup_mma_wait(0, deps=[o_tok, p_op])
             _release(v_empty.index(prev))
             alpha_o = gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))
