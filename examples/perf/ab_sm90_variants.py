@@ -9,7 +9,7 @@
     python examples/perf/ab_sm90_variants.py --set p_regs --passes fwdbwd --dims 128,64
     python examples/perf/ab_sm90_variants.py --set epilogue --causal 0,1 --dims 128,64
     python examples/perf/ab_sm90_variants.py --set order_bytes --causal 0,1 --dims 128
-    python examples/perf/ab_sm90_variants.py --set stages --causal 0,1 --dims 128 --rounds 8
+    python examples/perf/ab_sm90_variants.py --set stages --causal 0,1 --dims 128 --rounds 5
 
 A variant set flips module settings in this process (`variants`):
 - `consumers`: the sm_90 forward with two and with three consumer warpgroups
