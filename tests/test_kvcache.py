@@ -28,6 +28,7 @@ from kvcache_testing import (
 )
 
 from fusedlayers import flash_attn_with_kvcache
+from fusedlayers.attention import kvcache
 
 F16, F32 = torch.float16, torch.float32
 CAUSAL = (-1, 0)
@@ -491,6 +492,75 @@ def test_cache_seqlens_read_once_per_version(monkeypatch):
     seqlens[1] = 17
     with pytest.raises(ValueError, match="reaches 17, beyond the cache capacity 16"):
         flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens)
+
+
+@pytest.fixture
+def signature_checks(monkeypatch):
+    """An empty table of checked signatures, and a count of the full structural checks."""
+    monkeypatch.setattr(kvcache, "_CHECKED", {})
+    runs = []
+    check_shapes = kvcache._check_shapes
+    monkeypatch.setattr(kvcache, "_check_shapes", lambda *a: runs.append(1) or check_shapes(*a))
+    return runs
+
+
+def _decode_inputs(d=16, capacity=16):
+    q = torch.randn(2, 1, 4, d, dtype=F16)
+    k_cache, v_cache = (torch.randn(2, capacity, 2, d, dtype=F16) for _ in range(2))
+    k, v = (torch.randn(2, 1, 2, d, dtype=F16) for _ in range(2))
+    return q, k_cache, v_cache, k, v, torch.tensor([5, 9], dtype=torch.int32)
+
+
+def test_structural_checks_once_per_signature(signature_checks):
+    """A repeated call skips the checks its signature already passed and computes what the
+    full checks would; a new stride, length, dtype or option checks in full again."""
+    q, k_cache, v_cache, k, v, seqlens = _decode_inputs()
+    kwargs = dict(cache_seqlens=seqlens, causal=True)
+    outs = [flash_attn_with_kvcache(q, k_cache, v_cache, **kwargs) for _ in range(3)]
+    assert len(signature_checks) == 1
+    assert all(torch.equal(outs[0], out) for out in outs[1:])
+    # The same values in a cache with other strides (a slice of wider rows): checked again, and
+    # the same result.
+    wide = torch.zeros(2, 16, 2, 32, dtype=F16)
+    wide[..., :16] = k_cache
+    strided = wide[..., :16]
+    assert strided.shape == k_cache.shape and strided.stride() != k_cache.stride()
+    assert torch.equal(flash_attn_with_kvcache(q, strided, v_cache, **kwargs), outs[0])
+    assert len(signature_checks) == 2
+    flash_attn_with_kvcache(q[:, :, :2], k_cache, v_cache, **kwargs)  # fewer query heads
+    flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, causal=False)
+    flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=7, causal=True)  # an int
+    assert len(signature_checks) == 5
+    flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=3, causal=True)  # another int
+    assert len(signature_checks) == 5
+
+
+def test_checked_signature_still_rejects_what_it_does_not_fix(signature_checks):
+    """After a call's signature passed, what the signature does not fix is still checked on
+    every call (the int length's bound, the device values), and anything that changes the
+    signature (a last-dim stride, a dtype, a head count) meets the full checks."""
+    q, k_cache, v_cache, k, v, seqlens = _decode_inputs()
+    flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=3)
+    flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=seqlens)
+    assert len(signature_checks) == 2
+    caches = [k_cache.clone(), v_cache.clone()]
+    with pytest.raises(ValueError, match="overflows"):
+        flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=16)
+    with pytest.raises(ValueError, match=r"must be in \[0, 16\]"):
+        flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=17)
+    seqlens[0] = 16  # the same tensor (and signature), a length with no room for the append
+    with pytest.raises(ValueError, match="beyond the cache capacity 16"):
+        flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=seqlens)
+    assert len(signature_checks) == 2  # all three on checked signatures
+    every_other = torch.zeros(2, 16, 2, 32, dtype=F16)[..., ::2]  # the shape, last stride 2
+    with pytest.raises(ValueError, match="contiguous last dim"):
+        flash_attn_with_kvcache(q, every_other, v_cache, k, v, cache_seqlens=3)
+    with pytest.raises(TypeError, match="int32"):
+        flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=seqlens.long())
+    with pytest.raises(ValueError, match="multiple"):
+        flash_attn_with_kvcache(q[:, :, :3], k_cache, v_cache, k, v, cache_seqlens=3)
+    torch.testing.assert_close(k_cache, caches[0], rtol=0, atol=0)
+    torch.testing.assert_close(v_cache, caches[1], rtol=0, atol=0)
 
 
 def test_cpu_tensors_need_the_interpreter(monkeypatch):

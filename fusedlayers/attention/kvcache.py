@@ -26,6 +26,9 @@ page size, and (one read of device values per call, none when cache_seqlens is a
 other index tensor is given) cache_seqlens within the cache, appends that fit, cache_leftpad in
 [0, cache_seqlens], cache_batch_idx in [0, b_cache), every block_table entry a sequence uses in
 [0, num_blocks), and a rotary table long enough. A failed check raises before any write.
+The checks that read only the call's signature (each tensor operand's shape, strides, dtype and
+device, and the options) run once per signature: a repeat of a call that passed them skips them
+(`_CHECKED`), and any change to a shape, a stride, a dtype or an option checks in full again.
 Under CUDA graph capture nothing can be read back: the device-value checks are skipped (validate
 the step eagerly first), and the rest of the call (rotary, append, attention) holds no host
 sync, so a whole decode step captures and replays with new values in cache_seqlens.
@@ -52,8 +55,10 @@ from .validation import (
 
 try:
     from ..kernels import check_page_size, decode_attention, rotate_and_append
+    from ..kernels._common import remember
+    from ..kernels._launch import tensor_signature
 except ImportError:  # Triton missing: `_choose_backend` raises first with the reason
-    decode_attention = rotate_and_append = check_page_size = None
+    decode_attention = rotate_and_append = check_page_size = tensor_signature = None
 
 Tensor = torch.Tensor
 
@@ -132,12 +137,11 @@ def _check_shapes(q, k_cache, v_cache, k, v, block_table, cache_batch_idx) -> No
         )
 
 
-def _rotary_tables(rotary_cos, rotary_sin, q, k, interleaved: bool):
-    """fp32 cos/sin tables [seqlen_ro, rotary_dim] in the rope kernel's per-channel form."""
+def _check_rotary(rotary_cos, rotary_sin, q, k) -> None:
     if (rotary_cos is None) != (rotary_sin is None):
         raise ValueError("rotary_cos and rotary_sin must be given together (or neither)")
     if rotary_cos is None:
-        return None
+        return
     if k is None:
         raise ValueError("rotary_cos/rotary_sin need the new k and v (rotary applies on append)")
     for name, t in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)):
@@ -152,6 +156,13 @@ def _rotary_tables(rotary_cos, rotary_sin, q, k, interleaved: bool):
     rot_dim = 2 * rotary_cos.shape[1]
     if rot_dim == 0 or rot_dim > q.shape[-1]:
         raise ValueError(f"rotary_dim ({rot_dim} = 2 * rotary_cos.shape[1]) must be in [2, d]")
+
+
+def _rotary_tables(rotary_cos, rotary_sin, interleaved: bool):
+    """fp32 cos/sin tables [seqlen_ro, rotary_dim] in the rope kernel's per-channel form (of
+    tables `_check_rotary` passed)."""
+    if rotary_cos is None:
+        return None
     # Each channel gets its own angle: pairs share one (interleaved (2j, 2j+1), else (j, j + r/2)).
     if interleaved:
         widen = lambda t: t.float().repeat_interleave(2, dim=-1)
@@ -160,16 +171,56 @@ def _rotary_tables(rotary_cos, rotary_sin, q, k, interleaved: bool):
     return widen(rotary_cos), widen(rotary_sin)
 
 
-def _seqlens(cache_seqlens, b: int, capacity: int, q: Tensor) -> tuple[Tensor, int | None]:
-    """(int32 [b] device tensor, the host value when cache_seqlens is an int or None)."""
+def _seqlens(
+    cache_seqlens, b: int, capacity: int, q: Tensor, checked: bool
+) -> tuple[Tensor, int | None]:
+    """(int32 [b] device tensor, the host value when cache_seqlens is an int or None). An int
+    is checked against the capacity every call; a tensor's dtype and shape unless `checked`."""
     if cache_seqlens is None:
         cache_seqlens = capacity
     if isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
         if not 0 <= cache_seqlens <= capacity:
             raise ValueError(f"cache_seqlens={cache_seqlens} must be in [0, {capacity}]")
         return torch.full((b,), cache_seqlens, dtype=torch.int32, device=q.device), cache_seqlens
-    _check_index(cache_seqlens, "cache_seqlens", b, q)
+    if not checked:
+        _check_index(cache_seqlens, "cache_seqlens", b, q)
     return cache_seqlens, None
+
+
+def _check_alibi(alibi_slopes, b: int, h: int) -> None:
+    if alibi_slopes is None:
+        return
+    if not isinstance(alibi_slopes, torch.Tensor):
+        raise TypeError(f"alibi_slopes must be a tensor, got {type(alibi_slopes).__name__}")
+    if alibi_slopes.dtype != torch.float32 or alibi_slopes.shape not in ((h,), (b, h)):
+        raise ValueError(f"alibi_slopes must be fp32 [h] or [b, h], got {alibi_slopes.shape}")
+
+
+# Calls whose signature-only checks passed (module docstring), with the mask spec they made.
+_CHECKED: dict[tuple, masks.MaskSpec] = {}
+_MAX_CHECKED = 256
+
+
+def _call_signature(tensors: tuple, cache_seqlens, options: tuple) -> tuple | None:
+    """What the signature-only checks read: each tensor operand's shape, strides, dtype and
+    device (`tensor_signature`; None for an absent one), cache_seqlens' kind (an int's value is
+    checked every call) and the options. None where a call cannot be keyed: an operand that is
+    no tensor (the checks say so), an unhashable option, Triton missing, or torch.compile
+    tracing."""
+    if tensor_signature is None or torch.compiler.is_compiling():
+        return None
+    try:
+        key = (
+            *(tensor_signature(t) for t in tensors),
+            tensor_signature(cache_seqlens)
+            if isinstance(cache_seqlens, torch.Tensor)
+            else type(cache_seqlens),
+            *options,
+        )
+        hash(key)
+    except (AttributeError, TypeError):
+        return None
+    return key
 
 
 def _check_device_values(
@@ -314,29 +365,40 @@ def flash_attn_with_kvcache(
     `(out, softmax_lse)` with `return_softmax_lse=True` (lse fp32 `[b, h, s_q]`, natural log).
     `num_splits`: 0 = heuristic, 1 = one program per key range (no combine), n = n splits.
     """
-    _check_tensor(q, "q", 4, q)
+    key = _call_signature(
+        (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_batch_idx, cache_leftpad,
+         block_table, alibi_slopes),
+        cache_seqlens,
+        (softmax_scale, causal, window_size, softcap, num_splits),
+    )  # fmt: skip
+    spec = _CHECKED.get(key) if key is not None else None
+    checked = spec is not None
+    if not checked:
+        _check_tensor(q, "q", 4, q)
     _choose_backend("kernel", q)  # CUDA tensors, or CPU ones under TRITON_INTERPRET=1
-    _check_shapes(q, k_cache, v_cache, k, v, block_table, cache_batch_idx)
+    if not checked:
+        _check_shapes(q, k_cache, v_cache, k, v, block_table, cache_batch_idx)
     b, s_q, h, d = q.shape
     paged = block_table is not None
     page_size = k_cache.shape[1] if paged else 0
     capacity = block_table.shape[1] * page_size if paged else k_cache.shape[1]
     s_new = 0 if k is None else k.shape[1]
-    seqlens, host_len = _seqlens(cache_seqlens, b, capacity, q)
-    _check_index(cache_batch_idx, "cache_batch_idx", b, q)
-    _check_index(cache_leftpad, "cache_leftpad", b, q)
-    spec = masks.flash_attn_spec(causal, window_size)
-    tables = _rotary_tables(rotary_cos, rotary_sin, q, k, rotary_interleaved)
+    seqlens, host_len = _seqlens(cache_seqlens, b, capacity, q, checked)
+    if not checked:
+        _check_index(cache_batch_idx, "cache_batch_idx", b, q)
+        _check_index(cache_leftpad, "cache_leftpad", b, q)
+        spec = masks.flash_attn_spec(causal, window_size)
+        _check_rotary(rotary_cos, rotary_sin, q, k)
+        _check_alibi(alibi_slopes, b, h)
+        check_softcap(softcap)
+        check_softmax_scale(softmax_scale)
+        if int(num_splits) < 0:
+            raise ValueError(f"num_splits={num_splits} must be >= 0 (0 = heuristic)")
+        if key is not None:
+            remember(_CHECKED, key, spec, _MAX_CHECKED)
+    tables = _rotary_tables(rotary_cos, rotary_sin, rotary_interleaved)
     if alibi_slopes is not None:
-        if not isinstance(alibi_slopes, torch.Tensor):
-            raise TypeError(f"alibi_slopes must be a tensor, got {type(alibi_slopes).__name__}")
-        if alibi_slopes.dtype != torch.float32 or alibi_slopes.shape not in ((h,), (b, h)):
-            raise ValueError(f"alibi_slopes must be fp32 [h] or [b, h], got {alibi_slopes.shape}")
         alibi_slopes = alibi_slopes.to(q.device).expand(b, h)
-    check_softcap(softcap)
-    check_softmax_scale(softmax_scale)
-    if int(num_splits) < 0:
-        raise ValueError(f"num_splits={num_splits} must be >= 0 (0 = heuristic)")
     if not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
         _check_device_values(
             seqlens, host_len, s_new, capacity, cache_leftpad, cache_batch_idx, k_cache.shape[0],
