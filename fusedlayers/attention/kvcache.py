@@ -205,8 +205,8 @@ def _call_signature(tensors: tuple, cache_seqlens, options: tuple) -> tuple | No
     """What the signature-only checks read: each tensor operand's shape, strides, dtype and
     device (`tensor_signature`; None for an absent one), cache_seqlens' kind (an int's value is
     checked every call) and the options. None where a call cannot be keyed: an operand that is
-    no tensor (the checks say so), an unhashable option, Triton missing, or torch.compile
-    tracing."""
+    no tensor (the checks say so) or has no data pointer, an unhashable option, Triton missing,
+    or torch.compile tracing."""
     if tensor_signature is None or torch.compiler.is_compiling():
         return None
     try:
@@ -218,7 +218,7 @@ def _call_signature(tensors: tuple, cache_seqlens, options: tuple) -> tuple | No
             *options,
         )
         hash(key)
-    except (AttributeError, TypeError):
+    except (AttributeError, TypeError, RuntimeError):  # e.g. a subclass without data_ptr()
         return None
     return key
 
