@@ -31,6 +31,7 @@ from .reference import attention_reference
 
 try:
     from ..kernels import flash_attention
+    from ..kernels._common import remember
     from ..kernels._launch import tensor_signature
 except ImportError as error:  # Triton missing (no Linux wheel) or broken: the reference serves
     flash_attention, _KERNELS_MISSING = None, f"kernels unavailable ({error})"
@@ -464,9 +465,7 @@ def attention(
             expected_heads=expected_heads,
         )
         if signature is not None and not p.copies:
-            if len(_VALIDATED) >= _MAX_VALIDATED:
-                _VALIDATED.clear()
-            _VALIDATED[signature] = p.spec
+            remember(_VALIDATED, signature, p.spec, _MAX_VALIDATED)
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
     if debug_enabled():
         _log(p, q, k, v, qkv_format, attn_mask_type, kernel_path, why, tag)
