@@ -90,8 +90,8 @@ def _check_index(t, name: str, b: int, q: Tensor) -> None:
 
 
 def _check_shapes(q, k_cache, v_cache, k, v, block_table, cache_batch_idx) -> None:
-    """Ranks, dtypes, devices, head counts and dims of every tensor operand."""
-    _check_tensor(q, "q", 4, q)
+    """Ranks, dtypes, devices, head counts and dims of every tensor operand (q a 4-D tensor,
+    checked before the backend choice reads its device)."""
     if q.dtype not in KERNEL_DTYPES:
         raise TypeError(f"q dtype {q.dtype} is not supported (use one of {KERNEL_DTYPES})")
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
@@ -374,7 +374,7 @@ def flash_attn_with_kvcache(
     spec = _CHECKED.get(key) if key is not None else None
     checked = spec is not None
     if not checked:
-        _check_tensor(q, "q", 4, q)
+        _check_tensor(q, "q", 4, q)  # before the backend choice reads q's device
     _choose_backend("kernel", q)  # CUDA tensors, or CPU ones under TRITON_INTERPRET=1
     if not checked:
         _check_shapes(q, k_cache, v_cache, k, v, block_table, cache_batch_idx)
