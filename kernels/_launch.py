@@ -31,11 +31,15 @@ suite runs with it on).
 
 A launch plan that repeats one launch with the same keywords, grid and specialization (the
 attention kernels' plans, one per signature) passes `slot=`, a dict it owns (`launch_slot()`).
-After the first direct launch the slot holds, per device, the compiled kernel's launcher, the
-evaluated grid and the keyword values in parameter order, so later launches skip even the
-signature lookup: a few microseconds less Python per launch, which autograd's device thread
-pays twice over (docs/performance.md, "Host time on autograd's device thread"). With signature
-checks on, a slotted launch takes the keyed path and checks that the slot holds what it finds.
+After the first direct launch the slot holds, per device, the call it makes with the evaluated
+grid and the keyword values in parameter order, so later launches skip even the signature
+lookup: a few microseconds less Python per launch, which autograd's device thread pays twice
+over (docs/performance.md, "Host time on autograd's device thread"). Where Triton's Python
+around the compiled kernel's C launcher would only pass the arguments on (Triton 3.6: no
+scratch buffers; TMA descriptors encoded into tensor maps), that call is the C launcher itself,
+with each descriptor's tensor map kept by address (`_bound_call`). With signature checks on, a
+slotted launch takes the keyed path, checks that the slot holds what it finds, then launches
+through the slot.
 """
 
 from __future__ import annotations
@@ -187,15 +191,14 @@ def launch(
     kwargs); `grid` a tuple, or a callable of the launch's keyword arguments. `signature`, when
     given, identifies the specialization in place of the per-argument key; `slot`, when given,
     binds the compiled kernel to the caller's plan (module docstring). A slot must only ever see
-    one kernel, one grid, the same keywords and the same number of positional arguments.
+    one kernel, one grid, the same keywords, the same number of positional arguments and TMA
+    descriptors of one geometry (only their tensors change).
     """
     if slot and _enabled and not _check_signatures:
         device = _current_device()
         bound = slot.get(device)
         if bound is not None and not _hooked():
-            run, function, metadata, grid3, tail, _ = bound
-            run(*grid3, _current_stream(device), function, metadata, None, None, None,
-                *args, *tail)  # fmt: skip
+            bound[0](_current_stream(device), args)
             return
     if not _enabled or not isinstance(kernel, triton.JITFunction) or _hooked():
         kernel[grid](*args, **kwargs)
@@ -240,6 +243,16 @@ def launch(
         grid = grid(kwargs)
     grid3 = (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)
     stream = _current_stream(device)
+    tail = tuple(values[len(args) :])
+    bound = slot.get(device) if slot is not None else None
+    if bound is not None:
+        # Signature checks on (the fast path above takes bound slots otherwise): the slot must
+        # hold what the key found; then it launches, as it does for users.
+        assert bound[3] is compiled and bound[1] == grid3 and bound[2] == tail, (
+            f"launch slot of {kernel.fn.__name__} holds another kernel, grid or keywords"
+        )
+        bound[0](stream, args)
+        return
     try:
         run = compiled.run  # loads the module on first use
         run(*grid3, stream, compiled.function, compiled.packed_metadata, None, None, None,
@@ -251,13 +264,110 @@ def launch(
         kernel[grid](*args, **kwargs)
         return
     if slot is not None:
-        tail = tuple(values[len(args) :])
-        bound = slot.get(device)
-        if bound is not None:  # signature checks on: the slot must hold what the key found
-            assert bound[5] is compiled and bound[3] == grid3 and bound[4] == tail, (
-                f"launch slot of {kernel.fn.__name__} holds another kernel, grid or keywords"
-            )
-        slot[device] = (run, compiled.function, compiled.packed_metadata, grid3, tail, compiled)
+        call = _bound_call(run, compiled.function, compiled.packed_metadata, grid3, tail, len(args))
+        slot[device] = (call, grid3, tail, compiled)
+
+
+# Triton 3.6's C launcher parses its leading arguments with this format (grid x/y/z, stream,
+# function, cooperative grid, PDL, global and profile scratch, metadata, launch metadata and the
+# two hooks); `_bound_call` calls it directly only where the driver declares exactly this.
+_C_LAUNCH_FORMAT = "iiiKKppOOOOOO"
+# Per TMA descriptor argument of a slot: tensor maps kept by base address.
+_MAX_TENSOR_MAPS = 64
+
+
+def _nvidia_driver():
+    """Triton's NVIDIA driver module, or None where it does not import."""
+    try:
+        from triton.backends.nvidia import driver
+    except ImportError:
+        return None
+    return driver
+
+
+def _bound_call(run, function, metadata, grid3, tail: tuple, n_args: int):
+    """What a bound slot calls per launch, `call(stream, args)`: the compiled kernel's C
+    launcher itself where Triton's Python around it would only pass its arguments through,
+    else `run` (the launcher object `CompiledKernel.run` returns) as before.
+
+    Around the C launcher Triton 3.6 runs, per launch, Python that allocates scratch buffers
+    (none for kernels that declare no scratch) and, for kernels with host-side TMA descriptors,
+    a loop over every argument that encodes each descriptor's CUDA tensor map afresh: about
+    19 us of the H100 host's time for the sm_90 forward's four descriptors, against 8 us for
+    the C launcher alone. A slot's descriptors keep one geometry (its plan fixes their shapes,
+    strides, blocks and layouts; only their tensors change), so a tensor map depends only on
+    the tensor's address: the call keeps the maps it encoded, by address, per descriptor
+    argument (a training loop's allocator hands the same addresses back step after step), and
+    encodes them with Triton's own `make_tensordesc_arg`. With signature checks on, a kept map
+    is checked against a fresh encoding's shape and strides.
+
+    Taken only where the driver's argument format is `_C_LAUNCH_FORMAT`, the launcher declares
+    no scratch, and every descriptor is lowered to a tensor map; any other Triton keeps `run`.
+    """
+    direct = _c_launcher(run, n_args)
+    if direct is None:
+
+        def call(stream, args):
+            run(*grid3, stream, function, metadata, None, None, None, *args, *tail)
+
+        return call
+    c_launch, descriptors, encode = direct
+    flags = (run.launch_cooperative_grid, run.launch_pdl, None, None, metadata, None, None, None)
+    if not descriptors:
+
+        def call(stream, args):
+            c_launch(*grid3, stream, function, *flags, *args, *tail)
+
+        return call
+    # Last first, so splicing a descriptor's expansion in leaves earlier positions in place.
+    maps = [(position, meta, {}) for position, meta in reversed(descriptors)]
+
+    def call(stream, args):
+        values = list(args)
+        for position, meta, kept in maps:
+            desc = values[position]
+            address = desc.base.data_ptr()
+            expanded = kept.get(address)
+            if expanded is None:
+                if len(kept) >= _MAX_TENSOR_MAPS:
+                    kept.clear()
+                expanded = kept[address] = encode(desc, meta)
+            elif _check_signatures:
+                fresh = encode(desc, meta)
+                assert fresh[1:] == expanded[1:], "a slot's TMA descriptor changed its geometry"
+            values[position : position + 1] = expanded
+        c_launch(*grid3, stream, function, *flags, *values, *tail)
+
+    return call
+
+
+def _c_launcher(run, n_args: int):
+    """(C launch function, [(argument position, descriptor metadata)], tensor-map encoder)
+    for Triton 3.6's CUDA launcher object, else None (`_bound_call`)."""
+    driver = _nvidia_driver()
+    if driver is None or getattr(driver, "_BASE_ARGS_FORMAT", None) != _C_LAUNCH_FORMAT:
+        return None
+    if getattr(run, "global_scratch_size", 1) or getattr(run, "profile_scratch_size", 1):
+        return None
+    if not all(hasattr(run, name) for name in ("launch_cooperative_grid", "launch_pdl")):
+        return None
+    c_launch = getattr(run, "launch", None)
+    code = getattr(c_launch, "__code__", None)
+    if code is None:  # no descriptors: `launch` is the C function itself
+        return (c_launch, (), None) if callable(c_launch) else None
+    # With descriptors: `wrap_handle_tensordesc`'s closure over the C function.
+    if set(code.co_freevars) != {"launcher", "tensordesc_indices", "tensordesc_meta"}:
+        return None
+    cells = dict(zip(code.co_freevars, (cell.cell_contents for cell in c_launch.__closure__)))
+    positions, metas = sorted(cells["tensordesc_indices"]), cells["tensordesc_meta"]
+    encode = getattr(driver, "make_tensordesc_arg", None)
+    if encode is None or not metas or len(metas) != len(positions):
+        return None
+    # A descriptor not lowered to a tensor map expands to its tensor, which a kept expansion
+    # would hold on to; and every descriptor must be one of the call's own arguments.
+    if any(meta is None for meta in metas) or any(p >= n_args for p in positions):
+        return None
+    return cells["launcher"], list(zip(positions, metas)), encode
 
 
 def _current_device() -> int:

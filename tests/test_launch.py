@@ -365,3 +365,162 @@ def test_every_argument_of_the_sm90_launches_has_a_key(causal, monkeypatch):
         set_forward_path(previous[0])
         set_backward_path(previous[1])
     assert keyed == [_flash_fwd_sm90._attn_fwd_sm90, _flash_bwd_sm90._attn_bwd_sm90]
+
+
+# --- a bound slot calls the C launcher where Triton's Python only passes arguments on ---------
+
+
+def _wrap_handle_tensordesc(launcher, tensordesc_indices, tensordesc_meta):
+    """A stand-in with the closure Triton 3.6 wraps its C launcher in for descriptor arguments."""
+
+    def inner(*args):
+        return launcher, tensordesc_indices, tensordesc_meta
+
+    return inner
+
+
+class CudaLauncher:
+    """A stand-in for Triton 3.6's launcher object: records calls through its Python."""
+
+    global_scratch_size = profile_scratch_size = 0
+    launch_cooperative_grid, launch_pdl = False, True
+
+    def __init__(self, log, descriptor_positions=()):
+        self.log = log
+
+        class CLaunch:  # a C function: no code object of its own
+            def __call__(self, *args):
+                log.append(("c", args))
+
+        c_launch = CLaunch()
+        metas = [{"swizzle": 128} for _ in descriptor_positions]
+        self.launch = (
+            _wrap_handle_tensordesc(c_launch, set(descriptor_positions), metas)
+            if descriptor_positions
+            else c_launch
+        )
+
+    def __call__(self, *args):
+        self.log.append(("python", args))
+
+
+class Descriptor:
+    def __init__(self, base):
+        self.base, self.block_shape, self.layout, self.padding = base, [16, 64], "swizzled", None
+        self.shape, self.strides = [64, 64], [64, 1]
+
+
+@pytest.fixture
+def driver_36(monkeypatch):
+    """Triton 3.6's NVIDIA driver as `_launch` reads it: its argument format and an encoder that
+    counts the tensor maps it makes (each expands to the map, then shape and strides)."""
+    encoded = []
+
+    def make_tensordesc_arg(desc, meta):
+        encoded.append(desc.base.data_ptr())
+        return [("map", desc.base.data_ptr()), *desc.shape, *desc.strides]
+
+    class Driver:
+        _BASE_ARGS_FORMAT = _launch._C_LAUNCH_FORMAT
+
+    Driver.make_tensordesc_arg = staticmethod(make_tensordesc_arg)
+    monkeypatch.setattr(_launch, "_nvidia_driver", lambda: Driver)
+    monkeypatch.setattr(_launch, "_check_signatures", False)
+    return encoded
+
+
+def _launch_through(kernel, monkeypatch, descriptor_positions, xs):
+    log = []
+    launcher = CudaLauncher(log, descriptor_positions)
+    monkeypatch.setattr(Compiled, "run", property(lambda self: launcher))
+    slot = _launch.launch_slot()
+    _SLOTS.append(slot)
+    for x in xs:
+        _launch.launch(kernel, (2,), x, 32, 0.5, True, BLOCK=16, slot=slot)
+    return log
+
+
+_SLOTS: list[dict] = []  # the slots `_launch_through` made, last last
+
+
+def test_a_bound_slot_calls_the_c_launcher_itself(kernel, monkeypatch, driver_36):
+    xs = [_x() for _ in range(4)]
+    log = _launch_through(kernel, monkeypatch, (), xs)
+    # compile (Triton's path), the first direct launch through the launcher's Python (it binds
+    # the slot), then the C function with the arguments that Python would have passed it
+    assert [entry[0] for entry in kernel.log] == ["triton"]
+    assert [entry[0] for entry in log] == ["python", "c", "c"]
+    assert log[-1][1] == (2, 1, 1, 1234, "fn", False, True, None, None, "meta", None, None, None,
+                          xs[-1], 32, 0.5, True, 16, 2)  # fmt: skip
+
+
+def test_a_bound_slot_encodes_a_tensor_map_once_per_address(kernel, monkeypatch, driver_36):
+    """Descriptors expand in place to (tensor map, shape, strides), the maps kept per address:
+    three buffers used in turn are encoded once each, and each launch gets its own buffer's."""
+    buffers = [_x() for _ in range(3)]
+    xs = [Descriptor(buffers[i % 3]) for i in range(9)]
+    log = _launch_through(kernel, monkeypatch, (0,), xs)
+    # launch 1 compiles, 2 binds the slot, 3-5 encode buffers 2, 0, 1, and 6-9 reuse them
+    assert [entry[0] for entry in log] == ["python"] + ["c"] * 7
+    assert driver_36 == [buffers[i].data_ptr() for i in (2, 0, 1)]
+    for x, (_, args) in zip(xs[2:], log[1:]):
+        assert args[13:18] == (("map", x.base.data_ptr()), 64, 64, 64, 1)
+        assert args[18:] == (32, 0.5, True, 16, 2)
+
+
+def test_a_slot_keeps_a_bounded_number_of_tensor_maps(kernel, monkeypatch, driver_36):
+    monkeypatch.setattr(_launch, "_MAX_TENSOR_MAPS", 2)
+    b0, b1, b2 = (_x() for _ in range(3))
+    # the slot binds on b1; then b2 and b0 fill the table, b1 empties it and is kept, b2 is
+    # kept beside it, and the last b1 finds its map
+    _launch_through(
+        kernel, monkeypatch, (0,), [Descriptor(b) for b in (b0, b1, b2, b0, b1, b2, b1)]
+    )
+    assert driver_36 == [b.data_ptr() for b in (b2, b0, b1, b2)]
+
+
+@pytest.mark.parametrize(
+    "launcher_change",
+    [
+        {"global_scratch_size": 256},  # Triton's Python allocates scratch per launch
+        {"profile_scratch_size": 64},
+        {"launch": lambda *args: None},  # a Python wrapper of another shape
+    ],
+    ids=lambda change: next(iter(change)),
+)
+def test_a_launcher_with_more_to_do_keeps_its_python(
+    kernel, monkeypatch, driver_36, launcher_change
+):
+    log = []
+    launcher = CudaLauncher(log)
+    for name, value in launcher_change.items():
+        setattr(launcher, name, value)
+    monkeypatch.setattr(Compiled, "run", property(lambda self: launcher))
+    slot = _launch.launch_slot()
+    for _ in range(4):
+        _launch.launch(kernel, (2,), _x(), 32, 0.5, True, BLOCK=16, slot=slot)
+    assert [entry[0] for entry in log] == ["python"] * 3
+
+
+def test_another_driver_format_keeps_the_launchers_python(kernel, monkeypatch, driver_36):
+    class Other:
+        _BASE_ARGS_FORMAT = "iiiKKOOOO"
+
+    monkeypatch.setattr(_launch, "_nvidia_driver", lambda: Other)
+    log = _launch_through(kernel, monkeypatch, (), [_x() for _ in range(4)])
+    assert [entry[0] for entry in log] == ["python"] * 3
+
+
+def test_signature_checks_compare_a_kept_tensor_map_with_a_fresh_one(
+    kernel, monkeypatch, driver_36
+):
+    """With the checks on, a slotted launch still ends in the bound call; a kept map is compared
+    with a fresh encoding, so a slot whose descriptors change geometry fails loudly."""
+    monkeypatch.setattr(_launch, "_check_signatures", True)
+    x = Descriptor(_x())
+    log = _launch_through(kernel, monkeypatch, (0,), [x] * 4)
+    assert [entry[0] for entry in log] == ["python", "c", "c"]
+    assert len(driver_36) == 2  # kept on the first bound launch, checked on the second
+    x.strides = [128, 1]  # the same address, another geometry
+    with pytest.raises(AssertionError, match="changed its geometry"):
+        _launch.launch(kernel, (2,), x, 32, 0.5, True, BLOCK=16, slot=_SLOTS[-1])
