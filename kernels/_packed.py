@@ -145,6 +145,10 @@ def plan_packed_grads(*tensors: torch.Tensor) -> tuple[GradGroup, ...]:
     no group get separate contiguous gradients, as before. Host only, a few us per call: the
     work is memoized on the geometry (shapes, strides, relative offsets, which share storage).
     """
+    if all(map(_fills_its_storage, tensors)):
+        # Separate tensors, each its storage's only contents (the common call): no tensor can
+        # tile anything with another, and a contiguous one needs no group of its own.
+        return ()
     storages = [(t.untyped_storage().data_ptr(), t.dtype) for t in tensors]
     owner = tuple(storages.index(key) for key in storages)  # first tensor on the same storage
     offsets = [t.storage_offset() for t in tensors]
@@ -152,6 +156,15 @@ def plan_packed_grads(*tensors: torch.Tensor) -> tuple[GradGroup, ...]:
     # torch.Size hashes and compares as the tuple it is.
     shapes = tuple(t.shape for t in tensors)
     return _plan(owner, relative, shapes, tuple(t.stride() for t in tensors))
+
+
+def _fills_its_storage(t: torch.Tensor) -> bool:
+    """t is contiguous and covers its whole storage: any tensor on the same storage overlaps it."""
+    return (
+        t.is_contiguous()
+        and t.storage_offset() == 0
+        and t.untyped_storage().nbytes() == t.numel() * t.element_size()
+    )
 
 
 @functools.lru_cache(maxsize=256)

@@ -140,6 +140,19 @@ def test_plan_keeps_separate_tensors_apart():
     assert group.members == (1, 2)
 
 
+@pytest.mark.parametrize("kind", ["separate", "one_tensor_thrice", "reshaped_alias"])
+def test_plan_of_tensors_that_fill_their_storage_is_empty(kind):
+    """Contiguous tensors that each cover their whole storage: nothing to share (any two on one
+    storage overlap), and a contiguous tensor alone needs no strided gradient."""
+    q = torch.empty(B, S, H, D)
+    tensors = {
+        "separate": [q, torch.empty(B, S, H, D), torch.empty(B, S, H, D)],
+        "one_tensor_thrice": [q, q, q],
+        "reshaped_alias": [q, q.reshape(B, S * H, D), torch.empty(B, S, H, D)],
+    }[kind]
+    assert plan_packed_grads(*tensors) == ()
+
+
 # ------------------------------------------------------------------ layouts through the front end
 
 
