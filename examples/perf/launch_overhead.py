@@ -71,7 +71,9 @@ def decode_rows(device, dtype, calls: int) -> list[tuple[str, float]]:
     `decode_attention` alone, and `flash_attn_with_kvcache` around it (validation; the lengths
     are read from the device once per tensor version, as the layers of one decode step share
     them), and the same with the lengths edited in place before every call (`add_(0)`: a new
-    version, so a host read each call, as in a one-layer model)."""
+    version, so a host read each call, as in a one-layer model); on CUDA also SDPA (its own
+    dispatch) on the same step, given the cache cut to its filled rows and given the whole cache
+    with a boolean mask."""
     from fusedlayers.kernels import decode_attention
 
     import fusedlayers
@@ -92,7 +94,7 @@ def decode_rows(device, dtype, calls: int) -> list[tuple[str, float]]:
         seqlens.add_(0)
         return api()
 
-    return [
+    rows = [
         ("decode_attention (kernel entry), 1 query, 1k cache", host_us_per_call(entry, calls)),
         ("flash_attn_with_kvcache, same call", host_us_per_call(api, calls)),
         (
@@ -100,6 +102,31 @@ def decode_rows(device, dtype, calls: int) -> list[tuple[str, float]]:
             host_us_per_call(api_new_lengths, calls),
         ),
     ]
+    if q.is_cuda:
+        import torch.nn.functional as F
+
+        # SDPA (its own dispatch) on the same step: the cache cut to its 700 filled rows (what an
+        # eager loop with a host-side length passes), and the whole static cache with a boolean
+        # mask over the filled rows (what a captured or compiled loop passes).
+        filled = torch.arange(k_cache.shape[1], device=device) < 700
+        mask = filled[None, None, None, :]
+        q_t, k_t, v_t = (t.transpose(1, 2) for t in (q, k_cache, v_cache))
+
+        def sdpa_cut():
+            return F.scaled_dot_product_attention(
+                q_t, k_t[:, :, :700], v_t[:, :, :700], enable_gqa=True
+            )
+
+        def sdpa_masked():
+            return F.scaled_dot_product_attention(q_t, k_t, v_t, attn_mask=mask, enable_gqa=True)
+
+        rows += [
+            ("sdpa, same decode step, cache cut to its filled rows",
+             host_us_per_call(sdpa_cut, calls)),
+            ("sdpa, same decode step, whole cache and a boolean mask",
+             host_us_per_call(sdpa_masked, calls)),
+        ]  # fmt: skip
+    return rows
 
 
 def sm90_rows(calls: int, top: int) -> tuple[list[tuple[str, float]], str]:
@@ -392,8 +419,14 @@ def main(calls: int = 1000, top: int = 30, stubbed: bool = False) -> None:
             if grad:
                 torch.autograd.grad(out, (qg, kg, vg), dout.transpose(1, 2))
 
+        def sdpa_requiring_grad():
+            a, b, c = (t.transpose(1, 2) for t in (qg, kg, vg))
+            with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                return F.scaled_dot_product_attention(a, b, c, is_causal=True)
+
         rows += [
             ("sdpa-flash fwd, no grad", host_us_per_call(sdpa, calls)),
+            ("sdpa-flash fwd, inputs require grad", host_us_per_call(sdpa_requiring_grad, calls)),
             ("sdpa-flash fwd+bwd", host_us_per_call(lambda: sdpa(True), calls // 2)),
             (
                 "sdpa-flash fwd+bwd, backward on the calling thread",
