@@ -320,23 +320,19 @@ def flash_attention_backward(
         signature, ATOMIC_DQ_DEVICES, GROUP_SPLITS_OVERRIDE, backward_path(),
         _common.CAUSAL_ORDER_L2_BYTES,
     )  # fmt: skip
-    seq_args = dict(
-        cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seq_offsets_q=seq_offsets_q,
-        seq_offsets_k=seq_offsets_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
-        seqlens_q=seqlens_q, seqlens_k=seqlens_k,
-    )  # fmt: skip
-    mask_args = dict(
-        window_left=window_left, window_right=window_right, bias=bias,
-        alibi_slopes=alibi_slopes, softcap=softcap, dropout_p=dropout_p,
+    seq_args = (
+        cu_seqlens_q, cu_seqlens_k, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k,
+        seqlens_q, seqlens_k,
     )  # fmt: skip
     lse = lse.contiguous()
     plan = _PLANS.get(key)
     if plan is None:
-        geo = launch_geometry(q, k, **seq_args)
         plan = _make_plan(
-            dout, q, k, v, out, lse, dq, dk, dv, geo, softmax_scale=softmax_scale,
-            bottom_right=bottom_right, bias_requires_grad=bias_requires_grad,
-            deterministic=deterministic, **mask_args,
+            dout, q, k, v, out, lse, dq, dk, dv, _geometry(q, k, seq_args),
+            softmax_scale=softmax_scale, bottom_right=bottom_right,
+            bias_requires_grad=bias_requires_grad, deterministic=deterministic,
+            window_left=window_left, window_right=window_right, bias=bias,
+            alibi_slopes=alibi_slopes, softcap=softcap, dropout_p=dropout_p,
         )  # fmt: skip
         remember(_PLANS, key, plan, _MAX_PLANS)
     dk = _new_grad(k, plan.owns_k, dk)
@@ -356,7 +352,7 @@ def flash_attention_backward(
     )
     if plan.sm90:
         # One launch for dQ, dK and dV on Hopper (`_backward_paths`); dQ sums by TMA reduce-adds.
-        geom = plan.geometry if plan.geometry is not None else launch_geometry(q, k, **seq_args)
+        geom = plan.geometry if plan.geometry is not None else _geometry(q, k, seq_args)
         sm90.backward_sm90(
             q, k, v, dout, lse, delta, dq_acc, dk, dv, geom,
             softmax_scale=softmax_scale, causal=window_right == 0, bottom_right=bottom_right,
@@ -384,6 +380,18 @@ def flash_attention_backward(
         slot=plan.dq.slot,
     )  # fmt: skip
     return dq, dk, dv, dbias
+
+
+def _geometry(q: torch.Tensor, k: torch.Tensor, seq_args: tuple) -> LaunchGeometry:
+    """`launch_geometry` of a call from its sequence arguments in signature order
+    (cu_seqlens_q/k, seq_offsets_q/k, max_seqlen_q/k, seqlens_q/k)."""
+    return launch_geometry(q, k, **dict(zip(_SEQ_ARGS, seq_args)))
+
+
+_SEQ_ARGS = (
+    "cu_seqlens_q", "cu_seqlens_k", "seq_offsets_q", "seq_offsets_k", "max_seqlen_q",
+    "max_seqlen_k", "seqlens_q", "seqlens_k",
+)  # fmt: skip
 
 
 def _scaled_dq(

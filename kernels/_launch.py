@@ -91,7 +91,7 @@ def call_signature(tensors: tuple, scalars: tuple) -> tuple:
     (hashable; ints that reach a kernel as runtime arguments must be given as their values or
     as `int_signature`). Outputs the launcher allocates need not be listed: their shapes follow
     from the inputs and the allocator aligns them."""
-    return (*(tensor_signature(t) for t in tensors), *scalars)
+    return (*map(tensor_signature, tensors), *scalars)
 
 
 def int_signature(value: int) -> tuple:
