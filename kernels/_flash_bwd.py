@@ -7,14 +7,16 @@ Shapes (see docs/internals.md):
            out/dout [t_q, h_q, d_v], lse [h_q, t_q]
     dbias [b, h_q, s_q, s_k] (varlen: b sequences, max lengths, positions within each sequence)
 
-Two schemes, both starting with delta = rowsum(dO * O) (fp32):
+Two schemes, both reading delta = rowsum(dO * O) (fp32):
 
-- Two-pass (`deterministic=True`, or whenever dBias is requested): dK/dV (one program per key
-  block and KV head, looping over the GQA group's query heads), then dQ (one program per query
-  block and head). Nothing is accumulated with atomics, so the gradients are bitwise identical
-  run to run. The dQ pass recomputes Q K^T and dO V^T: 7 block products per tile pair.
+- Two-pass (`deterministic=True`, or whenever dBias is requested): the preprocess, dK/dV (one
+  program per key block and KV head, looping over the GQA group's query heads), then dQ (one
+  program per query block and head). Nothing is accumulated with atomics, so the gradients are
+  bitwise identical run to run. The dQ pass recomputes Q K^T and dO V^T: 7 block products per
+  tile pair. Up to `DELTA_IN_DQ_MAX_LEN` keys and queries, where the host's time bounds the
+  call, the dQ pass computes delta itself and runs first: two launches instead of three.
 - Atomic dQ (`deterministic=False`, no dBias, where `ATOMIC_DQ_DEVICES` allows; off until it is
-  measured on the H100): the
+  measured on the H100): the preprocess computes delta, then the
   dK/dV kernel also adds dS^T K into a zero-filled fp32 dQ accumulator with atomics
   (FlashAttention-2's scheme), and one elementwise pass scales and casts it: 5 block products.
   dK/dV stay bitwise reproducible; dQ does not, as the order of the fp32 adds varies.
@@ -68,7 +70,8 @@ def _flash_bwd_preprocess_kernel(
 ):  # fmt: skip
     """delta[z, h, i] = sum_d dO[i, h, d] * O[i, h, d] in fp32, laid out like the LSE; with
     ZERO_DQ also the same rows of the fp32 dQ accumulator DQ_ACC (strides `stride_a*`) set to 0,
-    so the schemes that sum dQ with atomics need no separate fill of it.
+    so the schemes that sum dQ with atomics need no separate fill of it. Short two-pass calls
+    skip it: their dQ pass computes delta (`DELTA_IN_DQ_MAX_LEN`).
 
     Grid: (cdiv(MAX_Q, BLOCK_M) * batch * H_Q,). Rows past the sequence are left unwritten (the
     launcher zero-fills the accumulator itself when some rows belong to no sequence).
@@ -129,6 +132,13 @@ BWD_CONFIGS: dict[int, tuple[int, ...]] = {
 # Non-causal launches gained 0-2% or lost up to 2% here, within the noise, so they keep the main
 # table; at s=4096 the d=64 entries measured 1.5-2.4% slower (causal), hence the length bound.
 SHORT_SEQLEN = 1024
+# Two-pass launches on sequences up to this length (the longer of max_len_q and max_len_k)
+# compute delta in the dQ pass, which then runs before the dK/dV pass, instead of in a
+# preprocess launch: one launch less, where the host's time bounds the call. Backward GPU time
+# on the H100 (bf16, 16k tokens, h * d = 2048) against the preprocess: 0.94-1.01x at s = 1k;
+# 1.01-1.06x at 4k, where the unchanged path read 0.98-1.05x in the next process, so longer
+# calls keep the preprocess until that is resolved (docs/performance.md, "Delta in the dQ pass").
+DELTA_IN_DQ_MAX_LEN = 1024
 BWD_SHORT_CONFIGS: dict[int, tuple[int, ...]] = {
     64: (32, 64, 4, 3, 64, 64, 4, 3),
     128: BWD_CONFIGS[128],
@@ -240,6 +250,7 @@ class BackwardPlan(NamedTuple):
     owns_q: bool  # every row of q / k belongs to a sequence (else gradients start at 0)
     owns_k: bool
     atomic: bool  # dQ summed with atomics in the dK/dV pass (`use_atomic_dq`)
+    delta_in_dq: bool  # the two-pass dQ pass computes delta and runs first (`DELTA_IN_DQ_MAX_LEN`)
     splits: int  # programs per GQA group in the dK/dV pass (`group_splits`)
     dbias_shape: tuple[int, ...] | None
     preprocess: _Launch
@@ -317,7 +328,7 @@ def flash_attention_backward(
         (dout, out, lse, dq, dk, dv), (forward_signature, bias_requires_grad, deterministic)
     )
     key = (
-        signature, ATOMIC_DQ_DEVICES, GROUP_SPLITS_OVERRIDE, backward_path(),
+        signature, ATOMIC_DQ_DEVICES, GROUP_SPLITS_OVERRIDE, DELTA_IN_DQ_MAX_LEN, backward_path(),
         _common.CAUSAL_ORDER_L2_BYTES,
     )  # fmt: skip
     seq_args = (
@@ -340,13 +351,31 @@ def flash_attention_backward(
     seq_ptrs = plan.pointers(
         (cu_seqlens_q, cu_seqlens_k, seq_offsets_q, seq_offsets_k, seqlens_q, seqlens_k, q)
     )
+    # Without a bias, ALiBi or dQ accumulator the kernels never read that pointer: q stands in.
+    bias_ptr = bias if bias is not None else q
+    alibi_ptr = alibi_slopes if alibi_slopes is not None else q
+    tail = (seed, offset)
+    if plan.delta_in_dq:
+        # Short two-pass calls: the dQ pass computes delta = rowsum(dO * O) and the dK/dV pass,
+        # after it, reads it; no preprocess launch.
+        delta = torch.empty_like(lse)
+        dq, dbias = _launch_dq(plan, q, k, v, dout, out, lse, delta, dq, bias, bias_ptr,
+                               alibi_ptr, seq_ptrs, tail, signature)  # fmt: skip
+        _launch_dkdv(plan, (q, k, v, dout, lse, delta), dk, dv, (bias_ptr, alibi_ptr, q),
+                     seq_ptrs, tail, signature)  # fmt: skip
+        return dq, dk, dv, dbias
+    if not (plan.sm90 or plan.atomic):
+        delta = _preprocess(plan.preprocess, out, dout, lse, q, seq_ptrs, signature)
+        _launch_dkdv(plan, (q, k, v, dout, lse, delta), dk, dv, (bias_ptr, alibi_ptr, q),
+                     seq_ptrs, tail, signature)  # fmt: skip
+        dq, dbias = _launch_dq(plan, q, k, v, dout, out, lse, delta, dq, bias, bias_ptr,
+                               alibi_ptr, seq_ptrs, tail, signature)  # fmt: skip
+        return dq, dk, dv, dbias
     # The fp32 dQ accumulator of the schemes that sum dQ with atomics, zeroed by the preprocess
     # where the plan says so. Where it does not, q stands in (the kernel never reads it), so the
     # preprocess's tensor arguments follow from the signature and that switch.
     zero_dq = plan.preprocess.kwargs["ZERO_DQ"]
-    dq_acc = None
-    if plan.sm90 or plan.atomic:
-        dq_acc = sm90.dq_accumulator(q, zeroed=not zero_dq)
+    dq_acc = sm90.dq_accumulator(q, zeroed=not zero_dq)
     delta = _preprocess(
         plan.preprocess, out, dout, lse, dq_acc if zero_dq else q, seq_ptrs, signature
     )
@@ -359,27 +388,27 @@ def flash_attention_backward(
             signature=signature,
         )  # fmt: skip
         return _scaled_dq(dq_acc, dq, q.dtype, softmax_scale), dk, dv, None
-    # Without a bias, ALiBi or dQ accumulator the kernels never read that pointer: q stands in.
-    bias_ptr = bias if bias is not None else q
-    alibi_ptr = alibi_slopes if alibi_slopes is not None else q
-    tail = (seed, offset)
-    if plan.atomic:
-        _launch_dkdv(plan, (q, k, v, dout, lse, delta), dk, dv, (bias_ptr, alibi_ptr, dq_acc),
-                     seq_ptrs, tail, signature)  # fmt: skip
-        return _scaled_dq(dq_acc, dq, q.dtype, softmax_scale), dk, dv, None
-    _launch_dkdv(plan, (q, k, v, dout, lse, delta), dk, dv, (bias_ptr, alibi_ptr, q), seq_ptrs,
-                 tail, signature)  # fmt: skip
+    _launch_dkdv(plan, (q, k, v, dout, lse, delta), dk, dv, (bias_ptr, alibi_ptr, dq_acc),
+                 seq_ptrs, tail, signature)  # fmt: skip
+    return _scaled_dq(dq_acc, dq, q.dtype, softmax_scale), dk, dv, None
+
+
+def _launch_dq(
+    plan, q, k, v, dout, out, lse, delta, dq, bias, bias_ptr, alibi_ptr, seq_ptrs, tail, signature
+) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
+    """The two-pass scheme's dQ pass: (dq, dbias), allocated here unless dq is given. It reads
+    delta, or computes and stores it where the plan says so (`BackwardPlan.delta_in_dq`)."""
     dq = _new_grad(q, plan.owns_q, dq)
     dbias = None
     if plan.dbias_shape is not None:
         # Zeros: the dQ pass writes dBias only on the key blocks some query of each block sees.
         dbias = torch.zeros(plan.dbias_shape, dtype=bias.dtype, device=bias.device)
     launch(_flash_bwd_dq_kernel, plan.dq.grid,
-        q, k, v, dout, lse, delta, dq, bias_ptr, dbias if dbias is not None else q, alibi_ptr,
-        *seq_ptrs, *plan.dq.ints, *tail, **plan.dq.kwargs, signature=signature,
+        q, k, v, dout, out, lse, delta, dq, bias_ptr, dbias if dbias is not None else q,
+        alibi_ptr, *seq_ptrs, *plan.dq.ints, *tail, **plan.dq.kwargs, signature=signature,
         slot=plan.dq.slot,
     )  # fmt: skip
-    return dq, dk, dv, dbias
+    return dq, dbias
 
 
 def _geometry(q: torch.Tensor, k: torch.Tensor, seq_args: tuple) -> LaunchGeometry:
@@ -494,16 +523,19 @@ def _make_plan(
         launch_slot(),
     )  # fmt: skip
     dq_launch = _Launch((), (), {}, launch_slot())  # the atomic scheme has no dQ pass
+    delta_in_dq = not (atomic or sm90_here) and max(max_q, max_k) <= DELTA_IN_DQ_MAX_LEN
     if not atomic:
         dbias_strides = _meta(dbias_shape).stride() if dbias_shape is not None else (0, 0, 0, 0)
+        out_strides = strides4(out, varlen)[:3]
         dq_launch = _Launch(
             (cdiv(max_q, cfg["BLOCK_M2"]) * geo.batch * h_q,),
-            (*strides, *strides4(dq, varlen)[:3], *bias_strides, *dbias_strides, *alibi_strides,
+            (*strides[:12], *out_strides, *strides[12:], *strides4(dq, varlen)[:3],
+             *bias_strides, *dbias_strides, *alibi_strides,
              causal_order_heads(max_k, head_row_bytes(k, v), h_q // h_kv, geo.batch * h_q),
              *ints),
             dict(BLOCK_M=cfg["BLOCK_M2"], BLOCK_N=cfg["BLOCK_N2"],
-                 WRITE_DBIAS=dbias_shape is not None, **opts, num_warps=cfg["WARPS2"],
-                 num_stages=cfg["STAGES2"]),
+                 WRITE_DBIAS=dbias_shape is not None, **opts, DELTA_IN_DQ=delta_in_dq,
+                 num_warps=cfg["WARPS2"], num_stages=cfg["STAGES2"]),
             launch_slot(),
         )  # fmt: skip
     seq_tensors = (geo.q.cu_seqlens, geo.k.cu_seqlens, geo.q.seq_offsets, geo.k.seq_offsets,
@@ -513,7 +545,8 @@ def _make_plan(
     return BackwardPlan(
         sm90=sm90_here, pointers=pointers, geometry=shape_only_geometry(geo),
         owns_q=geo.q.owns_all_rows,
-        owns_k=geo.k.owns_all_rows, atomic=atomic, splits=splits, dbias_shape=dbias_shape,
+        owns_k=geo.k.owns_all_rows, atomic=atomic, delta_in_dq=delta_in_dq, splits=splits,
+        dbias_shape=dbias_shape,
         preprocess=preprocess, dkdv=dkdv, dq=dq_launch,
     )  # fmt: skip
 

@@ -1,8 +1,9 @@
 """Flash-attention backward, dQ half: one program per (query block, query head, sequence).
 
 Each program recomputes its score tiles against every key block it can see and sums dQ in
-registers. It is also the one writer of dBias: every (i, j) score element belongs to exactly one
-of these programs, so no atomics are needed there either.
+registers; on short sequences it first computes its rows' delta = rowsum(dO * O) for the dK/dV
+pass that then follows it (`DELTA_IN_DQ`). It is also the one writer of dBias: every (i, j)
+score element belongs to exactly one of these programs, so no atomics are needed there either.
 """
 
 import triton
@@ -147,10 +148,11 @@ def _dq_rows(
 # ORDER_PAIRS only orders the programs: one compiled kernel for every value.
 @triton.jit(do_not_specialize=["ORDER_PAIRS"])
 def _flash_bwd_dq_kernel(
-    Q, K, V, DO, LSE, DELTA, DQ, BIAS, DBIAS, ALIBI,
+    Q, K, V, DO, OUT, LSE, DELTA, DQ, BIAS, DBIAS, ALIBI,
     CU_Q, CU_K, OFF_Q, OFF_K, LENS_Q, LENS_K,
     stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh, stride_dob, stride_dos, stride_doh,
+    stride_ob, stride_os, stride_oh,
     stride_lb, stride_lh, stride_ls, stride_dqb, stride_dqs, stride_dqh,
     stride_bb, stride_bh, stride_bm, stride_bn,
     stride_dbb, stride_dbh, stride_dbm, stride_dbn, stride_ab, stride_ah,
@@ -161,11 +163,15 @@ def _flash_bwd_dq_kernel(
     SEQ_MODE_Q: tl.constexpr, SEQ_MODE_K: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
     WRITE_DBIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr, DELTA_IN_DQ: tl.constexpr,
 ):  # fmt: skip
     """dQ (and dBias) for one query block of one query head; head h reads KV head h // group.
 
     Grid: (cdiv(MAX_Q, BLOCK_M) * batch * H_Q,). dQ leaves already multiplied by sm_scale.
+    DELTA_IN_DQ: each program computes its rows' delta = rowsum(dO * O) (fp32) from OUT and
+    stores it to DELTA (laid out like the LSE) for the dK/dV pass, which then runs after this
+    one, in place of the preprocess; every row of a sequence belongs to one program, which runs
+    whatever its rows see. Otherwise it reads DELTA, which the preprocess wrote (OUT unread).
     """
     # A 1-D grid, query blocks fastest: batch * heads may pass the 65535 limit of grid axis 1, and
     # neighbouring programs share one head's K/V in L2.
@@ -210,7 +216,13 @@ def _flash_bwd_dq_kernel(
     # Rows that saw no key carry LSE -inf and only -inf scores: any finite stand-in gives P = 0
     # instead of exp2(-inf + inf) = NaN.
     lse2 = tl.where(lse == float("-inf"), 0.0, lse) * LOG2E
-    delta = tl.load(DELTA + lse_at, mask=row_ok, other=0.0)
+    if DELTA_IN_DQ:
+        o_ptrs = OUT + z * stride_ob + h * stride_oh + rows[:, None] * stride_os
+        o = load_tile(o_ptrs + offs_dv[None, :], row_ok, dv_ok, True, PAD_V, 0)
+        delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
+        tl.store(DELTA + lse_at, delta, mask=row_ok)
+    else:
+        delta = tl.load(DELTA + lse_at, mask=row_ok, other=0.0)
     slope = 0.0
     if HAS_ALIBI:
         slope = tl.load(ALIBI + z * stride_ab + h * stride_ah)

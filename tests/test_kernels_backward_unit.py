@@ -26,6 +26,15 @@ from fusedlayers.attention.reference import attention_reference
 F16, F32 = torch.float16, torch.float32
 
 
+@pytest.fixture(autouse=True, params=["delta_in_dq", "preprocess"])
+def delta_pass(request, monkeypatch):
+    """Every check in both orders of the two-pass scheme: delta computed by the dQ pass, which
+    runs first (calls up to `DELTA_IN_DQ_MAX_LEN`, all of these), and the preprocess first."""
+    if request.param == "preprocess":
+        monkeypatch.setattr(_flash_bwd, "DELTA_IN_DQ_MAX_LEN", 0)
+    return request.param
+
+
 def _randn(g: torch.Generator, *shape: int, dtype=F32) -> torch.Tensor:
     return torch.randn(shape, generator=g).to(dtype)
 
@@ -375,3 +384,30 @@ def test_backward_launch_reads_the_table_for_its_mask(monkeypatch, device):
         flash_attention_backward(dout, q, k, v, out, lse, **kw, deterministic=True)
     assert [s[1]["causal"] for s in seen] == [True, False]
     assert all(s[0][2] == 24 for s in seen)
+
+
+@pytest.mark.parametrize(
+    "limit, order", [(1024, ["dq", "dkdv"]), (23, ["preprocess", "dkdv", "dq"])]
+)
+def test_short_two_pass_calls_compute_delta_in_the_dq_pass(monkeypatch, limit, order):
+    """Up to `DELTA_IN_DQ_MAX_LEN` (here 24 keys against a limit of 1024 or 23) the two-pass
+    backward is two launches, the dQ pass first: it computes the delta the dK/dV pass reads.
+    Longer calls run the preprocess first. The gradients are checked in both (the fixture)."""
+    monkeypatch.setattr(_flash_bwd, "DELTA_IN_DQ_MAX_LEN", limit)
+    launched = []
+
+    class Spy:
+        def __init__(self, name, kernel):
+            self.name, self.kernel = name, kernel
+
+        def __getitem__(self, grid):
+            launched.append(self.name)
+            return self.kernel[grid]
+
+    for name in ("preprocess", "dkdv", "dq"):
+        attr = f"_flash_bwd_{name}_kernel"
+        monkeypatch.setattr(_flash_bwd, attr, Spy(name, getattr(_flash_bwd, attr)))
+    tensors = _dense(5, 1, 24, 24, 2, 1, 16)
+    ref, kern = _mask_kwargs(0.25, (-1, 0), True)
+    _check(tensors, F32, ref, dict(kern, deterministic=True))
+    assert launched == order
