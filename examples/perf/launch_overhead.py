@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import importlib
 import io
 import os
 import pstats
@@ -48,9 +49,15 @@ def host_us_per_call(fn: Callable[[], object], calls: int, repeats: int = 15) ->
     return best * 1e6
 
 
-def _stub_launches() -> None:
-    """Replace every Triton launch of the attention and decode kernels by a no-op."""
-    from fusedlayers.kernels import _decode_merge, _flash_bwd, _flash_decode, _flash_fwd
+def stub_launches(kernels=None) -> None:
+    """Replace every Triton launch of the attention and decode kernels by a no-op, in
+    `kernels` (a `fusedlayers.kernels` package; by default the installed one)."""
+    if kernels is None:
+        import fusedlayers.kernels as kernels
+    _decode_merge, _flash_bwd, _flash_decode, _flash_fwd = (
+        importlib.import_module(f"{kernels.__name__}.{name}")
+        for name in ("_decode_merge", "_flash_bwd", "_flash_decode", "_flash_fwd")
+    )
 
     class NoLaunch:
         def __getitem__(self, grid):
@@ -361,7 +368,7 @@ def main(calls: int = 1000, top: int = 30, stubbed: bool = False) -> None:
     import fusedlayers
 
     if stubbed:
-        _stub_launches()
+        stub_launches()
     device = "cpu" if stubbed else "cuda"
     dtype = torch.float16 if stubbed else torch.bfloat16
     torch.manual_seed(0)
