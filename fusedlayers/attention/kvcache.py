@@ -56,9 +56,10 @@ from .validation import (
 try:
     from ..kernels import check_page_size, decode_attention, rotate_and_append
     from ..kernels._common import remember
-    from ..kernels._launch import tensor_signature
+    from ..kernels._launch import call_signature, tensor_signature
 except ImportError:  # Triton missing: `_choose_backend` raises first with the reason
-    decode_attention = rotate_and_append = check_page_size = tensor_signature = None
+    decode_attention = rotate_and_append = check_page_size = None
+    call_signature = tensor_signature = None
 
 Tensor = torch.Tensor
 
@@ -207,16 +208,14 @@ def _call_signature(tensors: tuple, cache_seqlens, options: tuple) -> tuple | No
     checked every call) and the options. None where a call cannot be keyed: an operand that is
     no tensor (the checks say so) or has no data pointer, an unhashable option, Triton missing,
     or torch.compile tracing."""
-    if tensor_signature is None or torch.compiler.is_compiling():
+    if call_signature is None or torch.compiler.is_compiling():
         return None
     try:
-        key = (
-            *(tensor_signature(t) for t in tensors),
-            tensor_signature(cache_seqlens)
-            if isinstance(cache_seqlens, torch.Tensor)
-            else type(cache_seqlens),
-            *options,
-        )
+        if isinstance(cache_seqlens, torch.Tensor):
+            lengths = tensor_signature(cache_seqlens)
+        else:
+            lengths = type(cache_seqlens)
+        key = call_signature(tensors, (lengths, *options))
         hash(key)
     except (AttributeError, TypeError, RuntimeError):  # e.g. a subclass without data_ptr()
         return None
