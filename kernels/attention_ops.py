@@ -20,6 +20,7 @@ The LSE is not differentiable (the kernels have no gradient for it).
 
 import inspect
 import operator
+from typing import NamedTuple
 
 import torch
 
@@ -76,23 +77,27 @@ def _forward_impl(
     deterministic: bool,
 ) -> tuple[Tensor, Tensor]:
     """Forward attention: (out, lse). `deterministic` only travels to the backward."""
-    out, lse, _ = _launch_forward(**locals())  # every parameter above, by name
-    return out, lse
+    return _launch_forward(q, k, v, _launch_keywords(**locals()))  # every parameter, by name
 
 
-def _launch_forward(
+def _launch_keywords(
     q: Tensor, k: Tensor, v: Tensor, *, rng_state: Tensor | None, deterministic: bool, **options
-) -> tuple[Tensor, Tensor, tuple]:
-    """The forward launch shared by the op and the eager route: (out, lse, the call's
-    `attention_signature`), which the eager route hands to its backward so the launch plans
-    there start from it. `options` are `_forward_impl`'s remaining arguments."""
+) -> dict:
+    """`flash_attention_forward`'s keywords after q, k and v, from `_forward_impl`'s arguments
+    by name (`options`: all but the five named here): the options, the seed and offset, and the
+    call's `attention_signature`, which the eager route hands to its backward so the launch
+    plans there start from it."""
     seed, offset = _seed_offset(rng_state)
     signature = attention_signature(q, k, v, **options, seed=seed, offset=offset)
-    out, lse = flash_attention_forward(
-        q, k, v, **options, seed=seed, offset=offset, signature=signature
-    )
+    return dict(options, seed=seed, offset=offset, signature=signature)
+
+
+def _launch_forward(q: Tensor, k: Tensor, v: Tensor, launch: dict) -> tuple[Tensor, Tensor]:
+    """The forward launch of the op and the eager routes: (out, lse). `launch`: from
+    `_launch_keywords`, or a `PlannedCall`'s."""
+    out, lse = flash_attention_forward(q, k, v, **launch)
     # A launcher may hand back views of larger buffers; the fake promises contiguous outputs.
-    return out.contiguous(), lse.contiguous(), signature
+    return out.contiguous(), lse.contiguous()
 
 
 flash_attn_fwd = torch.library.custom_op("fusedlayers::flash_attn_fwd", mutates_args=())(
@@ -283,19 +288,21 @@ class _EagerFlashAttention(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, bias, args):
-        named = dict(zip(_FWD_ARGS, args))
-        out, lse, signature = _launch_forward(**named)
+    def forward(ctx, q, k, v, bias, args, planned):
+        if planned is None:
+            launch = _launch_keywords(**dict(zip(_FWD_ARGS, args)))
+        else:
+            launch = planned.launch
+        out, lse = _launch_forward(q, k, v, launch)
         _setup_context(ctx, args, (out, lse))
         # lse never has a gradient and out's is always given (a backward runs only when some
         # output has one): without this autograd would allocate and zero-fill one the size of
         # lse for every backward, an allocation and a kernel launch on its device thread.
         ctx.set_materialize_grads(False)
-        seed, offset = _seed_offset(named["rng_state"])
-        ctx.options = dict(
-            ctx.scalars, seed=seed, offset=offset, bias_requires_grad=ctx.bias_requires_grad,
-            forward_signature=signature,
-        )  # fmt: skip
+        if planned is None:
+            ctx.options = _backward_keywords(ctx.scalars, launch, ctx.bias_requires_grad)
+        else:
+            ctx.options = planned.backward
         ctx.grad_plan = plan_packed_grads(q, k, v)
         return out, lse
 
@@ -313,12 +320,28 @@ class _EagerFlashAttention(torch.autograd.Function):
         if ctx.bias_requires_grad:
             bias = tensors["bias"]
             dbias = dbias.reshape(bias.shape).to(bias.dtype).contiguous()
-        return dq, dk, dv, dbias, None
+        return dq, dk, dv, dbias, None, None
 
 
-def _eager_apply(*args):
-    """`_EagerFlashAttention.apply` on `_forward_impl`'s argument list."""
-    return _EagerFlashAttention.apply(args[0], args[1], args[2], args[_BIAS], args)
+def _backward_keywords(scalars: dict, launch: dict, bias_requires_grad: bool) -> dict:
+    """The eager backward's keywords for `flash_attention_backward` besides its tensors: the
+    forward's scalar arguments (`_SCALAR_INPUTS`), and from its `launch` keywords the seed, the
+    offset and the signature."""
+    return dict(
+        scalars, seed=launch["seed"], offset=launch["offset"],
+        bias_requires_grad=bias_requires_grad, forward_signature=launch["signature"],
+    )  # fmt: skip
+
+
+def _eager_apply(*args, planned: "PlannedCall | None" = None):
+    """`_EagerFlashAttention.apply` on `_forward_impl`'s argument list; `planned`: the call's
+    `PlannedCall`, where it has one."""
+    return _EagerFlashAttention.apply(args[0], args[1], args[2], args[_BIAS], args, planned)
+
+
+def _planned_forward(*args, planned: "PlannedCall") -> tuple[Tensor, Tensor]:
+    """The launch alone (no gradient needed) of a planned call, given its argument list."""
+    return _launch_forward(args[0], args[1], args[2], planned.launch)
 
 
 def flash_attention(
@@ -378,29 +401,78 @@ def flash_attention(
         # torch.randint on the default generator: reproducible under torch.manual_seed, and
         # traceable by torch.compile (the state is an op input, not a Python-side int).
         rng_state = torch.randint(0, _RNG_BOUND, (2,), dtype=torch.int64)
-    return pick_forward(flash_attn_fwd, _eager_apply, _forward_impl, (q, k, v, bias))(
-        q,
-        k,
-        v,
-        cu_seqlens_q,
-        cu_seqlens_k,
-        seq_offsets_q,
-        seq_offsets_k,
-        max_seqlen_q,
-        max_seqlen_k,
-        seqlens_q,
-        seqlens_k,
-        float(softmax_scale),
-        int(window_size[0]),
-        int(window_size[1]),
-        bool(bottom_right),
-        bias,
-        alibi_slopes,
-        float(softcap),
-        float(dropout_p),
-        rng_state if dropout_p > 0 else None,
-        bool(deterministic),
-    )
+    args = _arguments(**locals())
+    return pick_forward(flash_attn_fwd, _eager_apply, _forward_impl, (q, k, v, bias))(*args)
 
 
-__all__ = ["flash_attention", "flash_attn_fwd", "flash_attn_bwd"]
+def _arguments(
+    q, k, v, *, cu_seqlens_q, cu_seqlens_k, seq_offsets_q, seq_offsets_k, max_seqlen_q,
+    max_seqlen_k, seqlens_q, seqlens_k, softmax_scale, window_size, bottom_right, bias,
+    alibi_slopes, softcap, dropout_p, rng_state, deterministic,
+) -> tuple:  # fmt: skip
+    """`_forward_impl`'s argument list from `flash_attention`'s arguments (the custom op's
+    schema: plain floats, ints and bools; no rng_state without dropout)."""
+    return (
+        q, k, v, cu_seqlens_q, cu_seqlens_k, seq_offsets_q, seq_offsets_k, max_seqlen_q,
+        max_seqlen_k, seqlens_q, seqlens_k, float(softmax_scale), int(window_size[0]),
+        int(window_size[1]), bool(bottom_right), bias, alibi_slopes, float(softcap),
+        float(dropout_p), rng_state if dropout_p > 0 else None, bool(deterministic),
+    )  # fmt: skip
+
+
+class PlannedCall(NamedTuple):
+    """One dense `flash_attention` call without tensor arguments besides q, k and v, planned
+    for every call on inputs of one signature (`plan_call`)."""
+
+    arguments: tuple  # `_forward_impl`'s argument list after q, k and v
+    launch: dict  # `flash_attention_forward`'s keywords after q, k and v (`_launch_keywords`)
+    backward: dict  # the eager backward's keywords (`_backward_keywords`)
+
+
+def plan_call(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    softmax_scale: float,
+    window_size: tuple[int, int] = (-1, -1),
+    bottom_right: bool = True,
+    softcap: float = 0.0,
+    deterministic: bool = False,
+) -> PlannedCall:
+    """The host-side part of `flash_attention(q, k, v, ...)` that follows from the inputs'
+    `_launch.tensor_signature`s and these arguments, for a caller that repeats the call
+    (fusedlayers' front end keeps one per validated signature). No dropout: its seed and offset
+    are drawn per call and specialize the launch."""
+    args = _arguments(
+        q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, seq_offsets_q=None, seq_offsets_k=None,
+        max_seqlen_q=None, max_seqlen_k=None, seqlens_q=None, seqlens_k=None,
+        softmax_scale=softmax_scale, window_size=window_size, bottom_right=bottom_right,
+        bias=None, alibi_slopes=None, softcap=softcap, dropout_p=0.0, rng_state=None,
+        deterministic=deterministic,
+    )  # fmt: skip
+    launch = _launch_keywords(**dict(zip(_FWD_ARGS, args)))
+    scalars = dict(zip(_SCALAR_INPUTS, _SAVED_SCALARS(args)))
+    return PlannedCall(args[3:], launch, _backward_keywords(scalars, launch, False))
+
+
+def flash_attention_planned(q: Tensor, k: Tensor, v: Tensor, call: PlannedCall):
+    """`flash_attention` on q, k and v for the call `plan_call` planned: the same (out, lse)
+    and gradients. The caller guarantees that each input has the `tensor_signature` of the
+    one the plan was made from (the launches trust the plan's signature; with
+    `_launch.set_signature_checks(True)` every launch verifies it)."""
+    args = (q, k, v, *call.arguments)
+    route = pick_forward(flash_attn_fwd, _eager_apply, _planned_forward, (q, k, v))
+    if route is flash_attn_fwd:  # traced: the plan is the eager routes' shortcut
+        return route(*args)
+    return route(*args, planned=call)
+
+
+__all__ = [
+    "PlannedCall",
+    "flash_attention",
+    "flash_attention_planned",
+    "flash_attn_bwd",
+    "flash_attn_fwd",
+    "plan_call",
+]
