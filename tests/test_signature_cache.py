@@ -9,6 +9,7 @@ import torch
 from naive_attention import naive_attention
 
 from fusedlayers.attention import frontend, validation
+from fusedlayers.attention.reference import attention_reference
 
 
 @pytest.fixture
@@ -125,3 +126,98 @@ def test_unhashable_window_is_validated_every_time(checks):
     for _ in range(2):
         _attend(q, k, v, attn_mask_type="no_mask", window_size=[2, 0])
     assert len(checks) == 2
+
+
+# The kernel path (the Triton interpreter on CPU): a hit of a call without dropout launches the
+# kernel call planned on the miss (`kernels.attention_ops.plan_call`), without the generic path.
+
+
+@pytest.fixture
+def planned(monkeypatch):
+    """Counts the front end's launches of a planned call and the plans it makes."""
+    counts = {"calls": 0, "plans": 0}
+    real_call, real_plan = frontend.flash_attention_planned, frontend.plan_call
+
+    def call(*args, **kwargs):
+        counts["calls"] += 1
+        return real_call(*args, **kwargs)
+
+    def plan(*args, **kwargs):
+        counts["plans"] += 1
+        return real_plan(*args, **kwargs)
+
+    monkeypatch.setattr(frontend, "flash_attention_planned", call)
+    monkeypatch.setattr(frontend, "plan_call", plan)
+    return counts
+
+
+def _kernel_attend(q, k, v, **kwargs):
+    kwargs.setdefault("qkv_format", "bshd")
+    return frontend.attention(q, k, v, backend="kernel", **kwargs)[0]
+
+
+def _reference_with_grads(q, k, v, dout, fmt, window, bottom_right, scale=None):
+    """fp64 reference output and gradients of q, k and v."""
+    leaves = [t.detach().double().requires_grad_(True) for t in (q, k, v)]
+    views = [t.transpose(0, 1) for t in leaves] if fmt == "sbhd" else leaves
+    out = attention_reference(
+        *views, window_size=window, bottom_right=bottom_right, softmax_scale=scale
+    )
+    out = out.transpose(0, 1) if fmt == "sbhd" else out
+    return out, torch.autograd.grad(out, leaves, dout.double())
+
+
+@pytest.mark.parametrize("fmt", ["bshd", "sbhd"])
+@pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad"])
+def test_kernel_hits_launch_the_planned_call_on_fresh_data(checks, planned, fmt, grad):
+    for seed in range(3):
+        torch.manual_seed(seed)
+        q, k, v = (t.float().requires_grad_(grad) for t in _qkv(fmt=fmt))
+        out = _kernel_attend(q, k, v, qkv_format=fmt, attn_mask_type="causal")
+        dout = torch.randn_like(out)
+        want, want_grads = _reference_with_grads(q, k, v, dout, fmt, (-1, 0), False)
+        torch.testing.assert_close(out.double(), want, atol=2e-5, rtol=2e-5)
+        assert out.requires_grad == grad
+        if grad:
+            got = torch.autograd.grad(out, (q, k, v), dout)
+            for name, g, w in zip("qkv", got, want_grads):
+                torch.testing.assert_close(g.double(), w, atol=5e-5, rtol=5e-5, msg=name)
+    assert len(checks) == 1
+    assert planned == {"calls": 2, "plans": 1}
+
+
+@pytest.mark.parametrize("change", ["stride", "deterministic", "softcap", "scale", "window"])
+def test_each_argument_a_plan_fixes_makes_a_new_plan(checks, planned, change):
+    torch.manual_seed(0)
+    q, k, v = (t.float() for t in _qkv())
+    kwargs = dict(attn_mask_type="no_mask")
+    _kernel_attend(q, k, v, **kwargs)
+    window, scale = (-1, -1), None
+    if change == "stride":
+        k = k.transpose(1, 2).contiguous().transpose(1, 2)
+    elif change == "deterministic":
+        kwargs["deterministic"] = True
+    elif change == "softcap":
+        kwargs["softcap"] = 5.0
+    elif change == "scale":
+        kwargs["softmax_scale"] = scale = 0.25
+    else:
+        kwargs["window_size"] = window = (2, 1)
+    for _ in range(2):  # the miss plans, the hit launches that plan
+        out = _kernel_attend(q, k, v, **kwargs)
+    assert len(checks) == 2
+    assert planned == {"calls": 1, "plans": 2}
+    if change != "softcap":
+        want, _ = _reference_with_grads(q, k, v, torch.ones_like(out), "bshd", window, True, scale)
+        torch.testing.assert_close(out.double(), want, atol=2e-5, rtol=2e-5)
+
+
+def test_dropout_hits_take_the_generic_path(checks, planned):
+    q, k, v = (t.float() for t in _qkv())
+    outs = []
+    for _ in range(2):
+        torch.manual_seed(5)  # the same seed draws the same keep-mask
+        outs.append(_kernel_attend(q, k, v, dropout_p=0.3))
+    torch.testing.assert_close(outs[0], outs[1], atol=0, rtol=0)
+    assert len(checks) == 1
+    assert planned == {"calls": 0, "plans": 0}

@@ -14,14 +14,17 @@ Signature cache: a call with no mask tensor, no `cu_seqlens`, no bias and no ALi
 training and inference call) is validated and normalized once per signature, that is q, k and v's
 shapes, strides, dtypes and devices and every argument the checks read; a later call with the
 same signature reuses the result, and any change (a stride, a length, a dtype, a scale)
-validates again. Calls with those tensors are checked in full every time; the facts read off
-their values are memoized per tensor version (`_host_cache`).
+validates again. On the kernel path without dropout the result is the kernel call itself
+(`kernels.attention_ops.plan_call`): a hit goes from the signature to the launch. Calls with
+those tensors are checked in full every time; the facts read off their values are memoized per
+tensor version (`_host_cache`).
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -33,9 +36,11 @@ try:
     from ..kernels import flash_attention
     from ..kernels._common import remember
     from ..kernels._launch import tensor_signature
+    from ..kernels.attention_ops import PlannedCall, flash_attention_planned, plan_call
 except ImportError as error:  # Triton missing (no Linux wheel) or broken: the reference serves
     flash_attention, _KERNELS_MISSING = None, f"kernels unavailable ({error})"
     tensor_signature = None  # and calls are validated in full every time
+    PlannedCall = None
 else:
     _KERNELS_MISSING = None
 
@@ -60,8 +65,15 @@ class _Prepared:
     copies: list[str]
 
 
-# Validated, tensor-free calls by signature (module docstring): the mask spec they normalized to.
-_VALIDATED: dict[tuple, masks.MaskSpec] = {}
+class _Validated(NamedTuple):
+    """What a validated, tensor-free call (module docstring) leaves for its signature's hits."""
+
+    spec: masks.MaskSpec  # the mask it normalized to
+    kernel_call: PlannedCall | None  # the whole kernel call; None: hits take `_run_kernel` or
+    # the reference (dropout, the reference path, empty inputs)
+
+
+_VALIDATED: dict[tuple, _Validated] = {}
 _MAX_VALIDATED = 1024
 
 
@@ -100,6 +112,14 @@ def _kernel_view(t: torch.Tensor, qkv_format: str, name: str, copies: list[str])
         copies.append(f"{name}: stride(-1)={t.stride(-1)} != 1, copied to contiguous")
         t = t.contiguous()
     return t
+
+
+def _signature_views(q, k, v, qkv_format: str) -> tuple[torch.Tensor, ...]:
+    """`_kernel_view` of each input on a signature hit: the signature fixes the strides, which
+    needed no copy when the call was validated, so only the sbhd transpose is left."""
+    if qkv_format == "sbhd":
+        return q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+    return q, k, v
 
 
 def _varlen_args(q, k, cu_q, cu_kv, cu_q_pad, cu_kv_pad, max_q, max_kv) -> dict:
@@ -346,6 +366,24 @@ def _run_kernel(p: _Prepared, scale, softcap, dropout_p, deterministic):
     )
 
 
+def _plain_number(x) -> bool:
+    """An argument the signature can hold as it is: None, or a Python int or float."""
+    return x is None or x.__class__ in (int, float)
+
+
+def _kernel_call(p: _Prepared, softmax_scale, softcap, dropout_p, deterministic, kernel_path):
+    """The kernel call a tensor-free call's signature hits can make directly (`plan_call`), or
+    None where they take the generic path: the reference, dropout (its seed specializes each
+    launch) and empty inputs (no launch)."""
+    if not kernel_path or dropout_p > 0 or 0 in (p.q.numel(), p.k.numel(), p.v.numel()):
+        return None
+    scale = p.q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
+    return plan_call(
+        p.q, p.k, p.v, softmax_scale=scale, window_size=p.spec.window_size,
+        bottom_right=p.spec.bottom_right, softcap=softcap, deterministic=deterministic,
+    )  # fmt: skip
+
+
 def _empty_result(q, v, qkv_format):
     """Batch 0 or length 0: no compute. Queries with no keys output 0 with LSE -inf."""
     out = q.new_zeros(*q.shape[:-1], v.shape[-1])
@@ -418,25 +456,32 @@ def attention(
         and core_attention_bias is None
         and alibi_slopes is None
         and core_attention_bias_type == "no_bias"
-        and all(
-            isinstance(x, (int, float, type(None))) for x in (softmax_scale, softcap, dropout_p)
-        )
+        and _plain_number(softmax_scale)
+        and _plain_number(softcap)
+        and _plain_number(dropout_p)
         and tensor_signature is not None
         and not torch.compiler.is_compiling()
     ):
         signature = (
             tensor_signature(q), tensor_signature(k), tensor_signature(v), qkv_format,
             attn_mask_type, window_size, mask_spec, softmax_scale, softcap, dropout_p,
-            kernel_path, expected_heads,
+            kernel_path, expected_heads, deterministic,
         )  # fmt: skip
     try:
-        spec = _VALIDATED.get(signature) if signature is not None else None
+        hit = _VALIDATED.get(signature) if signature is not None else None
     except TypeError:  # an unhashable argument (a list for window_size): no caching
-        signature = spec = None
-    if spec is not None:
-        # The signature fixes the strides, so these are the views `prepare` made, no copies.
-        views = (_kernel_view(t, qkv_format, "", []) for t in (q, k, v))
-        p = _Prepared(*views, {}, None, None, spec, None, None, None, [])
+        signature = hit = None
+    if hit is not None and hit.kernel_call is not None:
+        qb, kb, vb = _signature_views(q, k, v, qkv_format)
+        if debug_enabled():
+            p = _Prepared(qb, kb, vb, {}, None, None, hit.spec, None, None, None, [])
+            _log(p, q, k, v, qkv_format, attn_mask_type, kernel_path, why, tag)
+        out, lse = flash_attention_planned(qb, kb, vb, hit.kernel_call)
+        return (out.transpose(0, 1) if qkv_format == "sbhd" else out), lse
+    if hit is not None:
+        p = _Prepared(
+            *_signature_views(q, k, v, qkv_format), {}, None, None, hit.spec, None, None, None, []
+        )
     else:
         validation.check_qkv_format(qkv_format)
         validation.check_dropout(dropout_p)
@@ -465,7 +510,13 @@ def attention(
             expected_heads=expected_heads,
         )
         if signature is not None and not p.copies:
-            remember(_VALIDATED, signature, p.spec, _MAX_VALIDATED)
+            remember(
+                _VALIDATED,
+                signature,
+                _Validated(p.spec, _kernel_call(p, softmax_scale, softcap, dropout_p,
+                                                deterministic, kernel_path)),
+                _MAX_VALIDATED,
+            )  # fmt: skip
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
     if debug_enabled():
         _log(p, q, k, v, qkv_format, attn_mask_type, kernel_path, why, tag)

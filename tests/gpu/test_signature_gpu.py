@@ -12,7 +12,7 @@ import dataclasses
 
 import pytest
 import torch
-from attention_testing import Case, check_case
+from attention_testing import Case, check_case, check_results, make_inputs, run_reference
 from fusedlayers.kernels import (
     _flash_bwd_sm90,
     _flash_fwd_sm90,
@@ -22,6 +22,7 @@ from fusedlayers.kernels import (
 )
 
 import fusedlayers
+from fusedlayers.attention import frontend
 
 pytestmark = pytest.mark.gpu
 
@@ -142,3 +143,55 @@ def test_misaligned_views_after_aligned_calls(offset, portable_kernels):
     grads = torch.autograd.grad(out, leaves, dout)
     for g_view, g in zip(grads_view, grads):
         torch.testing.assert_close(g_view, g, atol=2e-2, rtol=2e-2)
+
+
+# The front end's planned calls (fusedlayers/attention/frontend.py): from the second call of a
+# signature, `attention` launches the kernel call it planned on the first (`plan_call`), with the
+# plan's launch signature. Each call must still compute on its own inputs and gradients.
+FRONT_END_CASES = [
+    ("portable", Case(b=2, s_q=192, s_k=192, h=4, h_kv=2, d=64, dtype=BF16, window=(-1, 0))),
+    ("sm90", Case(b=1, s_q=1024, s_k=1024, h=4, h_kv=2, d=128, dtype=BF16, window=(-1, 0))),
+]
+
+
+def _front_end(case: Case, inputs: dict, fmt: str) -> dict:
+    """`frontend.attention` (causal) on the case's q, k and v given in `fmt`: out, lse and the
+    gradients, in the kernels' bshd layout."""
+    leaves = [inputs[n].detach().to(case.dtype).requires_grad_() for n in ("q", "k", "v")]
+    views = [t.transpose(0, 1) for t in leaves] if fmt == "sbhd" else leaves
+    out, lse = frontend.attention(
+        *views, qkv_format=fmt, attn_mask_type="causal", softmax_scale=case.scale
+    )
+    out = out.transpose(0, 1) if fmt == "sbhd" else out
+    grads = torch.autograd.grad(out, leaves, inputs["dout"].to(out.dtype))
+    return dict(out=out.detach(), lse=lse.detach(), **dict(zip(("dq", "dk", "dv"), grads)))
+
+
+@pytest.mark.parametrize("checked", [True, False], ids=["checked", "slots"])
+@pytest.mark.parametrize("fmt", ["bshd", "sbhd"])
+@pytest.mark.parametrize("path,case", FRONT_END_CASES, ids=[p for p, _ in FRONT_END_CASES])
+def test_front_end_planned_calls_on_fresh_data(path, case, fmt, checked, monkeypatch):
+    """Four front-end calls of one signature on new inputs, each checked with the suite's pass
+    rule; the last three launch the planned call, through the signature checks or (unchecked)
+    the plans' bound launch slots."""
+    if path == "sm90" and not _sm90_ready():
+        pytest.skip("needs an sm_90 GPU and Triton's Gluon")
+    monkeypatch.setattr(_launch, "_check_signatures", checked)
+    monkeypatch.setattr(frontend, "_VALIDATED", {})
+    planned = []
+    real = frontend.flash_attention_planned
+    monkeypatch.setattr(
+        frontend, "flash_attention_planned", lambda *a: planned.append(1) or real(*a)
+    )
+    previous = set_forward_path(path), set_backward_path(path)
+    try:
+        for seed in range(4):
+            seeded = dataclasses.replace(case, seed=seed)
+            inputs = make_inputs(seeded, "cuda")
+            high = run_reference(seeded, inputs, torch.float64)
+            low = run_reference(seeded, inputs, seeded.dtype)
+            check_results(_front_end(seeded, inputs, fmt), high, low, seeded.s_k)
+    finally:
+        set_forward_path(previous[0])
+        set_backward_path(previous[1])
+    assert len(planned) == 3
