@@ -401,7 +401,15 @@ def flash_attention(
         # torch.randint on the default generator: reproducible under torch.manual_seed, and
         # traceable by torch.compile (the state is an op input, not a Python-side int).
         rng_state = torch.randint(0, _RNG_BOUND, (2,), dtype=torch.int64)
-    args = _arguments(**locals())
+    # Named one by one: Dynamo (torch 2.11) cannot trace `locals()`.
+    args = _arguments(
+        q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+        seq_offsets_q=seq_offsets_q, seq_offsets_k=seq_offsets_k, max_seqlen_q=max_seqlen_q,
+        max_seqlen_k=max_seqlen_k, seqlens_q=seqlens_q, seqlens_k=seqlens_k,
+        softmax_scale=softmax_scale, window_size=window_size, bottom_right=bottom_right,
+        bias=bias, alibi_slopes=alibi_slopes, softcap=softcap, dropout_p=dropout_p,
+        rng_state=rng_state, deterministic=deterministic,
+    )  # fmt: skip
     return pick_forward(flash_attn_fwd, _eager_apply, _forward_impl, (q, k, v, bias))(*args)
 
 
