@@ -289,21 +289,24 @@ class _EagerFlashAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, bias, args, planned):
-        if planned is None:
-            launch = _launch_keywords(**dict(zip(_FWD_ARGS, args)))
-        else:
-            launch = planned.launch
-        out, lse = _launch_forward(q, k, v, launch)
-        _setup_context(ctx, args, (out, lse))
         # lse never has a gradient and out's is always given (a backward runs only when some
         # output has one): without this autograd would allocate and zero-fill one the size of
         # lse for every backward, an allocation and a kernel launch on its device thread.
         ctx.set_materialize_grads(False)
-        if planned is None:
-            ctx.options = _backward_keywords(ctx.scalars, launch, ctx.bias_requires_grad)
-        else:
-            ctx.options = planned.backward
         ctx.grad_plan = plan_packed_grads(q, k, v)
+        if planned is not None:
+            # No tensor arguments besides q, k and v (`plan_call`), so the backward's tensor
+            # keywords all stay None, and its other keywords were made with the plan.
+            out, lse = _launch_forward(q, k, v, planned.launch)
+            ctx.mark_non_differentiable(lse)
+            ctx.save_for_backward(out, lse, q, k, v)
+            ctx.bias_requires_grad = False
+            ctx.options = planned.backward
+            return out, lse
+        launch = _launch_keywords(**dict(zip(_FWD_ARGS, args)))
+        out, lse = _launch_forward(q, k, v, launch)
+        _setup_context(ctx, args, (out, lse))
+        ctx.options = _backward_keywords(ctx.scalars, launch, ctx.bias_requires_grad)
         return out, lse
 
     @staticmethod

@@ -221,3 +221,22 @@ def test_dropout_hits_take_the_generic_path(checks, planned):
     torch.testing.assert_close(outs[0], outs[1], atol=0, rtol=0)
     assert len(checks) == 1
     assert planned == {"calls": 0, "plans": 0}
+
+
+def test_planned_hits_on_packed_qkv(checks, planned):
+    """q, k and v viewed from one packed tensor (the packed-gradient plan of the eager route):
+    the hit's packed gradient has the reference's values too."""
+    from fusedlayers import flash_attn_qkvpacked_func
+
+    for seed in range(2):
+        torch.manual_seed(seed)
+        qkv = torch.randn(2, 6, 3, 4, 8, requires_grad=True)
+        out = flash_attn_qkvpacked_func(qkv, causal=True)
+        dout = torch.randn_like(out)
+        (grad,) = torch.autograd.grad(out, qkv, dout)
+        views = qkv.unbind(2)
+        want, want_grads = _reference_with_grads(*views, dout, "bshd", (-1, 0), True)
+        torch.testing.assert_close(out.double(), want, atol=2e-5, rtol=2e-5)
+        torch.testing.assert_close(grad.double(), torch.stack(want_grads, 2), atol=5e-5, rtol=5e-5)
+    assert len(checks) == 1
+    assert planned == {"calls": 1, "plans": 1}
