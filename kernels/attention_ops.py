@@ -277,9 +277,11 @@ flash_attn_fwd.register_autograd(_backward, setup_context=_setup_context)
 class _EagerFlashAttention(torch.autograd.Function):
     """The eager route (host time: see _routes.py), taken where a gradient is needed.
 
-    `apply(q, k, v, bias, args)`, `args` being `_forward_impl`'s whole argument list: autograd
-    tracks the four tensors that can have a gradient and passes the rest through as one tuple,
-    so its per-input work covers five arguments rather than twenty-one. Autograd runs the
+    `apply(q, k, v, bias, args, planned)`, `args` being `_forward_impl`'s whole argument list
+    and `planned` the call's `PlannedCall` or None: autograd tracks the four tensors that can
+    have a gradient and passes the rest through, so its per-input work covers six arguments
+    rather than twenty-one. A planned call brings its launch and backward keywords along;
+    other calls build them here. Autograd runs the
     backward on its device thread, where the same Python takes longer than on the caller's
     (docs/performance.md, "Host time on autograd's device thread"), so the forward gathers what
     the backward passes on: its keywords, the call's `attention_signature` (the backward's launch
