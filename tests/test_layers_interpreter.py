@@ -66,3 +66,36 @@ def test_kernels_read_projection_views(kernels_on_cpu, form, groups, fmt):
     torch.testing.assert_close(outs[0], outs[1], atol=2e-5, rtol=2e-5)
     for a, b in zip(*grads):
         torch.testing.assert_close(a, b, atol=2e-5, rtol=2e-5)
+
+
+def test_transformer_layer_repeats_take_the_planned_attention_call(kernels_on_cpu, monkeypatch):
+    """A TransformerLayer's attention call repeats one signature every step: from the second
+    step it launches the call the front end planned on the first (`plan_call`), and each step
+    still matches the reference path on its own fresh input, forward and backward."""
+    from fusedlayers.layers.transformer_layer import TransformerLayer
+
+    monkeypatch.setattr(front_end, "_VALIDATED", {})
+    planned = []
+    real = front_end.flash_attention_planned
+    monkeypatch.setattr(
+        front_end, "flash_attention_planned", lambda *a: planned.append(1) or real(*a)
+    )
+    torch.manual_seed(0)
+    kernel = TransformerLayer(
+        HIDDEN, 2 * HIDDEN, HEADS, num_gqa_groups=2, hidden_dropout=0.0, attention_dropout=0.0,
+        fuse_qkv_params=True, attn_input_format="sbhd",
+    )  # fmt: skip
+    reference = copy.deepcopy(kernel)
+    reference.use_reference = True
+    for step in range(3):
+        x = torch.randn(7, 2, HIDDEN)
+        outs, grads = [], []
+        for module in (kernel, reference):
+            inp = x.clone().requires_grad_()
+            out = module(inp)
+            outs.append(out)
+            grads.append(torch.autograd.grad(out.sin().sum(), [inp, *module.parameters()]))
+        torch.testing.assert_close(outs[0], outs[1], atol=2e-5, rtol=2e-5, msg=f"step {step}")
+        for a, b in zip(*grads):
+            torch.testing.assert_close(a, b, atol=2e-5, rtol=2e-5)
+    assert len(planned) == 2
