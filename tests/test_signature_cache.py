@@ -240,3 +240,19 @@ def test_planned_hits_on_packed_qkv(checks, planned):
         torch.testing.assert_close(grad.double(), torch.stack(want_grads, 2), atol=5e-5, rtol=5e-5)
     assert len(checks) == 1
     assert planned == {"calls": 1, "plans": 1}
+
+
+def test_planned_hits_still_log_each_new_call_site(monkeypatch, caplog):
+    """FUSEDLAYERS_DEBUG=1 logs once per call site; a call site whose first call is a planned
+    hit (the signature was validated elsewhere) is logged too, with the kernel path."""
+    import logging
+
+    monkeypatch.setattr(frontend, "_VALIDATED", {})
+    monkeypatch.setenv("FUSEDLAYERS_DEBUG", "1")
+    q, k, v = (t.float() for t in _qkv(fmt="sbhd"))
+    with caplog.at_level(logging.INFO, logger="fusedlayers"):
+        _kernel_attend(q, k, v, qkv_format="sbhd", attn_mask_type="causal", tag="first site")
+        _kernel_attend(q, k, v, qkv_format="sbhd", attn_mask_type="causal", tag="second site")
+    records = [r.getMessage() for r in caplog.records if r.name == "fusedlayers"]
+    assert len(records) == 2 and "second site" in records[1]
+    assert "qkv_format=sbhd" in records[1] and "backend=triton" in records[1]
