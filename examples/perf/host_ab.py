@@ -40,7 +40,12 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from launch_overhead import host_us_per_call, stub_launches  # noqa: E402
+from launch_overhead import (  # noqa: E402
+    decode_step,
+    host_us_per_call,
+    sdpa_decode_calls,
+    stub_launches,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 OLD_NAME = "fusedlayers_rev"
@@ -117,9 +122,7 @@ def _attention_calls(packages: dict, shape: tuple, tag: str, device: str, dtype)
 
 def _decode_calls(packages: dict, device: str, dtype) -> dict:
     torch.manual_seed(0)
-    q = torch.randn(1, 1, 4, 64, device=device, dtype=dtype)
-    k_cache, v_cache = (torch.randn(1, 1024, 2, 64, device=device, dtype=dtype) for _ in range(2))
-    lengths = torch.full((1,), 700, dtype=torch.int32, device=device)
+    q, k_cache, v_cache, lengths = decode_step(device, dtype)
     calls = {
         f"decode: {name}, flash_attn_with_kvcache": (
             lambda package=package: package.flash_attn_with_kvcache(
@@ -129,16 +132,9 @@ def _decode_calls(packages: dict, device: str, dtype) -> dict:
         for name, package in packages.items()
     }
     if device == "cuda":
-        import torch.nn.functional as F
-
-        q_t, k_t, v_t = (t.transpose(1, 2) for t in (q, k_cache, v_cache))
-        mask = (torch.arange(k_cache.shape[1], device=device) < 700)[None, None, None, :]
-        calls["decode: sdpa, cache cut to its filled rows"] = lambda: (
-            F.scaled_dot_product_attention(q_t, k_t[:, :, :700], v_t[:, :, :700], enable_gqa=True)
-        )
-        calls["decode: sdpa, whole cache and a boolean mask"] = lambda: (
-            F.scaled_dot_product_attention(q_t, k_t, v_t, attn_mask=mask, enable_gqa=True)
-        )
+        cut, masked = sdpa_decode_calls(q, k_cache, v_cache)
+        calls["decode: sdpa, cache cut to its filled rows"] = cut
+        calls["decode: sdpa, whole cache and a boolean mask"] = masked
     return calls
 
 

@@ -72,6 +72,40 @@ def stub_launches(kernels=None) -> None:
     _decode_merge._decode_combine = NoLaunch()
 
 
+# The eager decode step the host-time scripts time (this one and host_ab.py): one query, 4 query
+# heads over 2 KV heads, d=64, a 1,024-row cache holding DECODE_FILLED rows.
+DECODE_FILLED = 700
+
+
+def decode_step(device, dtype) -> tuple[torch.Tensor, ...]:
+    """(q [1, 1, 4, 64], k_cache, v_cache [1, 1024, 2, 64], int32 lengths [1] = DECODE_FILLED)."""
+    q = torch.randn(1, 1, 4, 64, device=device, dtype=dtype)
+    k_cache, v_cache = (torch.randn(1, 1024, 2, 64, device=device, dtype=dtype) for _ in range(2))
+    lengths = torch.full((1,), DECODE_FILLED, dtype=torch.int32, device=device)
+    return q, k_cache, v_cache, lengths
+
+
+def sdpa_decode_calls(q, k_cache, v_cache) -> tuple[Callable, Callable]:
+    """SDPA (its own dispatch) on the same step: given the cache cut to its filled rows (what an
+    eager loop with a host-side length passes), and given the whole static cache with a boolean
+    mask over the filled rows (what a captured or compiled loop passes)."""
+    import torch.nn.functional as F
+
+    filled = torch.arange(k_cache.shape[1], device=q.device) < DECODE_FILLED
+    mask = filled[None, None, None, :]
+    q_t, k_t, v_t = (t.transpose(1, 2) for t in (q, k_cache, v_cache))
+
+    def cut():
+        return F.scaled_dot_product_attention(
+            q_t, k_t[:, :, :DECODE_FILLED], v_t[:, :, :DECODE_FILLED], enable_gqa=True
+        )
+
+    def masked():
+        return F.scaled_dot_product_attention(q_t, k_t, v_t, attn_mask=mask, enable_gqa=True)
+
+    return cut, masked
+
+
 def decode_rows(device, dtype, calls: int) -> list[tuple[str, float]]:
     """One eager decode step's attention (b=1, one query, 4 query heads over 2 KV heads, d=64,
     1,024 cached keys, split-KV with the heuristic's split count): the kernel entry
@@ -85,9 +119,7 @@ def decode_rows(device, dtype, calls: int) -> list[tuple[str, float]]:
 
     import fusedlayers
 
-    q = torch.randn(1, 1, 4, 64, device=device, dtype=dtype)
-    k_cache, v_cache = (torch.randn(1, 1024, 2, 64, device=device, dtype=dtype) for _ in range(2))
-    seqlens = torch.full((1,), 700, dtype=torch.int32, device=device)
+    q, k_cache, v_cache, seqlens = decode_step(device, dtype)
 
     def entry():
         return decode_attention(q, k_cache, v_cache, seqlens, softmax_scale=0.125)
@@ -110,23 +142,7 @@ def decode_rows(device, dtype, calls: int) -> list[tuple[str, float]]:
         ),
     ]
     if q.is_cuda:
-        import torch.nn.functional as F
-
-        # SDPA (its own dispatch) on the same step: the cache cut to its 700 filled rows (what an
-        # eager loop with a host-side length passes), and the whole static cache with a boolean
-        # mask over the filled rows (what a captured or compiled loop passes).
-        filled = torch.arange(k_cache.shape[1], device=device) < 700
-        mask = filled[None, None, None, :]
-        q_t, k_t, v_t = (t.transpose(1, 2) for t in (q, k_cache, v_cache))
-
-        def sdpa_cut():
-            return F.scaled_dot_product_attention(
-                q_t, k_t[:, :, :700], v_t[:, :, :700], enable_gqa=True
-            )
-
-        def sdpa_masked():
-            return F.scaled_dot_product_attention(q_t, k_t, v_t, attn_mask=mask, enable_gqa=True)
-
+        sdpa_cut, sdpa_masked = sdpa_decode_calls(q, k_cache, v_cache)
         rows += [
             ("sdpa, same decode step, cache cut to its filled rows",
              host_us_per_call(sdpa_cut, calls)),
