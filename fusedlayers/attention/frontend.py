@@ -104,22 +104,24 @@ def _choose_backend(backend: str, q: torch.Tensor) -> tuple[bool, str]:
     return False, f"tensors on {q.device} (no CUDA): reference path"
 
 
+def _bshd(t: torch.Tensor, qkv_format: str) -> torch.Tensor:
+    """sbhd <-> bshd as a transposed view (its own inverse); other formats as they are."""
+    return t.transpose(0, 1) if qkv_format == "sbhd" else t
+
+
 def _kernel_view(t: torch.Tensor, qkv_format: str, name: str, copies: list[str]) -> torch.Tensor:
     """sbhd -> bshd as a transposed view; copy only if the head dim is not contiguous."""
-    if qkv_format == "sbhd":
-        t = t.transpose(0, 1)
+    t = _bshd(t, qkv_format)
     if t.stride(-1) != 1 and t.shape[-1] > 1:
         copies.append(f"{name}: stride(-1)={t.stride(-1)} != 1, copied to contiguous")
         t = t.contiguous()
     return t
 
 
-def _signature_views(q, k, v, qkv_format: str) -> tuple[torch.Tensor, ...]:
-    """`_kernel_view` of each input on a signature hit: the signature fixes the strides, which
-    needed no copy when the call was validated, so only the sbhd transpose is left."""
-    if qkv_format == "sbhd":
-        return q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
-    return q, k, v
+def _hit_prepared(q, k, v, spec: masks.MaskSpec) -> _Prepared:
+    """The `_Prepared` record of a signature hit, given its kernel views (`_bshd`: the signature
+    fixes the strides, which needed no copy when the call was validated)."""
+    return _Prepared(q, k, v, {}, None, None, spec, None, None, None, [])
 
 
 def _varlen_args(q, k, cu_q, cu_kv, cu_q_pad, cu_kv_pad, max_q, max_kv) -> dict:
@@ -472,16 +474,14 @@ def attention(
     except TypeError:  # an unhashable argument (a list for window_size): no caching
         signature = hit = None
     if hit is not None and hit.kernel_call is not None:
-        qb, kb, vb = _signature_views(q, k, v, qkv_format)
+        qb, kb, vb = _bshd(q, qkv_format), _bshd(k, qkv_format), _bshd(v, qkv_format)
         if debug_enabled():
-            p = _Prepared(qb, kb, vb, {}, None, None, hit.spec, None, None, None, [])
+            p = _hit_prepared(qb, kb, vb, hit.spec)
             _log(p, q, k, v, qkv_format, attn_mask_type, kernel_path, why, tag)
         out, lse = flash_attention_planned(qb, kb, vb, hit.kernel_call)
-        return (out.transpose(0, 1) if qkv_format == "sbhd" else out), lse
+        return _bshd(out, qkv_format), lse
     if hit is not None:
-        p = _Prepared(
-            *_signature_views(q, k, v, qkv_format), {}, None, None, hit.spec, None, None, None, []
-        )
+        p = _hit_prepared(*(_bshd(t, qkv_format) for t in (q, k, v)), hit.spec)
     else:
         validation.check_qkv_format(qkv_format)
         validation.check_dropout(dropout_p)
@@ -526,9 +526,7 @@ def attention(
         out, lse = _run_kernel(p, scale, softcap, dropout_p, deterministic)
     else:
         out, lse = _run_reference(p, scale, softcap, dropout_p)
-    if qkv_format == "sbhd":
-        out = out.transpose(0, 1)
-    return out, lse
+    return _bshd(out, qkv_format), lse
 
 
 def _log(p, q, k, v, qkv_format, attn_mask_type, kernel_path, why, tag):
