@@ -21,12 +21,14 @@ for ~16 values per thread, i.e. 16-byte vector loads with a few in flight per th
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
 
-from ._common import cdiv, next_pow2, rows_view
-from ._launch import call_signature, launch
+from ._common import cdiv, next_pow2, remember, rows_in_place, rows_view
+from ._launch import PlannedLaunch, call_signature, launch, launch_slot
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # TE activation name -> (the elementwise activation, gated?)
@@ -172,26 +174,60 @@ def _grid_and_blocks(n_rows: int, n_cols: int, device: torch.device) -> tuple[tu
     return grid, dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps)
 
 
+class _ActivationPlan(NamedTuple):
+    """What an activation launch derives from its call's signature, once per signature: the
+    launch, and whether the inputs are their own [m, n] row views (then they go to the kernel
+    as they are; else `rows_view` copies them per call)."""
+
+    launch: PlannedLaunch
+    rows_in_place: bool
+
+
+# Plans by signature (`activation_forward`, `activation_backward`); bounded by `remember`.
+_PLANS: dict[tuple, _ActivationPlan] = {}
+_MAX_PLANS = 1024
+
+
+def _plan(x: torch.Tensor, dy: torch.Tensor | None, activation: str) -> _ActivationPlan:
+    """The forward's plan (dy None) or the backward's."""
+    base, gated = ACTIVATIONS[activation]
+    x2 = rows_view(x, x.shape[-1])
+    n_rows = x2.shape[0]
+    if dy is None:
+        n_cols = output_shape(x.shape, activation)[-1]
+        ints = (x2.stride(0), n_cols, n_rows, n_cols)
+    else:
+        n_cols = dy.shape[-1]
+        ints = (x2.stride(0), rows_view(dy, n_cols).stride(0), x.shape[-1], n_rows, n_cols)
+    grid, blocks = _grid_and_blocks(n_rows, n_cols, x.device)
+    launch = PlannedLaunch(grid, ints, dict(ACTIVATION=base, GATED=gated, **blocks), launch_slot())
+    return _ActivationPlan(launch, rows_in_place(x, dy))
+
+
+def _planned(x: torch.Tensor, dy: torch.Tensor | None, activation: str) -> tuple:
+    """(plan, signature) of a forward (dy None) or backward call."""
+    signature = call_signature((x, dy), (activation,))
+    plan = _PLANS.get(signature)
+    if plan is None:
+        plan = remember(_PLANS, signature, _plan(x, dy, activation), _MAX_PLANS)
+    return plan, signature
+
+
 def activation_forward(x: torch.Tensor, activation: str) -> torch.Tensor:
     """y = act(x) (gated: act of the first half times the second), contiguous in x's dtype.
 
     Assumes validated input: `activation` a key of ACTIVATIONS, x fp16/bf16/fp32 [..., w] with
     w even for a gated activation.
     """
-    base, gated = ACTIVATIONS[activation]
     y = torch.empty(output_shape(x.shape, activation), dtype=x.dtype, device=x.device)
     if y.numel() == 0:
         return y
-    x2 = rows_view(x, x.shape[-1])
-    n_rows, n_cols = x2.shape[0], y.shape[-1]
-    grid, blocks = _grid_and_blocks(n_rows, n_cols, x.device)
-    launch(_act_fwd_kernel, grid,
-        x2, y,
-        x2.stride(0), n_cols,
-        n_rows, n_cols,
-        ACTIVATION=base, GATED=gated, **blocks,
-        signature=call_signature((x2,), ()),
-    )  # fmt: skip
+    plan, signature = _planned(x, None, activation)
+    if not plan.rows_in_place:
+        x = rows_view(x, x.shape[-1])
+    run = plan.launch
+    launch(_act_fwd_kernel, run.grid, x, y, *run.ints,
+           signature=signature, slot=run.slot, **run.kwargs)  # fmt: skip
     return y
 
 
@@ -199,19 +235,13 @@ def activation_backward(dy: torch.Tensor, x: torch.Tensor, activation: str) -> t
     """dx [..., w] (x's shape, contiguous, x's dtype) from dy [..., n] (y's shape, any strides:
     copied only when its rows do not collapse to one stride or its last dim is strided) and the
     forward's input x."""
-    base, gated = ACTIVATIONS[activation]
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if dx.numel() == 0:
         return dx
-    n_cols = dy.shape[-1]
-    x2, dy2 = rows_view(x, x.shape[-1]), rows_view(dy, n_cols)
-    n_rows = x2.shape[0]
-    grid, blocks = _grid_and_blocks(n_rows, n_cols, x.device)
-    launch(_act_bwd_kernel, grid,
-        x2, dy2, dx,
-        x2.stride(0), dy2.stride(0), x.shape[-1],
-        n_rows, n_cols,
-        ACTIVATION=base, GATED=gated, **blocks,
-        signature=call_signature((x2, dy2), ()),
-    )  # fmt: skip
+    plan, signature = _planned(x, dy, activation)
+    if not plan.rows_in_place:
+        x, dy = rows_view(x, x.shape[-1]), rows_view(dy, dy.shape[-1])
+    run = plan.launch
+    launch(_act_bwd_kernel, run.grid, x, dy, dx, *run.ints,
+           signature=signature, slot=run.slot, **run.kwargs)  # fmt: skip
     return dx

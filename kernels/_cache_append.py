@@ -28,8 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import next_pow2
-from ._launch import call_signature, launch
+from ._common import next_pow2, remember
+from ._launch import PlannedLaunch, call_signature, launch, launch_slot
 from ._rope import _geometry, _load_pairs, rotate_tile
 
 _NUM_WARPS = 4
@@ -141,45 +141,68 @@ def rotate_and_append(
     """Rotate q and k (when `rotary_k` is given; `rotary_q` then too) and write k, v into the
     cache in place; see the module docstring. Assumes validated input (shapes, devices, dtypes,
     indices in range). Returns (q rotated, or q as given without rotary; seqlens + s_new int32)."""
-    b, s_q, n_heads, head_dim = q.shape
-    s_new, n_kv_heads, head_dim_v = k.shape[1], k.shape[2], v.shape[3]
     rotary = rotary_k is not None
-    seqlens_out = torch.empty(b, dtype=torch.int32, device=q.device)
-    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if rotary else q
     paged = block_table is not None
-    capacity = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
+    seqlens = seqlens.contiguous()
     if rotary:
         (q_cos, q_sin), (k_cos, k_sin) = rotary_q, rotary_k
-        rot_dim = k_cos.shape[1]
         q_cos, q_sin, k_cos, k_sin = (t.contiguous() for t in (q_cos, q_sin, k_cos, k_sin))
     else:
-        rot_dim = 2
         q_cos = q_sin = k_cos = k_sin = seqlens  # never read
-    _, block_hq, block_p, block_pass = _geometry(n_heads, head_dim, rot_dim)
-    _, block_hk, _, _ = _geometry(n_kv_heads, head_dim, rot_dim)
-    seqlens = seqlens.contiguous()
     table = block_table.contiguous() if paged else seqlens
     batch_idx = seqlens if cache_batch_idx is None else cache_batch_idx.contiguous()
-    grid = (b, max(s_new, s_q if rotary else 0, 1))
-    launch(_rotate_append_kernel, grid,
+    signature = call_signature(
+        (q, k, v, k_cache, v_cache, seqlens, batch_idx, table, q_cos, q_sin, k_cos, k_sin),
+        (rotary, local, interleaved, paged, cache_batch_idx is not None),
+    )
+    plan = _PLANS.get(signature)
+    if plan is None:
+        plan = _plan(q, k, v, k_cache, v_cache, table, q_cos, k_cos, rotary=rotary, local=local,
+                     interleaved=interleaved, paged=paged,
+                     batch_idx=cache_batch_idx is not None)  # fmt: skip
+        remember(_PLANS, signature, plan, _MAX_PLANS)
+    seqlens_out = torch.empty(q.shape[0], dtype=torch.int32, device=q.device)
+    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if rotary else q
+    launch(_rotate_append_kernel, plan.grid,
         q, q_out, k, v, k_cache, v_cache, seqlens, seqlens_out, batch_idx, table,
-        q_cos, q_sin, k_cos, k_sin,
-        q.stride(0), q.stride(1), q.stride(2),
-        q_out.stride(0), q_out.stride(1), q_out.stride(2),
+        q_cos, q_sin, k_cos, k_sin, *plan.ints,
+        signature=signature, slot=plan.slot, **plan.kwargs,
+    )  # fmt: skip
+    return q_out, seqlens_out
+
+
+# Plans by signature (`rotate_and_append`): the launch's grid, its ints after the tensors (q_out's
+# strides are q's: both contiguous where rotated, the same tensor where not), its keywords and
+# slot; bounded by `remember`.
+_PLANS: dict[tuple, PlannedLaunch] = {}
+_MAX_PLANS = 1024
+
+
+def _plan(q, k, v, k_cache, v_cache, table, q_cos, k_cos, *, rotary, local, interleaved, paged,
+          batch_idx) -> PlannedLaunch:  # fmt: skip
+    """`rotate_and_append`'s launch, from the shapes and strides of its inputs."""
+    b, s_q, n_heads, head_dim = q.shape
+    s_new, n_kv_heads, head_dim_v = k.shape[1], k.shape[2], v.shape[3]
+    capacity = table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
+    rot_dim = k_cos.shape[1] if rotary else 2
+    _, block_hq, block_p, block_pass = _geometry(n_heads, head_dim, rot_dim)
+    _, block_hk, _, _ = _geometry(n_kv_heads, head_dim, rot_dim)
+    q_out_strides = q.new_empty(q.shape, device="meta").stride() if rotary else q.stride()
+    ints = (
+        q.stride(0), q.stride(1), q.stride(2), *q_out_strides[:3],
         k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         table.stride(0) if paged else 0, q_cos.stride(0), k_cos.stride(0),
         s_q, s_new, n_heads, n_kv_heads, capacity, k_cache.shape[1] if paged else 1,
+    )  # fmt: skip
+    kwargs = dict(
         HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, ROT_DIM=rot_dim,
         ROTARY=rotary, LOCAL=local, INTERLEAVED=interleaved,
-        PAGED=paged, HAS_BATCH_IDX=cache_batch_idx is not None,
+        PAGED=paged, HAS_BATCH_IDX=batch_idx,
         BLOCK_HQ=block_hq, BLOCK_HK=block_hk, BLOCK_P=block_p, BLOCK_PASS=block_pass,
         BLOCK_D=next_pow2(head_dim), BLOCK_DV=next_pow2(head_dim_v),
         num_warps=_NUM_WARPS,
-        signature=call_signature(
-            (q, k, v, k_cache, v_cache, seqlens, batch_idx, table, q_cos, q_sin, k_cos, k_sin),
-            (),
-        ),
     )  # fmt: skip
-    return q_out, seqlens_out
+    grid = (b, max(s_new, s_q if rotary else 0, 1))
+    return PlannedLaunch(grid, ints, kwargs, launch_slot())

@@ -523,6 +523,13 @@ def rows_view(t: torch.Tensor, n_cols: int) -> torch.Tensor:
     return t2 if t2.stride(-1) == 1 or n_cols == 1 else t2.contiguous()
 
 
+def rows_in_place(*tensors: torch.Tensor | None) -> bool:
+    """Each tensor (None skipped) is its own `rows_view` (a view at its own address), so a kernel
+    can take it as it is with the view's row stride. Depends on shapes and strides alone: a
+    launch plan works it out once per signature."""
+    return all(t is None or rows_view(t, t.shape[-1]).data_ptr() == t.data_ptr() for t in tensors)
+
+
 # Device properties for launch decisions, read once per device (the query costs host time).
 # The H100's values stand in where there is no CUDA device (the interpreter).
 H100_MULTIPROCESSORS, H100_SMEM_PER_BLOCK = 132, 227 * 1024

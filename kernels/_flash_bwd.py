@@ -57,7 +57,7 @@ from ._common import (
 )
 from ._flash_bwd_dkdv import _flash_bwd_dkdv_kernel
 from ._flash_bwd_dq import _flash_bwd_dq_kernel
-from ._launch import call_signature, launch, launch_slot
+from ._launch import PlannedLaunch, call_signature, launch, launch_slot
 
 
 @triton.jit
@@ -228,17 +228,6 @@ def _new_grad(
     return given if owns_all_rows else given.zero_()
 
 
-class _Launch(NamedTuple):
-    """One launch of a plan: its grid, the host-side ints and floats that follow its tensor
-    arguments (up to the per-call seed and offset, where it takes them), its keywords and its
-    `_launch.launch_slot` (the compiled kernel, bound on first use)."""
-
-    grid: tuple[int]
-    ints: tuple
-    kwargs: dict
-    slot: dict
-
-
 class BackwardPlan(NamedTuple):
     """What the backward's launches derive from a call's signature (`_launch.call_signature`
     plus the settings below), computed once per signature by `_make_plan`. Per call there is
@@ -253,9 +242,9 @@ class BackwardPlan(NamedTuple):
     delta_in_dq: bool  # the two-pass dQ pass computes delta and runs first (`DELTA_IN_DQ_MAX_LEN`)
     splits: int  # programs per GQA group in the dK/dV pass (`group_splits`)
     dbias_shape: tuple[int, ...] | None
-    preprocess: _Launch
-    dkdv: _Launch
-    dq: _Launch
+    preprocess: PlannedLaunch
+    dkdv: PlannedLaunch
+    dq: PlannedLaunch
 
 
 # Plans by (signature, settings); bounded by `remember`.
@@ -488,7 +477,7 @@ def _make_plan(
     # zero it where every row belongs to a sequence (its grid visits every owned row); else
     # the launcher allocates it zero-filled.
     zero_dq = (sm90_here or atomic) and geo.q.owns_all_rows
-    preprocess = _Launch(
+    preprocess = PlannedLaunch(
         (cdiv(max_q, PREPROCESS_BLOCK_M) * geo.batch * h_q,),
         (*strides4(out, varlen)[:3], *strides4(dout, varlen)[:3], *lse_strides(lse, varlen),
          *strides4(_meta(q.shape), varlen)[:3], h_q, max_q, d_qk, d_v),
@@ -507,7 +496,7 @@ def _make_plan(
     # With splits, the dK/dV pass writes fp32 partial sums [splits, *k.shape] (one share each).
     dk_out, dv_out = (_meta((splits, *t.shape)) if splits > 1 else t for t in (dk, dv))
     dq_acc_strides = strides4(_meta(q.shape), varlen)[:3] if atomic else (0, 0, 0)
-    dkdv = _Launch(
+    dkdv = PlannedLaunch(
         (programs * splits,),
         (*strides, *_split_strides4(dk_out, splits, varlen)[:3],
          *_split_strides4(dv_out, splits, varlen)[:3], *bias_strides, *alibi_strides,
@@ -522,12 +511,12 @@ def _make_plan(
              num_warps=cfg["WARPS1"], num_stages=cfg["STAGES1"]),
         launch_slot(),
     )  # fmt: skip
-    dq_launch = _Launch((), (), {}, launch_slot())  # the atomic scheme has no dQ pass
+    dq_launch = PlannedLaunch((), (), {}, launch_slot())  # the atomic scheme has no dQ pass
     delta_in_dq = not (atomic or sm90_here) and max(max_q, max_k) <= DELTA_IN_DQ_MAX_LEN
     if not atomic:
         dbias_strides = _meta(dbias_shape).stride() if dbias_shape is not None else (0, 0, 0, 0)
         out_strides = strides4(out, varlen)[:3]
-        dq_launch = _Launch(
+        dq_launch = PlannedLaunch(
             (cdiv(max_q, cfg["BLOCK_M2"]) * geo.batch * h_q,),
             (*strides[:12], *out_strides, *strides[12:], *strides4(dq, varlen)[:3],
              *bias_strides, *dbias_strides, *alibi_strides,
@@ -597,7 +586,7 @@ def _strides(q, k, v, dout, lse, varlen: bool) -> tuple[int, ...]:
 
 
 def _preprocess(
-    launch_plan: _Launch, out, dout, lse, dq_acc, seq_ptrs, signature
+    launch_plan: PlannedLaunch, out, dout, lse, dq_acc, seq_ptrs, signature
 ) -> torch.Tensor:  # fmt: skip
     """delta = rowsum(dout * out) in fp32, shaped and strided like the (contiguous) LSE; zeroes
     `dq_acc` too where the plan says so (`ZERO_DQ`; otherwise q stands in for it)."""

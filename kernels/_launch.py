@@ -44,6 +44,8 @@ through the slot.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -169,6 +171,17 @@ _MAX_SIGNATURES = 4096
 def launch_slot() -> dict:
     """A new, empty `slot=` for one launch of a plan (module docstring)."""
     return {}
+
+
+class PlannedLaunch(NamedTuple):
+    """One launch a plan repeats: its grid, the host-side ints and floats that follow its tensor
+    arguments (up to any per-call ones), its keywords and its `launch_slot` (the compiled
+    kernel, bound on first use)."""
+
+    grid: tuple[int, ...]
+    ints: tuple
+    kwargs: dict
+    slot: dict
 
 
 def config_slot(slot: dict, config) -> dict:

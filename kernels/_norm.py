@@ -25,13 +25,14 @@ bitwise reproducible.
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
-from ._common import cdiv, multiprocessors, next_pow2, rows_view
-from ._launch import call_signature, launch
+from ._common import cdiv, multiprocessors, next_pow2, remember, rows_in_place, rows_view
+from ._launch import PlannedLaunch, call_signature, launch, launch_slot
 
 # Largest hidden size the one-row-in-registers kernels take. The 32-warp programs spill registers
 # to local memory for the backward from 16384 and the forward at 65536 (sm_90 cubins): correct,
@@ -218,28 +219,65 @@ def add_norm_forward(
     return _forward(x, residual, weight, bias, eps, rms, zero_centered_gamma)
 
 
-def _forward(x, residual, weight, bias, eps, rms, zero_centered_gamma):
-    """The forward launch of `norm_forward` (residual None) and `add_norm_forward`."""
+class _NormPlan(NamedTuple):
+    """What a norm launch derives from its call's signature, once per signature: the launch,
+    its row count, and whether the row-major inputs are their own [m, n] row views (then they
+    go to the kernel as they are; else `rows_view` copies them per call)."""
+
+    launch: PlannedLaunch
+    n_rows: int
+    rows_in_place: bool
+    partials: tuple[int, int] | None = None  # the backward's dgamma/dbeta partials [programs, n]
+
+
+# Plans by signature (`_forward`, `norm_backward`); bounded by `remember`.
+_FWD_PLANS: dict[tuple, _NormPlan] = {}
+_BWD_PLANS: dict[tuple, _NormPlan] = {}
+_MAX_PLANS = 1024
+
+
+def _forward_plan(x, residual, rms, zero_centered_gamma, has_bias, eps) -> _NormPlan:
     n_cols = x.shape[-1]
     x2 = rows_view(x, n_cols)
     r2 = None if residual is None else rows_view(residual, n_cols)
     n_rows = x2.shape[0]
-    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    h = None if residual is None else torch.empty_like(y)
-    rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
-    mean = rstd.new_empty(0 if rms else n_rows)
-    if n_rows == 0:
-        return y, h, mean, rstd
     block_m, block_n, num_warps = _geometry(n_cols, _FWD_TILE, _FWD_WARP_ELEMS)
-    # Without a residual, x stands in for the pointers the kernel never reads.
-    launch(_norm_fwd_kernel, (cdiv(n_rows, block_m),),
-        x2, x2 if r2 is None else r2, y if h is None else h, weight,
-        weight if bias is None else bias, y, rstd if rms else mean, rstd,
+    ints = (
         x2.stride(0), x2.stride(0) if r2 is None else r2.stride(0), n_cols,
         n_rows, n_cols, 1.0 / n_cols, eps,
-        IS_RMS=rms, HAS_BIAS=bias is not None, ZERO_CENTERED=zero_centered_gamma,
+    )  # fmt: skip
+    kwargs = dict(
+        IS_RMS=rms, HAS_BIAS=has_bias, ZERO_CENTERED=zero_centered_gamma,
         HAS_RESIDUAL=r2 is not None, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
-        signature=call_signature((x2, r2, weight, bias), (eps,)),
+    )  # fmt: skip
+    grid = (cdiv(n_rows, block_m),)
+    launch = PlannedLaunch(grid, ints, kwargs, launch_slot())
+    return _NormPlan(launch, n_rows, rows_in_place(x, residual))
+
+
+def _forward(x, residual, weight, bias, eps, rms, zero_centered_gamma):
+    """The forward launch of `norm_forward` (residual None) and `add_norm_forward`."""
+    signature = call_signature((x, residual, weight, bias), (eps, rms, zero_centered_gamma))
+    plan = _FWD_PLANS.get(signature)
+    if plan is None:
+        plan = _forward_plan(x, residual, rms, zero_centered_gamma, bias is not None, eps)
+        remember(_FWD_PLANS, signature, plan, _MAX_PLANS)
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    h = None if residual is None else torch.empty_like(y)
+    rstd = torch.empty(plan.n_rows, dtype=torch.float32, device=x.device)
+    mean = rstd.new_empty(0 if rms else plan.n_rows)
+    if plan.n_rows == 0:
+        return y, h, mean, rstd
+    if not plan.rows_in_place:
+        n_cols = x.shape[-1]
+        x = rows_view(x, n_cols)
+        residual = None if residual is None else rows_view(residual, n_cols)
+    run = plan.launch
+    # Without a residual, x stands in for the pointers the kernel never reads.
+    launch(_norm_fwd_kernel, run.grid,
+        x, x if residual is None else residual, y if h is None else h, weight,
+        weight if bias is None else bias, y, rstd if rms else mean, rstd, *run.ints,
+        signature=signature, slot=run.slot, **run.kwargs,
     )  # fmt: skip
     return y, h, mean, rstd
 
@@ -257,30 +295,45 @@ def norm_backward(
     """(dx [..., n] contiguous in x's dtype, dweight [n] in weight's dtype, dbias [n] in
     `bias_dtype`, None without a bias). `mean`/`rstd` are the forward's."""
     has_bias = bias_dtype is not None
-    n_cols = x.shape[-1]
-    x2, dy2 = rows_view(x, n_cols), rows_view(dy, n_cols)
-    n_rows = x2.shape[0]
+    signature = call_signature((x, weight, dy, mean, rstd), (rms, zero_centered_gamma, has_bias))
+    plan = _BWD_PLANS.get(signature)
+    if plan is None:
+        plan = _backward_plan(dy, x, rms, zero_centered_gamma, has_bias)
+        remember(_BWD_PLANS, signature, plan, _MAX_PLANS)
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    if n_rows == 0:
+    if plan.n_rows == 0:
+        n_cols = x.shape[-1]
         dbias = torch.zeros(n_cols, dtype=bias_dtype, device=x.device) if has_bias else None
         return dx, torch.zeros_like(weight), dbias
-    block_m, block_n, num_warps = _geometry(n_cols, _BWD_TILE, _BWD_WARP_ELEMS)
-    n_blocks = cdiv(n_rows, block_m)
-    programs = min(n_blocks, _backward_programs_cap(x.device, num_warps))
-    blocks_per_program = cdiv(n_blocks, programs)
-    # Drop programs the rounding left without rows: then every launched program owns rows and
-    # writes its whole partials row, so the buffers need no zero fill.
-    programs = cdiv(n_blocks, blocks_per_program)
-    dw_partial = torch.empty(programs, n_cols, dtype=torch.float32, device=x.device)
+    if not plan.rows_in_place:
+        x, dy = rows_view(x, x.shape[-1]), rows_view(dy, dy.shape[-1])
+    dw_partial = torch.empty(plan.partials, dtype=torch.float32, device=x.device)
     db_partial = torch.empty_like(dw_partial) if has_bias else dw_partial
-    launch(_norm_bwd_kernel, (programs,),
-        x2, weight, dy2, dx, rstd if rms else mean, rstd, dw_partial, db_partial,
-        x2.stride(0), dy2.stride(0), n_cols,
-        n_rows, n_cols, 1.0 / n_cols, blocks_per_program,
-        IS_RMS=rms, HAS_BIAS=has_bias, ZERO_CENTERED=zero_centered_gamma,
-        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
-        signature=call_signature((x2, weight, dy2, mean, rstd), ()),
+    run = plan.launch
+    launch(_norm_bwd_kernel, run.grid,
+        x, weight, dy, dx, rstd if rms else mean, rstd, dw_partial, db_partial, *run.ints,
+        signature=signature, slot=run.slot, **run.kwargs,
     )  # fmt: skip
     dweight = dw_partial.sum(0).to(weight.dtype)
     dbias = db_partial.sum(0).to(bias_dtype) if has_bias else None
     return dx, dweight, dbias
+
+
+def _backward_plan(dy, x, rms, zero_centered_gamma, has_bias) -> _NormPlan:
+    n_cols = x.shape[-1]
+    x2, dy2 = rows_view(x, n_cols), rows_view(dy, n_cols)
+    n_rows = x2.shape[0]
+    block_m, block_n, num_warps = _geometry(n_cols, _BWD_TILE, _BWD_WARP_ELEMS)
+    n_blocks = cdiv(n_rows, block_m)
+    programs = min(n_blocks, _backward_programs_cap(x.device, num_warps))
+    blocks_per_program = cdiv(n_blocks, programs) if programs else 0
+    # Drop programs the rounding left without rows: then every launched program owns rows and
+    # writes its whole partials row, so the buffers need no zero fill.
+    programs = cdiv(n_blocks, blocks_per_program) if programs else 0
+    ints = (x2.stride(0), dy2.stride(0), n_cols, n_rows, n_cols, 1.0 / n_cols, blocks_per_program)
+    kwargs = dict(
+        IS_RMS=rms, HAS_BIAS=has_bias, ZERO_CENTERED=zero_centered_gamma,
+        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
+    )  # fmt: skip
+    launch = PlannedLaunch((programs,), ints, kwargs, launch_slot())
+    return _NormPlan(launch, n_rows, rows_in_place(x, dy), (programs, n_cols))

@@ -23,13 +23,14 @@ over the heads, so each program reads its tokens' table rows once and t once, an
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
-from ._common import cdiv, next_pow2
-from ._launch import call_signature, int_signature, launch
+from ._common import cdiv, next_pow2, remember
+from ._launch import PlannedLaunch, call_signature, int_signature, launch, launch_slot
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # Elements (of t) per [BLOCK_T, BLOCK_H, d] tile and the warps that hold it: 16 per thread at
@@ -212,20 +213,63 @@ def rotate(
     cos/sin's device, d_rot = cos.shape[1] even and <= d, every position below n_pos. Reads the
     tensors in place (a copy only when stride(-1) != 1)."""
     ts = tuple(t if t.stride(-1) == 1 else t.contiguous() for t in ts)
+    cos, sin = cos.contiguous(), sin.contiguous()
     t = ts[0]
-    if len(ts) == 1:
+    pair = len(ts) == 2
+    # Where the second tensor starts, from the first's address: a runtime int of the launch.
+    t2_from_t = (ts[1].data_ptr() - t.data_ptr()) // t.element_size() if pair else 0
+    signature = call_signature(
+        (*ts, cos, sin, positions),
+        (seq_dim, interleaved, inverse, int_signature(t2_from_t)),
+    )
+    plan = _PLANS.get(signature)
+    if plan is None:
+        plan = remember(_PLANS, signature, _plan(ts, cos, positions, seq_dim, interleaved, inverse),
+                        _MAX_PLANS)  # fmt: skip
+    if not pair:
         outs = (torch.empty(t.shape, dtype=t.dtype, device=t.device),)
+        out = outs[0]
     else:
         # One buffer for both outputs, the second 16-byte aligned as the allocator's buffers
         # are: one allocation, and the attention backward can write both gradients into one.
-        align = max(1, 16 // t.element_size())
-        start = -(-t.numel() // align) * align
-        flat = torch.empty(start + ts[1].numel(), dtype=t.dtype, device=t.device)
-        outs = (flat[: t.numel()].view(t.shape), flat[start:].view(ts[1].shape))
+        out = torch.empty(plan.out_start + ts[1].numel(), dtype=t.dtype, device=t.device)
+        outs = (out[: t.numel()].view(t.shape), out[plan.out_start :].view(ts[1].shape))
     if t.numel() == 0:
         return outs
-    cos, sin = cos.contiguous(), sin.contiguous()
-    t4s, out4s = [_as_bshd(x, seq_dim) for x in ts], [_as_bshd(x, seq_dim) for x in outs]
+    run = plan.launch
+    # The kernel takes each tensor's address with the strides of its [b, s, ...] view (the
+    # plan's), so the tensors go as they are; an absent `positions` has cos stand in.
+    launch(_rope_kernel, run.grid,
+        t, out, cos, sin, cos if positions is None else positions, *run.ints,
+        t2_from_t, plan.out_start if pair else 0, *plan.second_ints,
+        signature=signature, slot=run.slot, **run.kwargs,
+    )  # fmt: skip
+    return outs
+
+
+class _RopePlan(NamedTuple):
+    """What a `rotate` launch derives from its call's signature, once per signature: the launch
+    (its ints: those before the second tensor's offsets), the ints after those offsets, and
+    where the second output starts in the pair's buffer."""
+
+    launch: PlannedLaunch
+    second_ints: tuple
+    out_start: int
+
+
+# Plans by signature (`rotate`); bounded by `remember`.
+_PLANS: dict[tuple, _RopePlan] = {}
+_MAX_PLANS = 1024
+
+
+def _plan(ts, cos, positions, seq_dim, interleaved, inverse) -> _RopePlan:
+    """`rotate`'s plan, from the shapes and strides of its inputs (outputs: contiguous)."""
+    t = ts[0]
+    pair = len(ts) == 2
+    align = max(1, 16 // t.element_size())
+    out_start = -(-t.numel() // align) * align if pair else 0
+    t4s = [_as_bshd(x, seq_dim) for x in ts]
+    out4s = [_as_bshd(torch.empty(x.shape, device="meta"), seq_dim) for x in ts]
     b, s, _, head_dim = t4s[0].shape
     heads = [x.shape[2] for x in t4s]
     rot_dim = cos.shape[1]
@@ -233,27 +277,18 @@ def rotate(
     # A head block both tensors' head counts divide (the largest power of two dividing both).
     block_t, block_h, block_p, block_pass = _geometry(math.gcd(*heads), head_dim, rot_dim)
     n_tokens = b * s
-    pair = len(ts) == 2
-    t4b, out4b = (t4s[1], out4s[1]) if pair else (t4s[0], out4s[0])
-    elem = t.element_size()
-    t2_from_t = (t4b.data_ptr() - t4s[0].data_ptr()) // elem
-    out2_from_out = (out4b.data_ptr() - out4s[0].data_ptr()) // elem
-    launch(_rope_kernel, (cdiv(n_tokens, block_t), len(ts)),
-        t4s[0], out4s[0], cos, sin, cos if pos2 is None else pos2,
+    t4b, out4b = t4s[-1], out4s[-1]
+    ints = (
         *t4s[0].stride()[:3], *out4s[0].stride()[:3],
         0 if pos2 is None else pos2.stride(0), 0 if pos2 is None else pos2.stride(1),
-        cos.stride(0),
-        n_tokens, s, heads[0],
-        t2_from_t, out2_from_out, *t4b.stride()[:3], *out4b.stride()[:3], heads[-1],
+        cos.stride(0), n_tokens, s, heads[0],
+    )  # fmt: skip
+    second_ints = (*t4b.stride()[:3], *out4b.stride()[:3], heads[-1])
+    kwargs = dict(
         HEAD_DIM=head_dim, ROT_DIM=rot_dim,
         HAS_POSITIONS=pos2 is not None, INTERLEAVED=interleaved, INVERSE=inverse, PAIR=pair,
         BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_P=block_p, BLOCK_PASS=block_pass,
         num_warps=_NUM_WARPS,
-        # The outputs' strides follow from the inputs' shapes and how they are viewed as
-        # [b, s, ...]; where the second tensors start does not.
-        signature=call_signature(
-            (*t4s, cos, sin, pos2),
-            (seq_dim, t.dim(), int_signature(t2_from_t), int_signature(out2_from_out)),
-        ),
     )  # fmt: skip
-    return outs
+    grid = (cdiv(n_tokens, block_t), len(ts))
+    return _RopePlan(PlannedLaunch(grid, ints, kwargs, launch_slot()), second_ints, out_start)
