@@ -16,7 +16,11 @@ Cells (`--cells`):
   kernels: the same three calls;
 - decode: one query, 4 query heads over 2 KV heads, d=64, a 1k cache holding 700 rows, through
   `flash_attn_with_kvcache`; on CUDA also SDPA given the cache cut to its filled rows and given
-  the whole cache with a boolean mask.
+  the whole cache with a boolean mask;
+- layers: a two-layer GPT of each package with the same weights (d_model 256, 4 heads of 64,
+  RMSNorm, RoPE, SwiGLU: every kernel of a layer), a forward+backward at b=1, s=128 (gradients
+  of every parameter; s=16 and fp32 with `--stubbed`, where the CPU's own matmuls would
+  outweigh the host work) and one decode step over a cache holding 700 tokens.
 
     python examples/perf/host_ab.py --against 3d43fa8
     python examples/perf/host_ab.py --against HEAD~1 --stubbed     # CPU, Triton launches no-ops
@@ -41,6 +45,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from launch_overhead import (  # noqa: E402
+    DECODE_FILLED,
     decode_step,
     host_us_per_call,
     sdpa_decode_calls,
@@ -51,7 +56,7 @@ REPO = Path(__file__).resolve().parents[2]
 OLD_NAME = "fusedlayers_rev"
 # Source folders as the distribution maps them (pyproject.toml, package-dir).
 PACKAGE_DIRS = {"fusedlayers": "", "kernels": "kernels", "models": "models"}
-CELLS = ("tiny", "sm90", "decode")
+CELLS = ("tiny", "sm90", "decode", "layers")
 
 
 def build_package(rev: str, dest: Path, name: str = OLD_NAME) -> str:
@@ -138,6 +143,67 @@ def _decode_calls(packages: dict, device: str, dtype) -> dict:
     return calls
 
 
+def _kernels_on_cpu(package) -> None:
+    """Send `package`'s CPU tensors to its (stubbed) kernels where `backend="auto"` would take
+    the reference path on CPU: the attention front end's choice and every module's
+    `choose_backend` (norm, RoPE, activation, cache)."""
+    front_end = importlib.import_module(f"{package.__name__}.attention.frontend")
+    backends = importlib.import_module(f"{package.__name__}._backend")
+    choose_front_end, choose = front_end._choose_backend, backends.choose_backend
+    front_end._choose_backend = lambda backend, q: choose_front_end(
+        "kernel" if backend == "auto" else backend, q
+    )
+
+    def choose_kernel(backend, x, name, blocker, not_worth=""):
+        if backend == "auto" and not blocker and not not_worth:
+            backend = "kernel"
+        return choose(backend, x, name, blocker, not_worth)
+
+    for name, module in list(sys.modules.items()):
+        if name.startswith(package.__name__) and getattr(module, "choose_backend", None) is choose:
+            module.choose_backend = choose_kernel
+
+
+def _layer_calls(packages: dict, device: str, dtype) -> dict:
+    torch.manual_seed(0)
+    seqlen = 128
+    if device == "cpu":  # the CPU's own matmuls would outweigh the host work measured
+        dtype, seqlen = torch.float32, 16
+    models = {}
+    for name, package in packages.items():
+        gpt = importlib.import_module(f"{package.__name__}.models")
+        config = gpt.GPTConfig(
+            n_layer=2, n_head=4, d_model=256, context_length=1024, vocab_size=256
+        )
+        models[name] = gpt.GPT(config).to(device, dtype)
+    first, *rest = models.values()
+    for model in rest:
+        model.load_state_dict(first.state_dict())
+    tokens = torch.randint(0, 256, (1, seqlen), device=device)
+    prompt = torch.randint(0, 256, (1, DECODE_FILLED), device=device)
+    calls = {}
+    for name, model in models.items():
+        package = packages[name]
+        params = list(model.parameters())
+        cache = package.InferenceParams(1, 1024)
+        with torch.no_grad():
+            model(prompt, inference_params=cache)
+        cache.advance(DECODE_FILLED)
+        grad_out = torch.randn(1, seqlen, 256, device=device, dtype=torch.float32)
+
+        def forward_backward(model=model, params=params, grad_out=grad_out):
+            return torch.autograd.grad(model(tokens), params, grad_out)
+
+        def decode_step(model=model, cache=cache):
+            # The cache is not advanced: every call writes and attends at the same position.
+            with torch.no_grad():
+                return model(prompt[:, -1:], inference_params=cache)
+
+        calls[f"layers: {name}, GPT 2 layers forward+backward"] = forward_backward
+        calls[f"layers: {name}, GPT 2 layers decode step"] = decode_step
+    return calls
+
+
 def _check_agreement(calls: dict, names: tuple[str, str]) -> None:
     """Each call of the two packages gives the same outputs (bf16 tolerance)."""
     for key, call in calls.items():
@@ -184,8 +250,9 @@ def main(against: str, cells: list[str], rounds: int, calls: int, repeats: int, 
         finally:
             sys.path.remove(folder)
         if stubbed:
-            stub_launches(fusedlayers.kernels)
-            stub_launches(old.kernels)
+            for package in (fusedlayers, old):
+                stub_launches(package.kernels)
+                _kernels_on_cpu(package)
         device = "cpu" if stubbed else "cuda"
         dtype = torch.float16 if stubbed else torch.bfloat16
         names = (commit[:7], "working tree")
@@ -207,8 +274,10 @@ def main(against: str, cells: list[str], rounds: int, calls: int, repeats: int, 
                     package.kernels.set_forward_path("sm90")
                     package.kernels.set_backward_path("sm90")
                 group = _attention_calls(packages, (1, 2048, 1, 128), "sm90", device, dtype)
-            else:
+            elif cell == "decode":
                 group = _decode_calls(packages, device, dtype)
+            else:
+                group = _layer_calls(packages, device, dtype)
             if not stubbed:
                 _check_agreement(group, names)
             print(table(rounds_of(group, rounds, calls, repeats)), flush=True)

@@ -22,6 +22,7 @@ import cProfile
 import importlib
 import io
 import os
+import pkgutil
 import pstats
 import time
 from collections.abc import Callable
@@ -50,26 +51,31 @@ def host_us_per_call(fn: Callable[[], object], calls: int, repeats: int = 15) ->
 
 
 def stub_launches(kernels=None) -> None:
-    """Replace every Triton launch of the attention and decode kernels by a no-op, in
-    `kernels` (a `fusedlayers.kernels` package; by default the installed one)."""
+    """Replace every Triton launch of `kernels` (a `fusedlayers.kernels` package; by default the
+    installed one) by a no-op: attention, decode, norm, RoPE, activation and cache append. The
+    launches through `_launch.launch` keep that function's own Python (its slot lookup) and get
+    a kernel that does nothing; the two autotuned launches are skipped whole."""
     if kernels is None:
         import fusedlayers.kernels as kernels
-    _decode_merge, _flash_bwd, _flash_decode, _flash_fwd = (
-        importlib.import_module(f"{kernels.__name__}.{name}")
-        for name in ("_decode_merge", "_flash_bwd", "_flash_decode", "_flash_fwd")
-    )
+    modules = {
+        info.name: importlib.import_module(f"{kernels.__name__}.{info.name}")
+        for info in pkgutil.iter_modules(kernels.__path__)
+    }
+    real_launch = modules["_launch"].launch
 
     class NoLaunch:
         def __getitem__(self, grid):
             return lambda *args, **kwargs: None
 
-    # the forward's (autotuned) launch
-    _flash_fwd._launch = lambda *args: None
-    for name in ("_flash_bwd_dkdv_kernel", "_flash_bwd_dq_kernel", "_flash_bwd_preprocess_kernel"):
-        setattr(_flash_bwd, name, NoLaunch())
-    # the decode kernel's (autotuned) launch and its combine pass
-    _flash_decode._launch = lambda *args: None
-    _decode_merge._decode_combine = NoLaunch()
+    def no_kernel(kernel, grid, *args, **kwargs):
+        return real_launch(NoLaunch(), grid, *args, **kwargs)
+
+    for name, module in modules.items():
+        if name != "_launch" and getattr(module, "launch", None) is real_launch:
+            module.launch = no_kernel
+    # the forward's and the decode kernel's (autotuned) launches
+    modules["_flash_fwd"]._launch = lambda *args: None
+    modules["_flash_decode"]._launch = lambda *args: None
 
 
 # The eager decode step the host-time scripts time (this one and host_ab.py): one query, 4 query
