@@ -181,6 +181,7 @@ def _layer_calls(packages: dict, device: str, dtype) -> dict:
         model.load_state_dict(first.state_dict())
     tokens = torch.randint(0, 256, (1, seqlen), device=device)
     prompt = torch.randint(0, 256, (1, DECODE_FILLED), device=device)
+    grad_out = torch.randn(1, seqlen, 256, device=device, dtype=torch.float32)  # logits' shape
     calls = {}
     for name, model in models.items():
         package = packages[name]
@@ -189,9 +190,8 @@ def _layer_calls(packages: dict, device: str, dtype) -> dict:
         with torch.no_grad():
             model(prompt, inference_params=cache)
         cache.advance(DECODE_FILLED)
-        grad_out = torch.randn(1, seqlen, 256, device=device, dtype=torch.float32)
 
-        def forward_backward(model=model, params=params, grad_out=grad_out):
+        def forward_backward(model=model, params=params):
             return torch.autograd.grad(model(tokens), params, grad_out)
 
         def decode_step(model=model, cache=cache):
