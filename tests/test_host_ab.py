@@ -56,14 +56,16 @@ def test_stubbed_rounds_time_both_packages():
     """Both packages import side by side (their custom ops in separate namespaces) and every
     call gets one reading per round."""
     out = _run("--against", "HEAD", "--stubbed", "--rounds", "2", "--calls", "2", "--repeats",
-               "1", "--cells", "tiny,decode")  # fmt: skip
+               "1", "--cells", "tiny,decode,layers")  # fmt: skip
     short = subprocess.run(
         ["git", "rev-parse", "--short=7", "HEAD"], cwd=ROOT, capture_output=True, text=True
     ).stdout.strip()
-    rows = [line for line in out.splitlines() if line.startswith(("| tiny", "| decode"))]
-    assert len(rows) == 8, out
+    rows = [
+        line for line in out.splitlines() if line.startswith(("| tiny", "| decode", "| layers"))
+    ]
+    assert len(rows) == 12, out
     for who in (short, "working tree"):
-        assert sum(f": {who}, " in row for row in rows) == 4, out
+        assert sum(f": {who}, " in row for row in rows) == 6, out
     for row in rows:
         assert len(row.split("|")[4].split(" / ")) == 2  # two rounds
 
@@ -87,3 +89,24 @@ def test_disagreeing_packages_stop_the_run():
         host_ab._check_agreement(calls, ("old", "working tree"))
     calls["tiny: working tree, forward, no grad"] = lambda: x.clone()
     host_ab._check_agreement(calls, ("old", "working tree"))
+
+
+@needs_git
+def test_gpt_ab_dry_run_times_both_packages_and_the_plain_model():
+    """examples/perf/gpt_ab.py on the CPU: the training and decoding tables, one row per model
+    (the decode run has already checked that both packages' tokens are equal)."""
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "examples/perf/gpt_ab.py"), "--against", "HEAD", "--dry-run"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    short = subprocess.run(
+        ["git", "rev-parse", "--short=7", "HEAD"], cwd=ROOT, capture_output=True, text=True
+    ).stdout.strip()
+    rows = [line.split(" | ")[0] for line in done.stdout.splitlines() if line.startswith("| ")]
+    models = [row for row in rows if row != "| model"]
+    assert models == [f"| {short}", "| working tree", "| plain"] + [
+        f"| {short}",
+        "| working tree",
+        "| plain, eager",
+    ], done.stdout
