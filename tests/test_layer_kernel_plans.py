@@ -14,11 +14,18 @@ import dataclasses
 
 import pytest
 import torch
+from attention_testing import check_close
 from fusedlayers.kernels import _activation, _cache_append, _norm, _rope
 from kvcache_testing import KVCase, check_kv_case
 from norm_testing import NormCase, check_norm_case
 from test_activation_kernels import check_activation, problem
-from test_rope_kernel import RopeCase, check_rope_case, test_pair_equals_two_calls
+from test_rope_kernel import (
+    RopeCase,
+    check_rope_case,
+    make_inputs,
+    rope_results,
+    test_pair_equals_two_calls,
+)
 
 
 def _count_plans(monkeypatch, module, maker: str, tables: tuple[str, ...]) -> list:
@@ -114,6 +121,22 @@ def test_rope_any_change_makes_a_new_plan(monkeypatch, change):
     # A strided view's incoming gradient reaches the backward launch as a contiguous copy, as
     # the base case's does: only the forward is new there.
     assert len(made) == (3 if change == "strided view" else 4)
+
+
+def test_rope_start_positions_alone_make_a_new_plan(monkeypatch):
+    """The same tensors and angle table with and without start positions: two plans per pass,
+    each call against fp64 (a plan keyed without the positions would rotate from 0)."""
+    made = _count_plans(monkeypatch, _rope, "_plan", ("_PLANS",))
+    case = RopeCase(start=True)  # its table is long enough for the positions
+    inputs = make_inputs(case)
+    for start in (None, inputs["start_positions"]):
+        call = dict(inputs, start_positions=start)
+        got = rope_results(case, call, "kernel", case.dtype)
+        high = rope_results(case, call, "reference", torch.float64)
+        low = rope_results(case, call, "reference", case.dtype)
+        for name, a, b, c, factor in zip(("out", "dt"), got, high, low, (2.0, 3.0)):
+            check_close(name, a, b, c, factor=factor)
+    assert len(made) == 4
 
 
 def test_rope_pair_plans_are_reused(monkeypatch):
