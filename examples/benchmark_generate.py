@@ -105,11 +105,15 @@ def _greedy(logits: torch.Tensor) -> torch.Tensor:
     return logits.argmax(dim=-1, keepdim=True)  # [b, 1]
 
 
-def generate_ours(model: GPT, prompt: torch.Tensor, new: int, graph: bool) -> dict:
-    """Prefill, then `new - 1` decode steps on the fusedlayers GPT; times each phase."""
+def generate_ours(
+    model: GPT, prompt: torch.Tensor, new: int, graph: bool, cache_class=InferenceParams
+) -> dict:
+    """Prefill, then `new - 1` decode steps on the fusedlayers GPT; times each phase.
+    `cache_class`: the `InferenceParams` of the package `model` comes from (another revision's,
+    for `examples/perf/gpt_ab.py`)."""
     b, s = prompt.shape
     device = prompt.device.type
-    params = InferenceParams(b, s + new)
+    params = cache_class(b, s + new)
     with torch.no_grad():
         _sync(device)
         t0 = time.perf_counter()

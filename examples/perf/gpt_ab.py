@@ -45,14 +45,9 @@ import fusedlayers  # noqa: E402
 PROMPT = 1024
 
 
-def _sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-
 def train_steps(models: dict, config, device: str, steps: int) -> dict[str, Callable[[], tuple]]:
     """Per model, a run of `steps` training steps on one fixed batch; each run returns
-    (seconds, None)."""
+    (ms per step, None)."""
     idx = torch.randint(0, config.vocab_size, (1, config.context_length + 1), device=device)
     x, y = idx[:, :-1], idx[:, 1:]
     autocast_dtype = torch.bfloat16 if device == "cuda" else torch.float32
@@ -61,7 +56,7 @@ def train_steps(models: dict, config, device: str, steps: int) -> dict[str, Call
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device == "cuda")
 
         def run() -> tuple:
-            _sync(device)
+            benchmark_generate._sync(device)
             start = time.perf_counter()
             for _ in range(steps):
                 with torch.autocast(device, dtype=autocast_dtype, enabled=device == "cuda"):
@@ -69,8 +64,8 @@ def train_steps(models: dict, config, device: str, steps: int) -> dict[str, Call
                 loss.backward()
                 opt.step()
                 opt.zero_grad(set_to_none=True)
-            _sync(device)
-            return time.perf_counter() - start, None
+            benchmark_generate._sync(device)
+            return (time.perf_counter() - start) * 1e3 / steps, None
 
         return run
 
@@ -79,42 +74,34 @@ def train_steps(models: dict, config, device: str, steps: int) -> dict[str, Call
 
 def decode_runs(models: dict, packages: dict, plain, config, device: str, tokens: int) -> dict:
     """Per model, a run that prefills the prompt and decodes `tokens` greedy tokens; each run
-    returns (seconds after the prompt, the tokens)."""
+    returns (ms per token after the prompt, the tokens)."""
     prompt = torch.randint(0, config.vocab_size, (1, PROMPT), device=device)
 
     def ours(model, package) -> Callable[[], tuple]:
         def run() -> tuple:
-            cache = package.InferenceParams(1, PROMPT + tokens)
-            with torch.no_grad():
-                out = [model(prompt, inference_params=cache)[:, -1].argmax(-1, keepdim=True)]
-                cache.advance(PROMPT)
-                _sync(device)
-                start = time.perf_counter()
-                for _ in range(tokens - 1):
-                    logits = model(out[-1], inference_params=cache)[:, -1]
-                    out.append(logits.argmax(-1, keepdim=True))
-                    cache.advance(1)
-                _sync(device)
-            return time.perf_counter() - start, torch.cat(out, 1)
+            result = benchmark_generate.generate_ours(
+                model, prompt, tokens, graph=False, cache_class=package.InferenceParams
+            )
+            return result["ms_per_token"], result["tokens"]
 
         return run
 
     def plain_run() -> tuple:
         result = benchmark_generate.generate_plain(plain, prompt, tokens, plain)
-        return result["ms_per_token"] * (tokens - 1) / 1e3, result["tokens"]
+        return result["ms_per_token"], result["tokens"]
 
     runs = {name: ours(model, packages[name]) for name, model in models.items()}
     runs["plain, eager"] = plain_run
     return runs
 
 
-def rounds_of(calls: dict[str, Callable], rounds: int, per_call: int) -> dict[str, list[float]]:
-    """Per call (each returning (seconds, anything)), its ms per step or token in each round:
+def rounds_of(calls: dict[str, Callable], rounds: int) -> dict[str, list[float]]:
+    """Per call (each returning (ms per step or token, anything)), its reading in each round:
     the calls in turn, round after round."""
     spent: dict[str, list[float]] = {name: [] for name in calls}
     for _ in range(rounds):
         for name, call in calls.items():
-            spent[name].append(call()[0] * 1e3 / per_call)
+            spent[name].append(call()[0])
     return spent
 
 
@@ -154,8 +141,8 @@ def main(args: argparse.Namespace) -> None:
         steps = train_steps({**models, "plain": plain}, config, device, args.steps)
         for run in steps.values():  # warm-up: compilation and autotuning
             run()
-        _sync(device)
-        spent = rounds_of(steps, args.rounds, args.steps)
+        benchmark_generate._sync(device)
+        spent = rounds_of(steps, args.rounds)
         print(
             f"\nGPT {name} training, batch 1 x {config.context_length}, backward on autograd's "
             f"thread; ms/step, {args.rounds} interleaved rounds of {args.steps} steps"
@@ -173,7 +160,7 @@ def main(args: argparse.Namespace) -> None:
         produced = {run_name: run()[1] for run_name, run in runs.items()}  # warm-up
         if not torch.equal(produced[tag], produced["working tree"]):
             raise AssertionError(f"{tag} and the working tree decoded different tokens")
-        spent = rounds_of(runs, args.rounds, args.tokens - 1)
+        spent = rounds_of(runs, args.rounds)
         print(
             f"\nGPT {name} eager greedy decoding, batch 1, {PROMPT}-token prompt, {args.tokens} "
             f"tokens; ms/token, {args.rounds} interleaved rounds (tokens of both packages equal)"
