@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import cdiv, next_pow2, remember, rows_in_place, rows_view
+from ._common import cdiv, next_pow2, planned, rows_in_place, rows_view
 from ._launch import PlannedLaunch, call_signature, launch, launch_slot
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -183,9 +183,8 @@ class _ActivationPlan(NamedTuple):
     rows_in_place: bool
 
 
-# Plans by signature (`activation_forward`, `activation_backward`); bounded by `remember`.
+# Plans by signature (`activation_forward`, `activation_backward`; `planned`).
 _PLANS: dict[tuple, _ActivationPlan] = {}
-_MAX_PLANS = 1024
 
 
 def _plan(x: torch.Tensor, dy: torch.Tensor | None, activation: str) -> _ActivationPlan:
@@ -207,10 +206,7 @@ def _plan(x: torch.Tensor, dy: torch.Tensor | None, activation: str) -> _Activat
 def _planned(x: torch.Tensor, dy: torch.Tensor | None, activation: str) -> tuple:
     """(plan, signature) of a forward (dy None) or backward call."""
     signature = call_signature((x, dy), (activation,))
-    plan = _PLANS.get(signature)
-    if plan is None:
-        plan = remember(_PLANS, signature, _plan(x, dy, activation), _MAX_PLANS)
-    return plan, signature
+    return planned(_PLANS, signature, (), lambda: _plan(x, dy, activation)), signature
 
 
 def activation_forward(x: torch.Tensor, activation: str) -> torch.Tensor:

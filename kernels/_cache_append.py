@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import next_pow2, remember
+from ._common import next_pow2, planned
 from ._launch import PlannedLaunch, call_signature, launch, launch_slot
 from ._rope import _geometry, _load_pairs, rotate_tile
 
@@ -155,12 +155,11 @@ def rotate_and_append(
         (q, k, v, k_cache, v_cache, seqlens, batch_idx, table, q_cos, q_sin, k_cos, k_sin),
         (rotary, local, interleaved, paged, cache_batch_idx is not None),
     )
-    plan = _PLANS.get(signature)
-    if plan is None:
-        plan = _plan(q, k, v, k_cache, v_cache, table, q_cos, k_cos, rotary=rotary, local=local,
-                     interleaved=interleaved, paged=paged,
-                     batch_idx=cache_batch_idx is not None)  # fmt: skip
-        remember(_PLANS, signature, plan, _MAX_PLANS)
+    plan = planned(
+        _PLANS, signature, (),
+        lambda: _plan(q, k, v, k_cache, v_cache, table, q_cos, k_cos, rotary=rotary, local=local,
+                      interleaved=interleaved, paged=paged, batch_idx=cache_batch_idx is not None),
+    )  # fmt: skip
     seqlens_out = torch.empty(q.shape[0], dtype=torch.int32, device=q.device)
     q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if rotary else q
     launch(_rotate_append_kernel, plan.grid,
@@ -173,9 +172,8 @@ def rotate_and_append(
 
 # Plans by signature (`rotate_and_append`): the launch's grid, its ints after the tensors (q_out's
 # strides are q's: both contiguous where rotated, the same tensor where not), its keywords and
-# slot; bounded by `remember`.
+# slot (`planned`).
 _PLANS: dict[tuple, PlannedLaunch] = {}
-_MAX_PLANS = 1024
 
 
 def _plan(q, k, v, k_cache, v_cache, table, q_cos, k_cos, *, rotary, local, interleaved, paged,

@@ -462,6 +462,20 @@ def remember(table: dict, key, value, limit: int):
     return value
 
 
+# A kernel module's table of launch plans holds at most this many (`remember`).
+MAX_PLANS = 1024
+
+
+def planned(table: dict, signature, settings: tuple, make):
+    """A call's launch plan: kept in `table` under (signature, *settings) and made by `make()`
+    the first time; a call without a signature (None) gets a fresh plan every time."""
+    if signature is None:
+        return make()
+    key = (signature, *settings)
+    plan = table.get(key)
+    return plan if plan is not None else remember(table, key, make(), MAX_PLANS)
+
+
 def seed_offset(seed, offset) -> tuple[int, int]:
     """Python ints from ints or 0-d/1-element tensors (the rng_state's two halves)."""
     return int(seed), int(offset)

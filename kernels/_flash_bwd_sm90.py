@@ -70,10 +70,11 @@ from ._common import (
     cdiv,
     head_row_bytes,
     lse_strides,
+    planned,
     strides4,
 )
 from ._launch import launch
-from ._sm90_common import GLUON_AVAILABLE, descriptor_maker, launch_binding, planned, tma_view
+from ._sm90_common import GLUON_AVAILABLE, descriptor_maker, launch_binding, tma_view
 
 if GLUON_AVAILABLE:
     from ._flash_bwd_sm90_steps import (

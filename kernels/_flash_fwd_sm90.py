@@ -63,11 +63,12 @@ from ._common import (
     head_row_bytes,
     lse_strides,
     multiprocessors,
+    planned,
     strides4,
 )
 from ._flash_fwd_sm90_partitions import WARPGROUP_ROWS
 from ._launch import _current_stream, launch
-from ._sm90_common import GLUON_AVAILABLE, descriptor_maker, launch_binding, planned, tma_view
+from ._sm90_common import GLUON_AVAILABLE, descriptor_maker, launch_binding, tma_view
 
 if GLUON_AVAILABLE:
     from ._flash_fwd_sm90_partitions import (

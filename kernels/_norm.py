@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import cdiv, multiprocessors, next_pow2, remember, rows_in_place, rows_view
+from ._common import cdiv, multiprocessors, next_pow2, planned, rows_in_place, rows_view
 from ._launch import PlannedLaunch, call_signature, launch, launch_slot
 
 # Largest hidden size the one-row-in-registers kernels take. The 32-warp programs spill registers
@@ -230,10 +230,9 @@ class _NormPlan(NamedTuple):
     partials: tuple[int, int] | None = None  # the backward's dgamma/dbeta partials [programs, n]
 
 
-# Plans by signature (`_forward`, `norm_backward`); bounded by `remember`.
+# Plans by signature (`_forward`, `norm_backward`; `planned`).
 _FWD_PLANS: dict[tuple, _NormPlan] = {}
 _BWD_PLANS: dict[tuple, _NormPlan] = {}
-_MAX_PLANS = 1024
 
 
 def _forward_plan(x, residual, rms, zero_centered_gamma, has_bias, eps) -> _NormPlan:
@@ -258,10 +257,10 @@ def _forward_plan(x, residual, rms, zero_centered_gamma, has_bias, eps) -> _Norm
 def _forward(x, residual, weight, bias, eps, rms, zero_centered_gamma):
     """The forward launch of `norm_forward` (residual None) and `add_norm_forward`."""
     signature = call_signature((x, residual, weight, bias), (eps, rms, zero_centered_gamma))
-    plan = _FWD_PLANS.get(signature)
-    if plan is None:
-        plan = _forward_plan(x, residual, rms, zero_centered_gamma, bias is not None, eps)
-        remember(_FWD_PLANS, signature, plan, _MAX_PLANS)
+    plan = planned(
+        _FWD_PLANS, signature, (),
+        lambda: _forward_plan(x, residual, rms, zero_centered_gamma, bias is not None, eps),
+    )  # fmt: skip
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     h = None if residual is None else torch.empty_like(y)
     rstd = torch.empty(plan.n_rows, dtype=torch.float32, device=x.device)
@@ -296,10 +295,9 @@ def norm_backward(
     `bias_dtype`, None without a bias). `mean`/`rstd` are the forward's."""
     has_bias = bias_dtype is not None
     signature = call_signature((x, weight, dy, mean, rstd), (rms, zero_centered_gamma, has_bias))
-    plan = _BWD_PLANS.get(signature)
-    if plan is None:
-        plan = _backward_plan(dy, x, rms, zero_centered_gamma, has_bias)
-        remember(_BWD_PLANS, signature, plan, _MAX_PLANS)
+    plan = planned(
+        _BWD_PLANS, signature, (), lambda: _backward_plan(dy, x, rms, zero_centered_gamma, has_bias)
+    )
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if plan.n_rows == 0:
         n_cols = x.shape[-1]

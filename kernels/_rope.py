@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import cdiv, next_pow2, remember
+from ._common import cdiv, next_pow2, planned
 from ._launch import PlannedLaunch, call_signature, int_signature, launch, launch_slot
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -222,10 +222,9 @@ def rotate(
         (*ts, cos, sin, positions),
         (seq_dim, interleaved, inverse, int_signature(t2_from_t)),
     )
-    plan = _PLANS.get(signature)
-    if plan is None:
-        plan = remember(_PLANS, signature, _plan(ts, cos, positions, seq_dim, interleaved, inverse),
-                        _MAX_PLANS)  # fmt: skip
+    plan = planned(
+        _PLANS, signature, (), lambda: _plan(ts, cos, positions, seq_dim, interleaved, inverse)
+    )
     if not pair:
         outs = (torch.empty(t.shape, dtype=t.dtype, device=t.device),)
         out = outs[0]
@@ -257,9 +256,8 @@ class _RopePlan(NamedTuple):
     out_start: int
 
 
-# Plans by signature (`rotate`); bounded by `remember`.
+# Plans by signature (`rotate`; `planned`).
 _PLANS: dict[tuple, _RopePlan] = {}
-_MAX_PLANS = 1024
 
 
 def _plan(ts, cos, positions, seq_dim, interleaved, inverse) -> _RopePlan:

@@ -13,7 +13,6 @@ import functools
 
 import torch
 
-from ._common import remember
 from ._launch import int_signature, launch_slot
 
 try:  # Gluon ships with Triton 3.5+; its Hopper module is what this path needs.
@@ -185,20 +184,6 @@ def descriptor_maker(t: torch.Tensor, view: tuple[list, list], block: list[int],
     return make
 
 
-# A kernel module's table of launch plans holds at most this many (`_common.remember`).
-MAX_PLANS = 1024
-
-
-def planned(table: dict, signature, settings: tuple, make):
-    """A call's launch plan: kept in `table` under (signature, *settings) and made by `make()`
-    the first time; a call without a signature (None) gets a fresh plan every time."""
-    if signature is None:
-        return make()
-    key = (signature, *settings)
-    plan = table.get(key)
-    return plan if plan is not None else remember(table, key, make(), MAX_PLANS)
-
-
 def launch_binding(signature, order_pairs: int) -> tuple:
     """(signature, slot) that a planned launch hands to `_launch.launch`: the call's signature
     with the launch order's interleave (a module setting, not the inputs) and a slot of its own;
@@ -212,7 +197,7 @@ def launch_binding(signature, order_pairs: int) -> tuple:
 # differences), besides this module's own helpers.
 # The host side always exists; the Gluon names and device helpers only where Gluon imports.
 __all__ = [
-    "GLUON_AVAILABLE", "MAX_PLANS", "tma_view", "planned", "launch_binding", "_smem_layout",
+    "GLUON_AVAILABLE", "tma_view", "launch_binding", "_smem_layout",
     "descriptor_maker",
 ]  # fmt: skip
 if GLUON_AVAILABLE:

@@ -171,8 +171,7 @@ def test_sm90_common_exports_only_what_it_defines(monkeypatch):
     spec.loader.exec_module(module)
     assert not module.GLUON_AVAILABLE
     assert set(module.__all__) == {
-        "GLUON_AVAILABLE", "MAX_PLANS", "tma_view", "planned", "launch_binding", "_smem_layout",
-        "descriptor_maker",
+        "GLUON_AVAILABLE", "tma_view", "launch_binding", "_smem_layout", "descriptor_maker",
     }  # fmt: skip
     assert all(hasattr(module, name) for name in module.__all__)
 
