@@ -19,7 +19,8 @@ Offers:
         dQ, dK and dV) can take the non-deterministic calls it covers (kernels/_backward_paths.py).
     decode_attention(q, k_cache, v_cache, seqlens_k, *, ...) -> (out, lse)
         Split-KV ("flash-decoding") inference forward for few queries over a contiguous or paged
-        KV cache (kernels/_flash_decode.py); `check_page_size` states its page-size rule.
+        KV cache (kernels/_flash_decode.py); `check_page_size` states its page-size rule;
+        lse is None with `return_lse=False` (one allocation fewer).
     rotate_and_append(q, k, v, k_cache, v_cache, seqlens, *, ...) -> (q, seqlens + s_new)
         A decode step's rotary embedding and KV-cache writes in one launch, lengths advanced on
         the device (kernels/_cache_append.py).

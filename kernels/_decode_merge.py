@@ -10,16 +10,18 @@ one program per output row.
 
 The fused merge: each split program, after its partial stores, takes a ticket from its tile's
 int32 counter (an atomic add, acquire-release); the one drawing num_splits - 1 reads all the
-tile's partials, writes out and lse, and sets the counter back to 0. The counters are one
-zeroed buffer per device kept by this module (`_ticket_counters`), so a call allocates and
-zeroes nothing for them and a CUDA graph replays with the counters it captured.
-Assumption: fused split calls on one device do not overlap in time, i.e. they run on one
-stream or on streams ordered by events (as every decode path of this library does:
-`flash_attn_with_kvcache`, `MultiheadAttention` decoding through `InferenceParams`,
-`GPT.generate` and `DecodeGraph`, whose warm-up stream is joined both ways and whose replays
-run on the caller's stream). Two such calls running concurrently on unordered streams would
-share tile counters and could merge a tile before all its splits are in; set
-`_flash_decode.FUSED_COMBINE = False` for such use.
+tile's partials, writes out and lse, and sets the counter back to 0.
+
+Buffers kept per device by this module: the counters (`_ticket_counters`, zeroed once) and a
+scratch buffer (`_scratch`) for the split partials and for an lse the caller does not return.
+A call then allocates only what it returns, and a CUDA graph replays with the buffers it
+captured. Assumption (`_flash_decode.ORDERED_STREAMS`): decode calls on one device do not
+overlap in time, i.e. they run on one stream or on streams ordered by events (as every decode
+path of this library does: `flash_attn_with_kvcache`, `MultiheadAttention` decoding through
+`InferenceParams`, `GPT.generate` and `DecodeGraph`, whose warm-up stream is joined both ways
+and whose replays run on the caller's stream). Two calls running concurrently on unordered
+streams would share counters and scratch; set `_flash_decode.ORDERED_STREAMS = False` for such
+use: every call then allocates its own partials and lse and merges in a second launch.
 """
 
 from __future__ import annotations
@@ -161,7 +163,7 @@ def _decode_combine(
 
 
 # --------------------------------------------------------------------------------------------------
-# Host side: ticket counters and the fusion rule
+# Host side: the buffers kept per device, and the fusion rule
 # --------------------------------------------------------------------------------------------------
 
 
@@ -172,40 +174,66 @@ def _decode_combine(
 _TICKETS: dict[torch.device, torch.Tensor] = {}
 _RETIRED_TICKETS: list[torch.Tensor] = []
 
+# Scratch for what a call writes and no caller reads afterwards: the split partials, and the lse
+# when the caller does not return it. One fp32 buffer per device, grown and kept like the
+# counters; calls needing more than `_MAX_SCRATCH` elements (long multi-query chunks, where one
+# allocation is small beside the work) allocate their own. Why: a CUDA allocation costs about
+# 4.4 us of host time on the H100's host, as much as a quarter of an eager decode call's.
+_SCRATCH: dict[torch.device, torch.Tensor] = {}
+_RETIRED_SCRATCH: list[torch.Tensor] = []
+_MIN_SCRATCH = 1 << 16  # 256 KiB
+_MAX_SCRATCH = 1 << 22  # 16 MiB: b = 16, 32 query heads, d = 128 and 64 splits need 4 MiB
+
 
 def _ticket_counters(device: torch.device, count: int) -> torch.Tensor | None:
     """This device's counter buffer with at least `count` counters, all 0 when the call's
     launch runs; None while the current stream captures a CUDA graph and the buffer is too small
-    (the caller merges in a second launch then, see `_grow_ticket_counters`)."""
+    (the caller merges in a second launch then, see `_grow`)."""
     counters = _TICKETS.get(device)
     if counters is not None and counters.numel() >= count:
         return counters
-    return _grow_ticket_counters(device, count)
+    return _grow(_TICKETS, _RETIRED_TICKETS, device, count, _MIN_TICKETS, torch.int32)
 
 
-def _grow_ticket_counters(device: torch.device, count: int) -> torch.Tensor | None:
-    """Make the device's counter buffer (or a larger one), zeroed; outside any hot path: once
-    per device and then only when a call has more tiles than ever before.
+def _scratch(device: torch.device, count: int) -> torch.Tensor | None:
+    """This device's fp32 scratch with at least `count` elements (its contents undefined); None
+    where the call should allocate its own: `count` above `_MAX_SCRATCH`, or a buffer too small
+    while the current stream captures a CUDA graph."""
+    scratch = _SCRATCH.get(device)
+    if scratch is not None and scratch.numel() >= count:
+        return scratch
+    if count > _MAX_SCRATCH:
+        return None
+    return _grow(_SCRATCH, _RETIRED_SCRATCH, device, count, _MIN_SCRATCH, torch.float32)
+
+
+def _grow(
+    kept: dict, retired: list, device: torch.device, count: int, minimum: int, dtype
+) -> torch.Tensor | None:
+    """Make the device's buffer in `kept` (or a larger one, the old one moved to `retired`),
+    zeroed; outside any hot path: once per device and then only when a call needs more than
+    ever before.
 
     Not under CUDA graph capture: there the zero-fill would be recorded into the graph instead
-    of run, so the buffer would hold garbage for the eager calls after the capture. A call
-    captured before any eager call of its size (the library's decode graphs always warm up
-    eagerly first) merges in a second launch instead, which is always correct."""
+    of run, so the buffer would hold garbage for the eager calls after the capture, and a buffer
+    made there would come from the graph's private pool. A call captured before any eager call
+    of its size (the library's decode graphs always warm up eagerly first) takes the per-call
+    path instead (the merge in a second launch, its own partials), which is always correct."""
     cuda = device.type == "cuda"
     if cuda and torch.cuda.is_current_stream_capturing():
         return None
-    old = _TICKETS.get(device)
-    size = max(next_pow2(count), _MIN_TICKETS, 2 * old.numel() if old is not None else 0)
-    counters = torch.zeros(size, dtype=torch.int32, device=device)
+    old = kept.get(device)
+    size = max(next_pow2(count), minimum, 2 * old.numel() if old is not None else 0)
+    buffer = torch.zeros(size, dtype=dtype, device=device)
     if cuda:
         # The zero-fill ran on this stream; later calls may come on another one (DecodeGraph
         # warms up on a side stream, then replays on the caller's). Waiting for it here, once,
         # makes the zeros visible to every stream without events.
         torch.cuda.current_stream(device).synchronize()
     if old is not None:
-        _RETIRED_TICKETS.append(old)
-    _TICKETS[device] = counters
-    return counters
+        retired.append(old)
+    kept[device] = buffer
+    return buffer
 
 
 def _fuses_merge(tile_rows: int, block_s: int, block_d: int) -> bool:

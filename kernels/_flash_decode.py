@@ -19,8 +19,9 @@ LSE: with `FUSED_COMBINE`, where one program can load all of a tile's partials a
 second launch, `_decode_combine`. With one split the main kernel writes the final output
 directly (one launch either way).
 
-The merge (both ways), the fused merge's ticket counters and its stream assumption: see
-`_decode_merge`.
+The merge (both ways), the buffers kept per device (the fused merge's ticket counters, the
+scratch for partials and an unreturned lse) and their stream assumption (`ORDERED_STREAMS`):
+see `_decode_merge`.
 
 Positions: key j is cache row j of its sequence (paged: row j % page_size of page
 block_table[z, j // page_size]); query i sits at position seqlens_k - s_q + i (bottom-right
@@ -102,6 +103,12 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # a merge stepping through rows or splits in one program read ~8 us slower at b = 1, 8k keys,
 # 33 splits (docs/performance.md, "The split merge in the decode kernel").
 FUSED_COMBINE = True
+
+# Decode calls on one device run in stream order (one stream, or streams ordered by events), so
+# they may share the per-device ticket counters and scratch `_decode_merge` keeps. False: each
+# call allocates its own partials and lse and merges in a second launch (for calls on unordered
+# streams). Read per call.
+ORDERED_STREAMS = True
 
 # Paged caches: each key block's page (its block-table entry) is loaded a block ahead, a value
 # the loop carries, and only where the next block starts a page (`_next_page`), when True; else
@@ -410,16 +417,20 @@ _decode_fwd_tuned = triton.autotune(
 class DecodePlan(NamedTuple):
     """What `decode_attention`'s launches derive from a call's signature (shapes, strides,
     dtypes, devices of every input, the scalar arguments, `MAX_BLOCK_M` and `PAGE_PREFETCH`),
-    made once per signature and settings by `_make_plan`. Per call there is left: three
-    allocations (out, lse, the partials) and the launches; the main launch's constexprs, tuning
-    key and slot come in two versions for a split call, the separate combine's (`constexprs`,
-    ...) and the fused one's (`fused_constexprs`, ...), picked per call by `FUSED_COMBINE`."""
+    made once per signature and settings by `_make_plan`. Per call there is left: out's
+    allocation, lse's where the caller returns it (the partials and an unreturned lse live in
+    the device's scratch, `_decode_merge._scratch`) and the launches; the main launch's
+    constexprs, tuning key and slot come in two versions for a split call, the separate
+    combine's (`constexprs`, ...) and the fused one's (`fused_constexprs`, ...), picked per call
+    by `FUSED_COMBINE`."""
 
     out_shape: tuple[int, ...]
     lse_shape: tuple[int, ...]
     num_splits: int  # after the heuristic (`num_splits_heuristic`) and the caps
     workspace: int  # fp32 elements of the split partials: o_part, then lse_part (0: no split)
     lse_part_at: int  # where lse_part starts in the workspace
+    lse_at: int  # where an unreturned lse starts in the scratch: after the partials, 64-B aligned
+    lse_numel: int
     grid: tuple[int, int]  # (tiles, num_splits): the fused merge takes one counter per tile
     ints: tuple  # the main launch's arguments after its tensors
     constexprs: dict  # no split, or split with the separate combine launch
@@ -455,7 +466,8 @@ def decode_attention(
     softcap: float = 0.0,
     alibi_slopes: torch.Tensor | None = None,
     num_splits: int = 0,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    return_lse: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Split-KV attention of q over a KV cache, on validated input; returns (out, lse).
 
     q [b, s_q, h_q, d]; k_cache/v_cache [b_cache, s_cache, h_kv, d] or, with block_table
@@ -466,7 +478,8 @@ def decode_attention(
     (contiguous caches). cache_leftpad int32 [b]: first visible key per sequence.
     window: bottom-right aligned, -1 = unbounded (causal is right = 0). alibi_slopes fp32 [b, h_q]
     view (stride_b may be 0). num_splits: 0 = heuristic, 1 = no combine pass.
-    Returns out [b, s_q, h_q, d] in q's dtype and lse fp32 [b, h_q, s_q]. No host sync.
+    Returns out [b, s_q, h_q, d] in q's dtype and lse fp32 [b, h_q, s_q] (None with
+    `return_lse=False`: it is then written to scratch, one allocation fewer). No host sync.
     Everything the launches derive from the call's signature is planned once (`DecodePlan`).
     A split call is one launch with `FUSED_COMBINE` (see `_decode_merge` for its stream
     assumption), else two.
@@ -493,19 +506,29 @@ def decode_attention(
         )  # fmt: skip
         remember(_PLANS, key, plan, _MAX_PLANS)
     out = torch.empty(plan.out_shape, dtype=q.dtype, device=q.device)
-    lse = torch.empty(plan.lse_shape, dtype=torch.float32, device=q.device)
     if out.numel() == 0:
-        return out, lse.fill_(float("-inf"))
+        lse = torch.full(plan.lse_shape, float("-inf"), device=q.device) if return_lse else None
+        return out, lse
+    # The partials and an unreturned lse share one fp32 buffer: the kernels take their pointers
+    # and the plan's strides, so each needs only its start.
+    scratch = None
+    scratch_size = plan.workspace if return_lse else plan.lse_at + plan.lse_numel
+    if scratch_size:
+        if ORDERED_STREAMS:
+            scratch = _decode_merge._scratch(q.device, scratch_size)
+        if scratch is None:
+            scratch = torch.empty(scratch_size, dtype=torch.float32, device=q.device)
+    if return_lse:
+        lse = torch.empty(plan.lse_shape, dtype=torch.float32, device=q.device)
+    else:
+        lse = scratch[plan.lse_at :]
     if plan.workspace:
-        # One fp32 buffer for both partials (one allocation, not two): the kernels take their
-        # pointers and the plan's strides, so lse_part needs no shape, only its start.
-        o_part = torch.empty(plan.workspace, dtype=torch.float32, device=q.device)
-        lse_part = o_part[plan.lse_part_at :]
+        o_part, lse_part = scratch, scratch[plan.lse_part_at :]
     else:
         o_part = lse_part = lse  # unused placeholders
     dummy = seqlens_k
     tickets = None
-    if plan.fused_constexprs is not None and FUSED_COMBINE:
+    if plan.fused_constexprs is not None and FUSED_COMBINE and ORDERED_STREAMS:
         # None: the separate merge this once
         tickets = _decode_merge._ticket_counters(q.device, plan.grid[0])
     args = (
@@ -522,14 +545,14 @@ def decode_attention(
     if tickets is not None:
         _launch(plan.grid, args, plan.fused_constexprs, signature, plan.fused_tuning,
                 plan.fused_slot)  # fmt: skip
-        return out, lse
+        return out, lse if return_lse else None
     _launch(plan.grid, args, plan.constexprs, signature, plan.tuning, plan.slot)
     if plan.workspace:
         launch(_decode_merge._decode_combine, plan.combine_grid,
             out, lse, o_part, lse_part, *plan.combine_ints,
             **plan.combine_kwargs, signature=signature, slot=plan.combine_slot,
         )  # fmt: skip
-    return out, lse
+    return out, lse if return_lse else None
 
 
 def _make_plan(
@@ -566,6 +589,9 @@ def _make_plan(
         # o_part's size is a multiple of block_d >= 16 elements: lse_part starts 64-byte aligned.
         lse_part_at = o_part.numel()
         workspace = lse_part_at + lse_part.numel()
+    # 16 fp32 elements: the 64-byte alignment the allocator gives lse when the caller takes it
+    # (launches are keyed on their inputs only, `call_signature`).
+    lse_at = cdiv(workspace, 16) * 16
     alibi_strides = tuple(alibi_slopes.stride()) if alibi_slopes is not None else (0, 0)
     bucket = min(max(next_pow2(max(capacity, 1)), 1024), 131072)
     ints = (
@@ -601,7 +627,8 @@ def _make_plan(
     runtime_keys = (page_size, num_splits, bucket)
     return DecodePlan(
         out_shape=tuple(out.shape), lse_shape=tuple(lse.shape), num_splits=num_splits,
-        workspace=workspace, lse_part_at=lse_part_at, grid=(tiles, num_splits), ints=ints,
+        workspace=workspace, lse_part_at=lse_part_at, lse_at=lse_at, lse_numel=lse.numel(),
+        grid=(tiles, num_splits), ints=ints,
         constexprs=constexprs, tuning=(tuple(constexprs.values()), dtypes, runtime_keys),
         combine_grid=(b * s_q * h_q,),
         combine_ints=(*out.stride()[:3], *lse.stride(), *part_strides, s_q, h_q, num_splits),

@@ -296,6 +296,87 @@ def test_no_ticket_counters_means_the_separate_merge(monkeypatch):
 
 
 # --------------------------------------------------------------------------------------------------
+# The per-device scratch: split partials and an unreturned lse (`_decode_merge._scratch`)
+# --------------------------------------------------------------------------------------------------
+
+# No split; the fused merge; the separate merge (too many splits to fuse at this budget is not
+# needed: `pin_combine` picks it); s_q > 1 over two row blocks; paged with a left pad.
+SCRATCH_CASES = [
+    KVCase(num_splits=1, s_new=1, causal=True),
+    KVCase(num_splits=3, s_q=2, s_new=2, causal=True),
+    KVCase(h=6, hk=1, s_q=3, s_new=3, causal=True, num_splits=2),
+    KVCase(page_size=16, leftpad=True, b=3, s_new=1, num_splits=4, causal=True),
+]
+
+
+@pytest.fixture
+def fresh_scratch(monkeypatch):
+    """An empty scratch table (the buffers made by other tests stay out of these ones)."""
+    monkeypatch.setattr(_decode_merge, "_SCRATCH", {})
+    monkeypatch.setattr(_decode_merge, "_RETIRED_SCRATCH", [])
+
+
+@pytest.mark.parametrize("combine", COMBINES)
+@pytest.mark.parametrize("case", SCRATCH_CASES, ids=lambda c: c.label())
+def test_out_without_lse_equals_out_with_it(case, combine, monkeypatch, fresh_scratch):
+    """`return_softmax_lse=False` writes lse to the scratch instead of a returned tensor: out is
+    bitwise the one of the call that returns lse (checked against the fp64 oracle), also when
+    the scratch holds NaN from before (a stale partial read back would show)."""
+    pin_combine(monkeypatch, combine)
+    monkeypatch.setattr(_flash_decode, "MAX_BLOCK_M", 16)  # the 18-row case takes two blocks
+    check_kv_case(case, "cpu")
+    want, _ = call_kernel(case, make_kv_inputs(case, "cpu"))
+    _decode_merge._scratch(torch.device("cpu"), 1).fill_(float("nan"))
+    out = call_kernel(case, make_kv_inputs(case, "cpu"), return_softmax_lse=False)
+    assert isinstance(out, torch.Tensor)
+    torch.testing.assert_close(out, want, rtol=0, atol=0)
+    assert not _decode_merge._scratch(torch.device("cpu"), 1).isnan().all()
+    assert tickets_all_zero()
+
+
+def test_scratch_grows_and_keeps_the_old_buffer(monkeypatch, fresh_scratch):
+    monkeypatch.setattr(_decode_merge, "_MIN_SCRATCH", 16)
+    cpu = torch.device("cpu")
+    small = KVCase(b=1, num_splits=3)  # partials: 4 heads x 3 splits x 16 + 12 lse = 204
+    check_kv_case(small, "cpu")
+    first = _decode_merge._SCRATCH[cpu]
+    assert first.numel() == 256
+    check_kv_case(KVCase(b=3, num_splits=3), "cpu")  # 612
+    grown = _decode_merge._SCRATCH[cpu]
+    assert grown.numel() == 1024 and _decode_merge._RETIRED_SCRATCH == [first]
+    check_kv_case(dataclasses.replace(small, seed=1), "cpu")  # fits: the same buffer
+    assert _decode_merge._SCRATCH[cpu] is grown
+
+
+def test_unordered_streams_keep_no_buffers(monkeypatch, fresh_scratch):
+    """`ORDERED_STREAMS = False`: each call allocates its own partials and lse and merges in a
+    second launch, so nothing is shared between calls."""
+    monkeypatch.setattr(_flash_decode, "ORDERED_STREAMS", False)
+    monkeypatch.setattr(_decode_merge, "_TICKETS", {})
+    merges = pin_combine(monkeypatch, "fused")
+    case = KVCase(num_splits=3, s_new=1, causal=True)
+    check_kv_case(case, "cpu")
+    out = call_kernel(case, make_kv_inputs(case, "cpu"), return_softmax_lse=False)
+    torch.testing.assert_close(
+        out, call_kernel(case, make_kv_inputs(case, "cpu"))[0], rtol=0, atol=0
+    )
+    assert merges and set(merges) == {"_decode_combine"}
+    assert _decode_merge._SCRATCH == {} and _decode_merge._TICKETS == {}
+
+
+def test_no_scratch_past_the_cap_or_under_capture(monkeypatch, fresh_scratch):
+    """A call needing more than `_MAX_SCRATCH` elements allocates its own partials (and is
+    exact); under CUDA graph capture a scratch too small is not grown."""
+    monkeypatch.setattr(_decode_merge, "_MAX_SCRATCH", 64)
+    assert _decode_merge._scratch(torch.device("cpu"), 65) is None
+    check_kv_case(KVCase(num_splits=3), "cpu")  # 2 x 4 x 3 x 16 + 24 partials
+    assert _decode_merge._SCRATCH == {}
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert _decode_merge._scratch(torch.device("cuda", 0), 4) is None
+    assert _decode_merge._SCRATCH == {}
+
+
+# --------------------------------------------------------------------------------------------------
 # Paged caches: each key block's page loaded one block ahead (`PAGE_PREFETCH`) or just before it
 # --------------------------------------------------------------------------------------------------
 

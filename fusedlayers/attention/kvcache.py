@@ -433,6 +433,7 @@ def flash_attn_with_kvcache(
         softcap=float(softcap),
         alibi_slopes=alibi_slopes,
         num_splits=int(num_splits),
+        return_lse=return_softmax_lse,
     )
     return (out, lse) if return_softmax_lse else out
 
@@ -457,7 +458,8 @@ def cache_attention(
     softcap: float = 0.0,
     alibi_slopes: Tensor | None = None,
     num_splits: int = 0,
-) -> tuple[Tensor, Tensor]:
+    return_lse: bool = True,
+) -> tuple[Tensor, Tensor | None]:
     """Rotate, append and attend on validated input: `flash_attn_with_kvcache` after its checks,
     shared with the decode path of the layers (`fusedlayers.layers.cached_attention`).
 
@@ -465,7 +467,8 @@ def cache_attention(
     / `rotary_k`: fp32 (cos, sin) tables [n_pos, rotary_dim] with one angle per channel (the
     rope kernel's form), applied when k is given (`kernels/_cache_append.py` says at which
     positions). `window_size` is bottom-right aligned, causal = (-1, 0). Returns
-    (out [b, s_q, h, d], lse fp32 [b, h, s_q]). Everything stays on the device (no host
+    (out [b, s_q, h, d], lse fp32 [b, h, s_q]); lse is None with `return_lse=False` (the kernel
+    then writes it to scratch and allocates only out). Everything stays on the device (no host
     read), so a caller can capture it in a CUDA graph.
     """
     if q.stride(-1) != 1:
@@ -483,7 +486,7 @@ def cache_attention(
         q,
         k_cache,
         v_cache,
-        seqlens.to(torch.int32),
+        seqlens if seqlens.dtype == torch.int32 else seqlens.to(torch.int32),
         block_table=block_table,
         cache_batch_idx=cache_batch_idx,
         cache_leftpad=cache_leftpad,
@@ -493,6 +496,7 @@ def cache_attention(
         softcap=softcap,
         alibi_slopes=alibi_slopes,
         num_splits=num_splits,
+        return_lse=return_lse,
     )
 
 

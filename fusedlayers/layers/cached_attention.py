@@ -148,6 +148,7 @@ def _kernel_step(module, q, k, v, params, spec, rotary, alibi, alibi_slopes) -> 
         softmax_scale=module.core_attention.softmax_scale,
         window_size=spec.window_size,
         alibi_slopes=alibi_slopes,
+        return_lse=False,
     )
     return out
 
