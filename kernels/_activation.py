@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from ._common import cdiv, next_pow2, planned, rows_in_place, rows_view
-from ._launch import PlannedLaunch, call_signature, launch, launch_slot
+from ._launch import PlannedLaunch, call_signature, launch_planned, launch_slot
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # TE activation name -> (the elementwise activation, gated?)
@@ -222,8 +222,7 @@ def activation_forward(x: torch.Tensor, activation: str) -> torch.Tensor:
     if not plan.rows_in_place:
         x = rows_view(x, x.shape[-1])
     run = plan.launch
-    launch(_act_fwd_kernel, run.grid, x, y, *run.ints,
-           signature=signature, slot=run.slot, **run.kwargs)  # fmt: skip
+    launch_planned(_act_fwd_kernel, run, x, y, *run.ints, signature=signature)
     return y
 
 
@@ -238,6 +237,5 @@ def activation_backward(dy: torch.Tensor, x: torch.Tensor, activation: str) -> t
     if not plan.rows_in_place:
         x, dy = rows_view(x, x.shape[-1]), rows_view(dy, dy.shape[-1])
     run = plan.launch
-    launch(_act_bwd_kernel, run.grid, x, dy, dx, *run.ints,
-           signature=signature, slot=run.slot, **run.kwargs)  # fmt: skip
+    launch_planned(_act_bwd_kernel, run, x, dy, dx, *run.ints, signature=signature)
     return dx

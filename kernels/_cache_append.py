@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from ._common import next_pow2, planned
-from ._launch import PlannedLaunch, call_signature, launch, launch_slot
+from ._launch import PlannedLaunch, call_signature, launch_planned, launch_slot
 from ._rope import _geometry, _load_pairs, rotate_tile
 
 _NUM_WARPS = 4
@@ -162,10 +162,10 @@ def rotate_and_append(
     )  # fmt: skip
     seqlens_out = torch.empty(q.shape[0], dtype=torch.int32, device=q.device)
     q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if rotary else q
-    launch(_rotate_append_kernel, plan.grid,
+    launch_planned(_rotate_append_kernel, plan,
         q, q_out, k, v, k_cache, v_cache, seqlens, seqlens_out, batch_idx, table,
         q_cos, q_sin, k_cos, k_sin, *plan.ints,
-        signature=signature, slot=plan.slot, **plan.kwargs,
+        signature=signature,
     )  # fmt: skip
     return q_out, seqlens_out
 

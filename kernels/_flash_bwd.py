@@ -57,7 +57,7 @@ from ._common import (
 )
 from ._flash_bwd_dkdv import _flash_bwd_dkdv_kernel
 from ._flash_bwd_dq import _flash_bwd_dq_kernel
-from ._launch import PlannedLaunch, call_signature, launch, launch_slot
+from ._launch import PlannedLaunch, call_signature, launch_planned, launch_slot
 
 
 @triton.jit
@@ -392,10 +392,9 @@ def _launch_dq(
     if plan.dbias_shape is not None:
         # Zeros: the dQ pass writes dBias only on the key blocks some query of each block sees.
         dbias = torch.zeros(plan.dbias_shape, dtype=bias.dtype, device=bias.device)
-    launch(_flash_bwd_dq_kernel, plan.dq.grid,
+    launch_planned(_flash_bwd_dq_kernel, plan.dq,
         q, k, v, dout, out, lse, delta, dq, bias_ptr, dbias if dbias is not None else q,
-        alibi_ptr, *seq_ptrs, *plan.dq.ints, *tail, **plan.dq.kwargs, signature=signature,
-        slot=plan.dq.slot,
+        alibi_ptr, *seq_ptrs, *plan.dq.ints, *tail, signature=signature,
     )  # fmt: skip
     return dq, dbias
 
@@ -560,9 +559,9 @@ def _launch_dkdv(plan, inputs, dk, dv, pointers, seq_ptrs, tail, signature) -> N
         new = torch.empty if plan.owns_k else torch.zeros
         dk_out = new((splits, *dk.shape), dtype=torch.float32, device=dk.device)
         dv_out = new((splits, *dv.shape), dtype=torch.float32, device=dv.device)
-    launch(_flash_bwd_dkdv_kernel, plan.dkdv.grid,
+    launch_planned(_flash_bwd_dkdv_kernel, plan.dkdv,
         *inputs, dk_out, dv_out, *pointers, *seq_ptrs, *plan.dkdv.ints, *tail,
-        **plan.dkdv.kwargs, signature=(signature, splits), slot=plan.dkdv.slot,
+        signature=(signature, splits),
     )  # fmt: skip
     if splits > 1:
         # A fixed-order reduction over the shares: bitwise reproducible run to run.
@@ -591,9 +590,9 @@ def _preprocess(
     """delta = rowsum(dout * out) in fp32, shaped and strided like the (contiguous) LSE; zeroes
     `dq_acc` too where the plan says so (`ZERO_DQ`; otherwise q stands in for it)."""
     delta = torch.empty_like(lse)
-    launch(_flash_bwd_preprocess_kernel, launch_plan.grid,
+    launch_planned(_flash_bwd_preprocess_kernel, launch_plan,
         out, dout, delta, dq_acc, seq_ptrs[0], seq_ptrs[2], seq_ptrs[4], *launch_plan.ints,
-        **launch_plan.kwargs, signature=signature, slot=launch_plan.slot,
+        signature=signature,
     )  # fmt: skip
     return delta
 

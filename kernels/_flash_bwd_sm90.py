@@ -73,7 +73,7 @@ from ._common import (
     planned,
     strides4,
 )
-from ._launch import launch
+from ._launch import launch, launch_bound
 from ._sm90_common import GLUON_AVAILABLE, descriptor_maker, launch_binding, tma_view
 
 if GLUON_AVAILABLE:
@@ -594,13 +594,15 @@ def backward_sm90(
     if plan.grid[0] == 0:
         return
     q_desc, k_desc, v_desc, do_desc, dq_desc = plan.descriptors
-    launch(_attn_bwd_sm90, plan.grid,
+    args = (
         q_desc(q), k_desc(k), v_desc(v), do_desc(dout), dq_desc(dq_acc), lse, delta, dk, dv,
         geom.q.cu_seqlens, geom.q.seq_offsets, geom.q.seqlens,
         geom.k.cu_seqlens, geom.k.seq_offsets, geom.k.seqlens,
         *plan.ints, float(softmax_scale) * LOG2E, float(softmax_scale), plan.order_pairs,
-        **plan.constexprs, signature=plan.signature, slot=plan.slot,
     )  # fmt: skip
+    if not launch_bound(plan.slot, args):  # the constexprs' keywords only for the first launch
+        launch(_attn_bwd_sm90, plan.grid, *args, **plan.constexprs, signature=plan.signature,
+               slot=plan.slot)  # fmt: skip
 
 
 class _LaunchPlan(NamedTuple):

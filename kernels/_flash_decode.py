@@ -66,7 +66,7 @@ from ._common import (
     visible_tile,
 )
 from ._decode_merge import _combine_tile, _last_split_done, _store_rows
-from ._launch import call_signature, config_slot, launch, launch_slot
+from ._launch import call_signature, config_slot, launch, launch_bound, launch_slot
 
 # --------------------------------------------------------------------------------------------------
 # Launch geometry
@@ -654,6 +654,7 @@ def _launch(
         _decode_fwd_tuned[grid](*args, **constexprs)
         _PICKED[tuning] = _decode_fwd_tuned.best_config
     else:
-        launch(_decode_fwd, grid, *args, **constexprs, **config.all_kwargs(),
-               signature=signature, slot=None if slot is None else config_slot(slot, config),
-        )  # fmt: skip
+        part = None if slot is None else config_slot(slot, config)
+        if not launch_bound(part, args):
+            launch(_decode_fwd, grid, *args, **constexprs, **config.all_kwargs(),
+                   signature=signature, slot=part)  # fmt: skip

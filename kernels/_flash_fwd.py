@@ -60,7 +60,7 @@ from ._common import (
     visible_tile,
 )
 from ._forward_paths import forward_path, run_sm90, sm90_plan
-from ._launch import config_slot, launch, launch_slot
+from ._launch import config_slot, launch, launch_bound, launch_slot
 
 # --------------------------------------------------------------------------------------------------
 # Autotune configs and their prune predicate
@@ -540,6 +540,7 @@ def _launch(
         _attn_fwd[grid](*args, **constexprs)
         _PICKED[tuning] = _attn_fwd.best_config
     else:
-        launch(_attn_fwd.fn, grid, *args, **constexprs, **config.all_kwargs(),
-               signature=signature, slot=None if slot is None else config_slot(slot, config),
-        )  # fmt: skip
+        part = None if slot is None else config_slot(slot, config)
+        if not launch_bound(part, args):
+            launch(_attn_fwd.fn, grid, *args, **constexprs, **config.all_kwargs(),
+                   signature=signature, slot=part)  # fmt: skip

@@ -67,7 +67,7 @@ from ._common import (
     strides4,
 )
 from ._flash_fwd_sm90_partitions import WARPGROUP_ROWS
-from ._launch import _current_stream, launch
+from ._launch import _current_stream, launch, launch_bound
 from ._sm90_common import GLUON_AVAILABLE, descriptor_maker, launch_binding, tma_view
 
 if GLUON_AVAILABLE:
@@ -376,13 +376,15 @@ def forward_sm90(
         return
     q_desc, k_desc, v_desc, o_desc = plan.descriptors
     counter = tile_counter(q.device) if plan.dynamic else None
-    launch(_attn_fwd_sm90, plan.grid,
+    args = (
         q_desc(q), k_desc(k), v_desc(v), o_desc(out), out, lse,
         geom.q.cu_seqlens, geom.q.seq_offsets, geom.q.seqlens,
         geom.k.cu_seqlens, geom.k.seq_offsets, geom.k.seqlens,
         *plan.ints, float(softmax_scale) * LOG2E, plan.order_pairs, plan.num_pairs, counter,
-        **plan.constexprs, signature=plan.signature, slot=plan.slot,
     )  # fmt: skip
+    if not launch_bound(plan.slot, args):  # the constexprs' keywords only for the first launch
+        launch(_attn_fwd_sm90, plan.grid, *args, **plan.constexprs, signature=plan.signature,
+               slot=plan.slot)  # fmt: skip
 
 
 class _LaunchPlan(NamedTuple):

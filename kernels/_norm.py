@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from ._common import cdiv, multiprocessors, next_pow2, planned, rows_in_place, rows_view
-from ._launch import PlannedLaunch, call_signature, launch, launch_slot
+from ._launch import PlannedLaunch, call_signature, launch_planned, launch_slot
 
 # Largest hidden size the one-row-in-registers kernels take. The 32-warp programs spill registers
 # to local memory for the backward from 16384 and the forward at 65536 (sm_90 cubins): correct,
@@ -273,10 +273,10 @@ def _forward(x, residual, weight, bias, eps, rms, zero_centered_gamma):
         residual = None if residual is None else rows_view(residual, n_cols)
     run = plan.launch
     # Without a residual, x stands in for the pointers the kernel never reads.
-    launch(_norm_fwd_kernel, run.grid,
+    launch_planned(_norm_fwd_kernel, run,
         x, x if residual is None else residual, y if h is None else h, weight,
         weight if bias is None else bias, y, rstd if rms else mean, rstd, *run.ints,
-        signature=signature, slot=run.slot, **run.kwargs,
+        signature=signature,
     )  # fmt: skip
     return y, h, mean, rstd
 
@@ -308,9 +308,9 @@ def norm_backward(
     dw_partial = torch.empty(plan.partials, dtype=torch.float32, device=x.device)
     db_partial = torch.empty_like(dw_partial) if has_bias else dw_partial
     run = plan.launch
-    launch(_norm_bwd_kernel, run.grid,
+    launch_planned(_norm_bwd_kernel, run,
         x, weight, dy, dx, rstd if rms else mean, rstd, dw_partial, db_partial, *run.ints,
-        signature=signature, slot=run.slot, **run.kwargs,
+        signature=signature,
     )  # fmt: skip
     dweight = dw_partial.sum(0).to(weight.dtype)
     dbias = db_partial.sum(0).to(bias_dtype) if has_bias else None

@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from ._common import cdiv, next_pow2, planned
-from ._launch import PlannedLaunch, call_signature, int_signature, launch, launch_slot
+from ._launch import PlannedLaunch, call_signature, int_signature, launch_planned, launch_slot
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # Elements (of t) per [BLOCK_T, BLOCK_H, d] tile and the warps that hold it: 16 per thread at
@@ -238,10 +238,10 @@ def rotate(
     run = plan.launch
     # The kernel takes each tensor's address with the strides of its [b, s, ...] view (the
     # plan's), so the tensors go as they are; an absent `positions` has cos stand in.
-    launch(_rope_kernel, run.grid,
+    launch_planned(_rope_kernel, run,
         t, out, cos, sin, cos if positions is None else positions, *run.ints,
         t2_from_t, plan.out_start if pair else 0, *plan.second_ints,
-        signature=signature, slot=run.slot, **run.kwargs,
+        signature=signature,
     )  # fmt: skip
     return outs
 

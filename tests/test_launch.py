@@ -264,6 +264,29 @@ def test_a_slot_binds_the_compiled_kernel_after_the_first_direct_launch(kernel, 
     assert list(slot) == [0]  # one device
 
 
+def test_launch_bound_launches_only_through_a_bound_slot(kernel, monkeypatch):
+    """`launch_bound` makes the launch the slot's bound kernel makes, from the positional
+    arguments alone; it declines (False, nothing launched) before the slot is bound, with
+    signature checks on and under a profiler's hook, so the caller's `launch` runs then."""
+    monkeypatch.setattr(_launch, "_check_signatures", False)
+    slot = _launch.launch_slot()
+    assert not _launch.launch_bound(slot, (_x(), 32, 0.5, True)) and kernel.log == []
+    for _ in range(2):  # compile, then the first direct launch binds the slot
+        _launch.launch(kernel, (4,), _x(), 32, 0.5, True, BLOCK=16, MODE=3, slot=slot)
+    y = _x()
+    assert _launch.launch_bound(slot, (y, 48, 0.25, True))
+    assert [entry[0] for entry in kernel.log] == ["triton", "direct", "direct"]
+    # the bound grid and keywords (BLOCK=16, MODE=3), this call's arguments
+    assert kernel.log[-1][2] == (4, 1, 1, 1234, "fn", "meta", None, None, None, y, 48, 0.25, True,
+                                 16, 3)  # fmt: skip
+    monkeypatch.setattr(_launch, "_check_signatures", True)
+    assert not _launch.launch_bound(slot, (y, 48, 0.25, True))
+    monkeypatch.setattr(_launch, "_check_signatures", False)
+    monkeypatch.setattr(_launch.knobs.runtime, "launch_enter_hook", lambda *args: None)
+    assert not _launch.launch_bound(slot, (y, 48, 0.25, True))
+    assert len(kernel.log) == 3
+
+
 def test_a_slot_is_per_device(kernel, monkeypatch):
     monkeypatch.setattr(_launch, "_check_signatures", False)
     slot = _launch.launch_slot()

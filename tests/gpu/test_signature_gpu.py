@@ -91,13 +91,23 @@ def test_sm90_one_signature_on_fresh_data(case, checked, sm90_kernels, monkeypat
     verified against the per-argument key."""
     monkeypatch.setattr(_launch, "_check_signatures", checked)
     launched = []
-    for module in (_flash_fwd_sm90, _flash_bwd_sm90):
+    kernels = {_flash_fwd_sm90: _flash_fwd_sm90._attn_fwd_sm90,
+               _flash_bwd_sm90: _flash_bwd_sm90._attn_bwd_sm90}  # fmt: skip
+    for module, module_kernel in kernels.items():
 
         def spy(kernel, *args, _launch_fn=module.launch, **kwargs):
             launched.append(kernel)
             return _launch_fn(kernel, *args, **kwargs)
 
+        def bound_spy(slot, args, _bound_fn=module.launch_bound, _kernel=module_kernel):
+            # a launch through the bound slot alone (`launch` is not called for it then)
+            done = _bound_fn(slot, args)
+            if done:
+                launched.append(_kernel)
+            return done
+
         monkeypatch.setattr(module, "launch", spy)
+        monkeypatch.setattr(module, "launch_bound", bound_spy)
     for seed in range(4):
         check_case(dataclasses.replace(case, seed=seed), "cuda")
     for kernel in (_flash_fwd_sm90._attn_fwd_sm90, _flash_bwd_sm90._attn_bwd_sm90):
