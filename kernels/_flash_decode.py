@@ -511,19 +511,21 @@ def decode_attention(
         return out, lse
     # The partials and an unreturned lse share one fp32 buffer: the kernels take their pointers
     # and the plan's strides, so each needs only its start.
-    scratch = None
+    views = None
     scratch_size = plan.workspace if return_lse else plan.lse_at + plan.lse_numel
+    starts = (0, plan.lse_part_at, plan.lse_at)
     if scratch_size:
         if ORDERED_STREAMS:
-            scratch = _decode_merge._scratch(q.device, scratch_size)
-        if scratch is None:
+            views = _decode_merge._scratch_views(q.device, scratch_size, starts)
+        if views is None:
             scratch = torch.empty(scratch_size, dtype=torch.float32, device=q.device)
+            views = tuple(scratch[start:] for start in starts)
     if return_lse:
         lse = torch.empty(plan.lse_shape, dtype=torch.float32, device=q.device)
     else:
-        lse = scratch[plan.lse_at :]
+        lse = views[2]
     if plan.workspace:
-        o_part, lse_part = scratch, scratch[plan.lse_part_at :]
+        o_part, lse_part = views[0], views[1]
     else:
         o_part = lse_part = lse  # unused placeholders
     dummy = seqlens_k

@@ -314,6 +314,7 @@ def fresh_scratch(monkeypatch):
     """An empty scratch table (the buffers made by other tests stay out of these ones)."""
     monkeypatch.setattr(_decode_merge, "_SCRATCH", {})
     monkeypatch.setattr(_decode_merge, "_RETIRED_SCRATCH", [])
+    monkeypatch.setattr(_decode_merge, "_SCRATCH_VIEWS", {})
 
 
 @pytest.mark.parametrize("combine", COMBINES)
@@ -346,6 +347,12 @@ def test_scratch_grows_and_keeps_the_old_buffer(monkeypatch, fresh_scratch):
     assert grown.numel() == 1024 and _decode_merge._RETIRED_SCRATCH == [first]
     check_kv_case(dataclasses.replace(small, seed=1), "cpu")  # fits: the same buffer
     assert _decode_merge._SCRATCH[cpu] is grown
+    # the first call's views (of the old buffer) were dropped when it grew: every view kept now
+    # is of the grown buffer
+    views = [view for kept in _decode_merge._SCRATCH_VIEWS.values() for view in kept]
+    assert views and all(
+        view.untyped_storage().data_ptr() == grown.untyped_storage().data_ptr() for view in views
+    )
 
 
 def test_unordered_streams_keep_no_buffers(monkeypatch, fresh_scratch):
