@@ -80,14 +80,28 @@ def test_each_round_starts_one_call_later(monkeypatch):
 
 
 def test_disagreeing_packages_stop_the_run():
-    x = torch.ones(4)
+    x = torch.randn(4096, generator=torch.Generator().manual_seed(0))
     calls = {
         "tiny: old, forward, no grad": lambda: x,
         "tiny: working tree, forward, no grad": lambda: x + 0.5,
     }
+    with pytest.raises(AssertionError, match="disagree in output 0"):
+        host_ab._check_agreement(calls, ("old", "working tree"))
+    calls["tiny: working tree, forward, no grad"] = lambda: x[:100]
+    with pytest.raises(AssertionError, match="shapes"):
+        host_ab._check_agreement(calls, ("old", "working tree"))
+    # a tenth of the elements wrong: 3% off in norm
+    wrong = x.clone()
+    wrong[::10] *= 0.9
+    calls["tiny: working tree, forward, no grad"] = lambda: wrong
     with pytest.raises(AssertionError):
         host_ab._check_agreement(calls, ("old", "working tree"))
-    calls["tiny: working tree, forward, no grad"] = lambda: x.clone()
+    # bf16 values, a tenth of them changed by 1% and rounded again: 0.3% apart in norm, agreed
+    rounded = x.bfloat16().float()
+    nudged = rounded.clone()
+    nudged[::10] = (nudged[::10] * 1.01).bfloat16().float()
+    calls["tiny: old, forward, no grad"] = lambda: rounded
+    calls["tiny: working tree, forward, no grad"] = lambda: nudged
     host_ab._check_agreement(calls, ("old", "working tree"))
 
 

@@ -7,7 +7,8 @@ drift. This script builds REV's package from `git archive` under another name
 working tree's. Each round times every call once, as the best of `--repeats` runs of `--calls`
 calls (`launch_overhead.host_us_per_call`), in an order that starts one call later each round;
 the table gives each call's best round, its median and every round. On CUDA, SDPA's rows sit
-beside ours. Before anything is timed, the two packages' outputs and gradients must agree.
+beside ours. Before anything is timed, the two packages' outputs and gradients must agree (to 2%
+relative L2 error each).
 
 Cells (`--cells`):
 - tiny: b=1, s=128, 4 heads, d=64, causal (the portable kernels): the forward without grad, with
@@ -43,7 +44,10 @@ from pathlib import Path
 
 import torch
 
+# launch_overhead lives here, bench_utils one folder up, in examples/.
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench_utils import rel_err  # noqa: E402
 from launch_overhead import (  # noqa: E402
     DECODE_FILLED,
     decode_step,
@@ -57,6 +61,8 @@ OLD_NAME = "fusedlayers_rev"
 # Source folders as the distribution maps them (pyproject.toml, package-dir).
 PACKAGE_DIRS = {"fusedlayers": "", "kernels": "kernels", "models": "models"}
 CELLS = ("tiny", "sm90", "decode", "layers")
+# Outputs of the two packages must agree to this relative L2 error (`_check_agreement`).
+AGREEMENT = 2e-2
 
 
 def build_package(rev: str, dest: Path, name: str = OLD_NAME) -> str:
@@ -205,13 +211,23 @@ def _layer_calls(packages: dict, device: str, dtype) -> dict:
 
 
 def _check_agreement(calls: dict, names: tuple[str, str]) -> None:
-    """Each call of the two packages gives the same outputs (bf16 tolerance)."""
+    """Each call of the two packages gives the same outputs: every output tensor within
+    `AGREEMENT` relative L2 error of the other's. Not elementwise: two correct bf16 computations
+    that round differently (one forward tile for another) put the two-layer GPT's gradients 0.7%
+    from fp64 each, yet 3-11% of their elements apart by more than 2e-2 (absolute and relative)
+    on the H100, while a wrong kernel is off by far more than 2% in norm."""
     for key, call in calls.items():
         if not key.split(": ", 1)[1].startswith(names[0]):
             continue
-        other = calls[key.replace(f": {names[0]},", f": {names[1]},", 1)]
-        for a, b in zip(_flat(call()), _flat(other())):
-            torch.testing.assert_close(a.float(), b.float(), atol=2e-2, rtol=2e-2)
+        other_key = key.replace(f": {names[0]},", f": {names[1]},", 1)
+        for index, (a, b) in enumerate(zip(_flat(call()), _flat(calls[other_key]()))):
+            if a.shape != b.shape or rel_err(a, b) > AGREEMENT:
+                raise AssertionError(
+                    f"{key} and {other_key} disagree in output {index}: shapes "
+                    f"{tuple(a.shape)} and {tuple(b.shape)}, relative L2 error "
+                    f"{rel_err(a, b) if a.shape == b.shape else float('nan'):.3g} (at most "
+                    f"{AGREEMENT})"
+                )
 
 
 def _flat(result) -> list[torch.Tensor]:
