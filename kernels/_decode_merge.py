@@ -177,12 +177,14 @@ _RETIRED_TICKETS: list[torch.Tensor] = []
 # Scratch for what a call writes and no caller reads afterwards: the split partials, and the lse
 # when the caller does not return it. One fp32 buffer per device, grown and kept like the
 # counters; calls needing more than `_MAX_SCRATCH` elements (long multi-query chunks, where one
-# allocation is small beside the work) allocate their own. Why: a CUDA allocation costs about
-# 4.4 us of host time on the H100's host, as much as a quarter of an eager decode call's.
+# allocation is small beside the work) allocate their own. Why: a CUDA allocation costs 4-6 us
+# of the H100 host's time (torch.profiler; a timeit probe), an eighth of an eager decode call.
 _SCRATCH: dict[torch.device, torch.Tensor] = {}
 _RETIRED_SCRATCH: list[torch.Tensor] = []
-_MIN_SCRATCH = 1 << 16  # 256 KiB
-_MAX_SCRATCH = 1 << 22  # 16 MiB: b = 16, 32 query heads, d = 128 and 64 splits need 4 MiB
+_MIN_SCRATCH = 1 << 16  # elements: 256 KiB
+# Elements: 16 MiB. The one-wave split rule's partials at d = 128 take far less (b = 1, 32 query
+# heads over 8, 16 splits: 65,536 elements plus 512 for lse_part).
+_MAX_SCRATCH = 1 << 22
 # Views into the current scratch by (device, elements needed, starts), made once per buffer:
 # slicing a CUDA tensor costs about 3 us of the H100 host's time, half an allocation.
 _SCRATCH_VIEWS: dict[tuple, tuple[torch.Tensor, ...]] = {}

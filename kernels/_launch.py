@@ -39,7 +39,9 @@ around the compiled kernel's C launcher would only pass the arguments on (Triton
 scratch buffers; TMA descriptors encoded into tensor maps), that call is the C launcher itself,
 with each descriptor's tensor map kept by address (`_bound_call`). With signature checks on, a
 slotted launch takes the keyed path, checks that the slot holds what it finds, then launches
-through the slot.
+through the slot. A bound slot needs only the positional arguments: `launch_bound` launches
+through it without the keywords, which cost Python to gather, and `launch_planned` does so for a
+`PlannedLaunch`, calling `launch` only until its slot is bound.
 """
 
 from __future__ import annotations
