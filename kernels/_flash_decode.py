@@ -467,6 +467,7 @@ def decode_attention(
     alibi_slopes: torch.Tensor | None = None,
     num_splits: int = 0,
     return_lse: bool = True,
+    signature: tuple | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Split-KV attention of q over a KV cache, on validated input; returns (out, lse).
 
@@ -481,6 +482,9 @@ def decode_attention(
     Returns out [b, s_q, h_q, d] in q's dtype and lse fp32 [b, h_q, s_q] (None with
     `return_lse=False`: it is then written to scratch, one allocation fewer). No host sync.
     Everything the launches derive from the call's signature is planned once (`DecodePlan`).
+    `signature`: a caller that has keyed its own inputs already passes that key, which must
+    determine every argument's shape, strides, dtype, device and 16-byte alignment and every
+    scalar here (`flash_attn_with_kvcache` does); else it is `call_signature` of the arguments.
     A split call is one launch with `FUSED_COMBINE` (see `_decode_merge` for its stream
     assumption), else two.
     """
@@ -490,12 +494,13 @@ def decode_attention(
         t if t is None else t.contiguous()
         for t in (seqlens_k, cache_batch_idx, cache_leftpad, block_table)
     )
-    # What both launches specialize on (`_launch.call_signature`); the partials follow from it.
-    signature = call_signature(
-        (q, k_cache, v_cache, seqlens_k, cache_batch_idx, cache_leftpad, block_table,
-         alibi_slopes),
-        (softmax_scale, softcap, window_left, window_right, num_splits),
-    )  # fmt: skip
+    if signature is None:
+        # What both launches specialize on (`_launch.call_signature`); the partials follow.
+        signature = call_signature(
+            (q, k_cache, v_cache, seqlens_k, cache_batch_idx, cache_leftpad, block_table,
+             alibi_slopes),
+            (softmax_scale, softcap, window_left, window_right, num_splits),
+        )  # fmt: skip
     key = (signature, MAX_BLOCK_M, PAGE_PREFETCH)
     plan = _PLANS.get(key)
     if plan is None:

@@ -118,6 +118,32 @@ def test_no_visible_key_gives_zero_and_minus_inf(num_splits):
     assert torch.isneginf(lse).all()
 
 
+def test_calls_of_one_check_key_share_the_entry_plan_and_stay_exact(monkeypatch):
+    """`flash_attn_with_kvcache` hands its check key to the kernel entry as its launch signature:
+    calls that share the key (what is outside it: the rotary layout, the LSE's return, an int
+    length's value) share one decode plan, and each still matches the fp64 oracle."""
+    monkeypatch.setattr(_flash_decode, "_PLANS", {})
+    common = dict(s_q=2, s_new=2, causal=True, num_splits=3)
+    for case in (
+        KVCase(rotary="interleaved", **common),
+        KVCase(rotary="half", **common),
+        KVCase(rotary="half", seed=1, **common),
+    ):
+        check_kv_case(case, "cpu")
+    assert len(_flash_decode._PLANS) == 1
+    ((signature, *_),) = _flash_decode._PLANS
+    assert signature[0] == "flash_attn_with_kvcache"
+    # int lengths: one key whatever the value
+    case = KVCase(dtype=F32, seqlens="full", s_new=1, num_splits=2)
+    for length in (case.s_cache - 1, 5):
+        inputs = make_kv_inputs(case, "cpu")
+        out = call_kernel(case, inputs, cache_seqlens=length, return_softmax_lse=False)
+        tensor_lengths = torch.full((case.b,), length, dtype=torch.int32)
+        want, _ = call_kernel(case, make_kv_inputs(case, "cpu"), cache_seqlens=tensor_lengths)
+        torch.testing.assert_close(out, want, rtol=0, atol=0)
+    assert len(_flash_decode._PLANS) == 3  # the int key and the tensor one
+
+
 def test_int_and_none_cache_seqlens_and_lse_off():
     case = KVCase(dtype=F32, seqlens="full", s_new=1)
     inputs = make_kv_inputs(case, "cpu")

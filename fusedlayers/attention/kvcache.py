@@ -434,6 +434,10 @@ def flash_attn_with_kvcache(
         alibi_slopes=alibi_slopes,
         num_splits=int(num_splits),
         return_lse=return_softmax_lse,
+        # The check key covers every tensor and option the kernel entry's arguments come from
+        # (each derived the same way on every call of the key), so it serves as the entry's
+        # launch signature and the entry skips keying its arguments again.
+        signature=None if key is None else ("flash_attn_with_kvcache", key),
     )
     return (out, lse) if return_softmax_lse else out
 
@@ -459,6 +463,7 @@ def cache_attention(
     alibi_slopes: Tensor | None = None,
     num_splits: int = 0,
     return_lse: bool = True,
+    signature: tuple | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Rotate, append and attend on validated input: `flash_attn_with_kvcache` after its checks,
     shared with the decode path of the layers (`fusedlayers.layers.cached_attention`).
@@ -468,7 +473,8 @@ def cache_attention(
     rope kernel's form), applied when k is given (`kernels/_cache_append.py` says at which
     positions). `window_size` is bottom-right aligned, causal = (-1, 0). Returns
     (out [b, s_q, h, d], lse fp32 [b, h, s_q]); lse is None with `return_lse=False` (the kernel
-    then writes it to scratch and allocates only out). Everything stays on the device (no host
+    then writes it to scratch and allocates only out). `signature`: the caller's key of these
+    arguments, handed to `decode_attention` (see there). Everything stays on the device (no host
     read), so a caller can capture it in a CUDA graph.
     """
     if q.stride(-1) != 1:
@@ -497,6 +503,7 @@ def cache_attention(
         alibi_slopes=alibi_slopes,
         num_splits=num_splits,
         return_lse=return_lse,
+        signature=signature,
     )
 
 
