@@ -325,8 +325,8 @@ def test_no_ticket_counters_means_the_separate_merge(monkeypatch):
 # The per-device scratch: split partials and an unreturned lse (`_decode_merge._scratch`)
 # --------------------------------------------------------------------------------------------------
 
-# No split; the fused merge; the separate merge (too many splits to fuse at this budget is not
-# needed: `pin_combine` picks it); s_q > 1 over two row blocks; paged with a left pad.
+# No split; a split call (merged either way: the tests pin the merge); s_q > 1 over two row
+# blocks; paged with a left pad.
 SCRATCH_CASES = [
     KVCase(num_splits=1, s_new=1, causal=True),
     KVCase(num_splits=3, s_q=2, s_new=2, causal=True),
