@@ -103,6 +103,15 @@ def test_disagreeing_packages_stop_the_run():
     calls["tiny: old, forward, no grad"] = lambda: rounded
     calls["tiny: working tree, forward, no grad"] = lambda: nudged
     host_ab._check_agreement(calls, ("old", "working tree"))
+    # large values (a gradient's) with a few near zero moved by 0.05: past 2e-2 elementwise
+    # (what the check once compared, and failed correct code on), 0.01% apart in norm, agreed
+    large = x * 100
+    moved = large.clone()
+    moved[large.abs().argsort()[:8]] += 0.05
+    calls["tiny: old, forward, no grad"] = lambda: large
+    calls["tiny: working tree, forward, no grad"] = lambda: moved
+    assert not torch.allclose(large, moved, atol=2e-2, rtol=2e-2)
+    host_ab._check_agreement(calls, ("old", "working tree"))
 
 
 @needs_git
