@@ -12,7 +12,7 @@ contiguous. Only x is saved for the backward; it recomputes the activation.
 import torch
 
 from ._activation import activation_backward, activation_forward, output_shape
-from ._routes import eager_function, pick_forward
+from ._routes import direct_apply, eager_function, pick_forward
 
 Tensor = torch.Tensor
 
@@ -64,6 +64,7 @@ _EagerActivation = eager_function(
     _setup_context,
     lambda ctx, dy: _backward(ctx, dy, backward_op=_backward_impl),
 )
+_apply_activation = direct_apply(_EagerActivation)
 
 
 def fused_activation(x: Tensor, activation: str) -> Tensor:
@@ -79,7 +80,7 @@ def fused_activation(x: Tensor, activation: str) -> Tensor:
     Returns:
         y [..., w] or [..., w / 2] (gated) in x's dtype, contiguous; differentiable in x.
     """
-    forward = pick_forward(activation_fwd, _EagerActivation.apply, _forward_impl, (x,))
+    forward = pick_forward(activation_fwd, _apply_activation, _forward_impl, (x,))
     return forward(x, activation)
 
 

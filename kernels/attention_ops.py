@@ -28,7 +28,7 @@ from ._common import attention_signature
 from ._flash_bwd import flash_attention_backward
 from ._flash_fwd import flash_attention_forward
 from ._packed import packed_grad_buffers, plan_packed_grads
-from ._routes import pick_forward
+from ._routes import direct_apply, pick_forward
 
 Tensor = torch.Tensor
 
@@ -338,10 +338,13 @@ def _backward_keywords(scalars: dict, launch: dict, bias_requires_grad: bool) ->
     )  # fmt: skip
 
 
+_apply_attention = direct_apply(_EagerFlashAttention)
+
+
 def _eager_apply(*args, planned: "PlannedCall | None" = None):
     """`_EagerFlashAttention.apply` on `_forward_impl`'s argument list; `planned`: the call's
     `PlannedCall`, where it has one."""
-    return _EagerFlashAttention.apply(args[0], args[1], args[2], args[_BIAS], args, planned)
+    return _apply_attention(args[0], args[1], args[2], args[_BIAS], args, planned)
 
 
 def _planned_forward(*args, planned: "PlannedCall") -> tuple[Tensor, Tensor]:

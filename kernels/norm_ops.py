@@ -13,7 +13,7 @@ The saved statistics (mean, rstd: fp32 [m], m = x.numel() // n) are not differen
 import torch
 
 from ._norm import add_norm_forward, norm_backward, norm_forward
-from ._routes import eager_function, pick_forward
+from ._routes import direct_apply, eager_function, pick_forward
 
 Tensor = torch.Tensor
 
@@ -105,6 +105,7 @@ _EagerNorm = eager_function(
     _setup_context,
     lambda ctx, dy, dmean, drstd: _backward(ctx, dy, dmean, drstd, backward_op=_backward_impl),
 )
+_apply_norm = direct_apply(_EagerNorm)
 
 
 def layer_norm(
@@ -130,7 +131,7 @@ def layer_norm(
         y [..., n] in x's dtype, contiguous; differentiable in x, weight and bias, with
         deterministic gradients (dweight/dbias in the parameters' dtypes).
     """
-    forward = pick_forward(norm_fwd, _EagerNorm.apply, _forward_impl, (x, weight, bias))
+    forward = pick_forward(norm_fwd, _apply_norm, _forward_impl, (x, weight, bias))
     y, _mean, _rstd = forward(x, weight, bias, float(eps), bool(rms), bool(zero_centered_gamma))
     return y
 
@@ -198,6 +199,7 @@ _EagerAddNorm = eager_function(
         ctx, dy, dh, dmean, drstd, backward_op=_backward_impl
     ),
 )
+_apply_add_norm = direct_apply(_EagerAddNorm)
 
 
 def add_layer_norm(
@@ -218,7 +220,7 @@ def add_layer_norm(
     and residual get the same gradient.
     """
     forward = pick_forward(
-        add_norm_fwd, _EagerAddNorm.apply, _add_forward_impl, (x, residual, weight, bias)
+        add_norm_fwd, _apply_add_norm, _add_forward_impl, (x, residual, weight, bias)
     )
     y, h, _mean, _rstd = forward(
         x, residual, weight, bias, float(eps), bool(rms), bool(zero_centered_gamma)

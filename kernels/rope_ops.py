@@ -14,7 +14,7 @@ contiguous. Only t gets a gradient: the tables and positions are constants to th
 import torch
 
 from ._rope import rotate
-from ._routes import eager_function, pick_forward
+from ._routes import direct_apply, eager_function, pick_forward
 
 Tensor = torch.Tensor
 
@@ -80,6 +80,7 @@ _EagerRope = eager_function(
     _setup_context,
     lambda ctx, dout: _backward(ctx, dout, backward_op=_backward_impl),
 )
+_apply_rope = direct_apply(_EagerRope)
 
 
 def rope(
@@ -105,7 +106,7 @@ def rope(
     Returns:
         out of t's shape and dtype, contiguous; differentiable in t only.
     """
-    forward = pick_forward(rope_fwd, _EagerRope.apply, _forward_impl, (t,))
+    forward = pick_forward(rope_fwd, _apply_rope, _forward_impl, (t,))
     return forward(t, cos, sin, positions, int(seq_dim), bool(interleaved))
 
 
@@ -141,6 +142,7 @@ def _pair_backward(ctx, dq_out, dk_out):
 _EagerRopePair = eager_function(
     "_EagerRopePair", _pair_forward_impl, _pair_setup_context, _pair_backward
 )
+_apply_rope_pair = direct_apply(_EagerRopePair)
 
 
 def _pair_as_ops(q, k, cos, sin, positions, seq_dim, interleaved) -> tuple[Tensor, Tensor]:
@@ -169,7 +171,7 @@ def rope_pair(
     Eager calls save the host a Function and a launch per pass against two `rope` calls; under
     torch.compile it is the two ops.
     """
-    forward = pick_forward(_pair_as_ops, _EagerRopePair.apply, _pair_forward_impl, (q, k))
+    forward = pick_forward(_pair_as_ops, _apply_rope_pair, _pair_forward_impl, (q, k))
     return forward(q, k, cos, sin, positions, int(seq_dim), bool(interleaved))
 
 
