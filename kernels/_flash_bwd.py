@@ -284,6 +284,7 @@ def flash_attention_backward(
     dk: torch.Tensor | None = None,
     dv: torch.Tensor | None = None,
     forward_signature: tuple | None = None,
+    signature: tuple | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Gradients of flash attention with respect to q, k, v and, optionally, the bias.
 
@@ -307,15 +308,22 @@ def flash_attention_backward(
 
     `forward_signature`: the forward's `_common.attention_signature` of these inputs and
     arguments, when the caller kept it (the eager route does); computed here otherwise.
+
+    `signature`: this backward's launch signature, for a caller that can vouch for it more
+    cheaply than the tensors can: it must differ wherever any tensor argument's
+    `_launch.tensor_signature` or any switch above differs. The eager route made out, lse and
+    the given dq/dk/dv itself, so their signatures follow from the forward's and its
+    packed-gradient plan, and it keys the backward by those and dout's (`attention_ops`).
     """
-    if forward_signature is None:
-        forward_signature = attention_signature(**locals())
-    # What every launch below specializes on (`_launch.call_signature`), computed once: the
-    # forward's inputs and arguments, plus the tensors and switches only the backward has. The
-    # plan is keyed by it and by the settings `_make_plan` reads.
-    signature = call_signature(
-        (dout, out, lse, dq, dk, dv), (forward_signature, bias_requires_grad, deterministic)
-    )
+    if signature is None:
+        if forward_signature is None:
+            forward_signature = attention_signature(**locals())
+        # What every launch below specializes on (`_launch.call_signature`), computed once:
+        # the forward's inputs and arguments, plus the tensors and switches only the backward
+        # has. The plan is keyed by it and by the settings `_make_plan` reads.
+        signature = call_signature(
+            (dout, out, lse, dq, dk, dv), (forward_signature, bias_requires_grad, deterministic)
+        )
     key = (
         signature, ATOMIC_DQ_DEVICES, GROUP_SPLITS_OVERRIDE, DELTA_IN_DQ_MAX_LEN, backward_path(),
         _common.CAUSAL_ORDER_L2_BYTES,

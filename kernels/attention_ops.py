@@ -27,6 +27,7 @@ import torch
 from ._common import attention_signature
 from ._flash_bwd import flash_attention_backward
 from ._flash_fwd import flash_attention_forward
+from ._launch import tensor_signature
 from ._packed import packed_grad_buffers, plan_packed_grads
 from ._routes import direct_apply, pick_forward
 
@@ -318,9 +319,18 @@ class _EagerFlashAttention(torch.autograd.Function):
         tensors = dict(zip(_TENSOR_INPUTS[3:-1], saved))
         # q/k/v tiling one packed buffer get their gradients as views of one new buffer.
         dq, dk, dv = packed_grad_buffers(ctx.grad_plan, q, k, v)
+        # Autograd may pass an expanded (stride 0) gradient; the kernels need stride(-1) == 1.
+        dout = dout.contiguous()
+        options = ctx.options
+        # out and lse came from this forward, dq/dk/dv from its packed-gradient plan: their
+        # signatures follow from the forward's and the plan, so only dout's is new.
+        signature = (
+            tensor_signature(dout), options["forward_signature"], ctx.grad_plan,
+            options["bias_requires_grad"], options["deterministic"],
+        )  # fmt: skip
         dq, dk, dv, dbias = flash_attention_backward(
-            # Autograd may pass an expanded (stride 0) gradient; the kernels need stride(-1) == 1.
-            dout.contiguous(), q, k, v, out, lse, **tensors, **ctx.options, dq=dq, dk=dk, dv=dv,
+            dout, q, k, v, out, lse, **tensors, **options, dq=dq, dk=dk, dv=dv,
+            signature=signature,
         )  # fmt: skip
         if ctx.bias_requires_grad:
             bias = tensors["bias"]

@@ -205,10 +205,11 @@ def test_forward_launch_hands_out_constexprs_of_its_own():
 def test_eager_backward_starts_from_the_forward_signature(
     bwd_plans, fwd_plans, packed, monkeypatch
 ):
-    """Through the eager autograd route the backward signs only what the forward did not see
-    (dout, out, lse, the gradient buffers): one forward and one backward plan for three steps
-    on new data, gradients as the reference's; separate and packed q/k/v differ in their
-    gradient buffers' strides, so each gets its own backward plan."""
+    """Through the eager autograd route the backward signs only dout: the forward signed the
+    inputs, and out, lse and the gradient buffers are the route's own (their signatures follow
+    from the forward's and its packed-gradient plan). One forward and one backward plan for
+    three steps on new data, gradients as the reference's; separate and packed q/k/v differ in
+    their gradient buffers' strides, so each gets its own backward plan."""
     from fusedlayers.kernels import flash_attention
 
     from fusedlayers.attention.reference import attention_reference
@@ -222,6 +223,7 @@ def test_eager_backward_starts_from_the_forward_signature(
 
     signed_again = []
     monkeypatch.setattr(_flash_bwd, "attention_signature", lambda **kw: signed_again.append(1))
+    monkeypatch.setattr(_flash_bwd, "call_signature", lambda *a: signed_again.append(2))
     for seed in range(3):
         (q, k, v), qkv = leaves(seed)
         out, _ = flash_attention(q, k, v, softmax_scale=0.25, window_size=(-1, 0))
@@ -233,6 +235,29 @@ def test_eager_backward_starts_from_the_forward_signature(
         want = torch.cat(torch.autograd.grad(ref_out, ref, dout.double()))
         torch.testing.assert_close(got.double(), want, atol=2e-2, rtol=0)
     assert len(fwd_plans) == 1 and len(bwd_plans) == 1 and not signed_again
+
+
+def test_eager_backward_signs_dout(bwd_plans):
+    """The eager backward's signature keeps dout's: a dout 2 bytes off 16-byte alignment (a
+    contiguous view into a larger buffer) is a new specialization for the kernels, so a new
+    plan, and the gradients stay the reference's for both. (With the suite's signature checks
+    on, a launch reusing the aligned dout's kernel would also fail.)"""
+    from fusedlayers.kernels import flash_attention
+
+    from fusedlayers.attention.reference import attention_reference
+
+    q, k, v = (t.requires_grad_() for t in _qkv(0, s_k=20, h=2, h_kv=2))
+    ref = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref_out = attention_reference(*ref, softmax_scale=0.25, window_size=(-1, 0))
+    for offset in (0, 1, 8):  # fp16 elements: aligned, misaligned, aligned again
+        out, _ = flash_attention(q, k, v, softmax_scale=0.25, window_size=(-1, 0))
+        buffer = torch.randn(out.numel() + offset, dtype=out.dtype)
+        dout = buffer[offset:].view(out.shape)
+        assert (dout.data_ptr() % 16 == 0) == (offset != 1)
+        got = torch.cat(torch.autograd.grad(out, (q, k, v), dout))
+        want = torch.autograd.grad(ref_out, ref, dout.double(), retain_graph=True)
+        torch.testing.assert_close(got.double(), torch.cat(want), atol=2e-2, rtol=0)
+    assert len(bwd_plans) == 2
 
 
 def test_eager_backward_gets_no_zero_filled_lse_gradient():
