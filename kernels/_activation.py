@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import cdiv, next_pow2, planned, rows_in_place, rows_view
+from ._common import cdiv, empty, next_pow2, planned, rows_in_place, rows_view
 from ._launch import PlannedLaunch, call_signature, launch_planned, launch_slot
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -215,7 +215,7 @@ def activation_forward(x: torch.Tensor, activation: str) -> torch.Tensor:
     Assumes validated input: `activation` a key of ACTIVATIONS, x fp16/bf16/fp32 [..., w] with
     w even for a gated activation.
     """
-    y = torch.empty(output_shape(x.shape, activation), dtype=x.dtype, device=x.device)
+    y = empty(output_shape(x.shape, activation), x.dtype, x.device)
     if y.numel() == 0:
         return y
     plan, signature = _planned(x, None, activation)
@@ -230,7 +230,7 @@ def activation_backward(dy: torch.Tensor, x: torch.Tensor, activation: str) -> t
     """dx [..., w] (x's shape, contiguous, x's dtype) from dy [..., n] (y's shape, any strides:
     copied only when its rows do not collapse to one stride or its last dim is strided) and the
     forward's input x."""
-    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    dx = empty(x.shape, x.dtype, x.device)
     if dx.numel() == 0:
         return dx
     plan, signature = _planned(x, dy, activation)

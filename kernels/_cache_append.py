@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import next_pow2, planned
+from ._common import empty, next_pow2, planned
 from ._launch import PlannedLaunch, call_signature, launch_planned, launch_slot
 from ._rope import _geometry, _load_pairs, rotate_tile
 
@@ -161,7 +161,7 @@ def rotate_and_append(
                       interleaved=interleaved, paged=paged, batch_idx=cache_batch_idx is not None),
     )  # fmt: skip
     seqlens_out = torch.empty(q.shape[0], dtype=torch.int32, device=q.device)
-    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if rotary else q
+    q_out = empty(q.shape, q.dtype, q.device) if rotary else q
     launch_planned(_rotate_append_kernel, plan,
         q, q_out, k, v, k_cache, v_cache, seqlens, seqlens_out, batch_idx, table,
         q_cos, q_sin, k_cos, k_sin, *plan.ints,

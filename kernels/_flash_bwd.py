@@ -44,6 +44,7 @@ from ._common import (
     causal_order_heads,
     cdiv,
     dim_mask,
+    empty,
     head_row_bytes,
     launch_geometry,
     load_tile,
@@ -54,6 +55,7 @@ from ._common import (
     seq_bounds,
     shape_only_geometry,
     strides4,
+    zeros,
 )
 from ._flash_bwd_dkdv import _flash_bwd_dkdv_kernel
 from ._flash_bwd_dq import _flash_bwd_dq_kernel
@@ -223,8 +225,8 @@ def _new_grad(
     or a new contiguous one. Rows no sequence owns are never written, so zero them."""
     if given is None:
         if owns_all_rows:
-            return torch.empty(like.shape, dtype=like.dtype, device=like.device)
-        return torch.zeros(like.shape, dtype=like.dtype, device=like.device)
+            return empty(like.shape, like.dtype, like.device)
+        return zeros(like.shape, like.dtype, like.device)
     return given if owns_all_rows else given.zero_()
 
 

@@ -68,10 +68,12 @@ from ._common import (
     LOG2E,
     causal_order_heads,
     cdiv,
+    empty,
     head_row_bytes,
     lse_strides,
     planned,
     strides4,
+    zeros,
 )
 from ._launch import launch, launch_bound
 from ._sm90_common import GLUON_AVAILABLE, descriptor_maker, launch_binding, tma_view
@@ -552,10 +554,10 @@ def dq_accumulator(q, zeroed: bool = True):
     """
     row_elems = q.shape[-1] * q.shape[-2]
     rows = q.numel() // row_elems if row_elems else 0
-    new = torch.zeros if zeroed else torch.empty
+    new = zeros if zeroed else empty
     if rows >= DQ_BOX[0]:
-        return new(q.shape, dtype=torch.float32, device=q.device)
-    storage = new(DQ_BOX[0] * row_elems, dtype=torch.float32, device=q.device)
+        return new(q.shape, torch.float32, q.device)
+    storage = new((DQ_BOX[0] * row_elems,), torch.float32, q.device)
     return storage[: q.numel()].view(q.shape)
 
 

@@ -55,6 +55,7 @@ from ._common import (
     LN2,
     cdiv,
     diagonal_offset,
+    empty,
     key_block_range,
     load_tile,
     multiprocessors,
@@ -510,7 +511,7 @@ def decode_attention(
             window_right=window_right, softcap=softcap, num_splits=num_splits,
         )  # fmt: skip
         remember(_PLANS, key, plan, _MAX_PLANS)
-    out = torch.empty(plan.out_shape, dtype=q.dtype, device=q.device)
+    out = empty(plan.out_shape, q.dtype, q.device)
     if out.numel() == 0:
         lse = torch.full(plan.lse_shape, float("-inf"), device=q.device) if return_lse else None
         return out, lse
@@ -526,7 +527,7 @@ def decode_attention(
             scratch = torch.empty(scratch_size, dtype=torch.float32, device=q.device)
             views = tuple(scratch[start:] for start in starts)
     if return_lse:
-        lse = torch.empty(plan.lse_shape, dtype=torch.float32, device=q.device)
+        lse = empty(plan.lse_shape, torch.float32, q.device)
     else:
         lse = views[2]
     if plan.workspace:

@@ -40,6 +40,7 @@ from ._common import (
     cdiv,
     diagonal_offset,
     dropout_keep,
+    empty,
     head_row_bytes,
     interleaved_tile,
     key_block_range,
@@ -58,6 +59,7 @@ from ._common import (
     smem_per_block,
     strides4,
     visible_tile,
+    zeros,
 )
 from ._forward_paths import forward_path, run_sm90, sm90_plan
 from ._launch import config_slot, launch, launch_bound, launch_slot
@@ -445,10 +447,10 @@ def _outputs_and_args(plan: ForwardPlan, call: dict) -> tuple[torch.Tensor, torc
     """(out, lse, the launch's positional arguments) for one call of a plan."""
     q = call["q"]
     if plan.owns_all_rows:
-        out = torch.empty(plan.out_shape, dtype=q.dtype, device=q.device)
-        lse = torch.empty(plan.lse_shape, dtype=torch.float32, device=q.device)
+        out = empty(plan.out_shape, q.dtype, q.device)
+        lse = empty(plan.lse_shape, torch.float32, q.device)
     else:  # rows no sequence owns are never written
-        out = torch.zeros(plan.out_shape, dtype=q.dtype, device=q.device)
+        out = zeros(plan.out_shape, q.dtype, q.device)
         lse = torch.full(plan.lse_shape, float("-inf"), dtype=torch.float32, device=q.device)
     seq = plan.pointers(
         (call["cu_seqlens_q"], call["cu_seqlens_k"], call["seq_offsets_q"],

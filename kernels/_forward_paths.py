@@ -17,6 +17,7 @@ import os
 import torch
 
 from . import _flash_fwd_sm90 as sm90
+from ._common import empty, zeros
 
 _PATHS = ("auto", "portable", "sm90")
 _path = "auto"
@@ -105,10 +106,10 @@ def run_sm90(q, k, v, geom, *, causal, softmax_scale, bottom_right, signature=No
     lse_shape = (q.shape[1], q.shape[0]) if geom.varlen else (q.shape[0], q.shape[2], q.shape[1])
     empty_rows = causal and bottom_right and geom.q.max_len > geom.k.max_len
     if geom.dense and not empty_rows:
-        out = torch.empty(out_shape, dtype=q.dtype, device=q.device)
-        lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
+        out = empty(out_shape, q.dtype, q.device)
+        lse = empty(lse_shape, torch.float32, q.device)
     else:
-        out = torch.zeros(out_shape, dtype=q.dtype, device=q.device)
+        out = zeros(out_shape, q.dtype, q.device)
         lse = torch.full(lse_shape, float("-inf"), dtype=torch.float32, device=q.device)
     sm90.forward_sm90(
         q, k, v, out, lse, geom,

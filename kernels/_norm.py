@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import cdiv, multiprocessors, next_pow2, planned, rows_in_place, rows_view
+from ._common import cdiv, empty, multiprocessors, next_pow2, planned, rows_in_place, rows_view
 from ._launch import PlannedLaunch, call_signature, launch_planned, launch_slot
 
 # Largest hidden size the one-row-in-registers kernels take. The 32-warp programs spill registers
@@ -261,7 +261,7 @@ def _forward(x, residual, weight, bias, eps, rms, zero_centered_gamma):
         _FWD_PLANS, signature, (),
         lambda: _forward_plan(x, residual, rms, zero_centered_gamma, bias is not None, eps),
     )  # fmt: skip
-    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    y = empty(x.shape, x.dtype, x.device)
     h = None if residual is None else torch.empty_like(y)
     rstd = torch.empty(plan.n_rows, dtype=torch.float32, device=x.device)
     mean = rstd.new_empty(0 if rms else plan.n_rows)
@@ -298,7 +298,7 @@ def norm_backward(
     plan = planned(
         _BWD_PLANS, signature, (), lambda: _backward_plan(dy, x, rms, zero_centered_gamma, has_bias)
     )
-    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    dx = empty(x.shape, x.dtype, x.device)
     if plan.n_rows == 0:
         n_cols = x.shape[-1]
         dbias = torch.zeros(n_cols, dtype=bias_dtype, device=x.device) if has_bias else None

@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import cdiv, next_pow2, planned
+from ._common import cdiv, empty, next_pow2, planned
 from ._launch import PlannedLaunch, call_signature, int_signature, launch_planned, launch_slot
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -226,13 +226,14 @@ def rotate(
         _PLANS, signature, (), lambda: _plan(ts, cos, positions, seq_dim, interleaved, inverse)
     )
     if not pair:
-        outs = (torch.empty(t.shape, dtype=t.dtype, device=t.device),)
+        outs = (empty(t.shape, t.dtype, t.device),)
         out = outs[0]
     else:
         # One buffer for both outputs, the second 16-byte aligned as the allocator's buffers
         # are: one allocation, and the attention backward can write both gradients into one.
+        # (Sizes passed one by one, as `_common.empty` does: a torch.Size parses slower.)
         out = torch.empty(plan.out_start + ts[1].numel(), dtype=t.dtype, device=t.device)
-        outs = (out[: t.numel()].view(t.shape), out[plan.out_start :].view(ts[1].shape))
+        outs = (out[: t.numel()].view(*t.shape), out[plan.out_start :].view(*ts[1].shape))
     if t.numel() == 0:
         return outs
     run = plan.launch

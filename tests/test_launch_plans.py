@@ -137,6 +137,17 @@ def test_remember_bounds_a_table():
         assert len(table) <= 4 and table[i] == str(i)
 
 
+@pytest.mark.parametrize("shape", [torch.Size([2, 3, 4]), (5,), (0, 3), (), torch.Size([])])
+def test_buffers_take_any_shape(shape):
+    """The launchers' `empty`/`zeros`: new contiguous buffers of the shape, dtype and device
+    asked for, sizes given as a torch.Size or a tuple, 0-d included; `zeros` all zero."""
+    for make in (_common.empty, _common.zeros):
+        t = make(shape, F16, torch.device("cpu"))
+        assert t.shape == torch.Size(shape) and t.dtype == F16 and t.device.type == "cpu"
+        assert t.is_contiguous() and t.untyped_storage().nbytes() == t.numel() * 2
+    assert not _common.zeros(shape, F32, torch.device("cpu")).any()
+
+
 @pytest.fixture
 def fwd_plans(monkeypatch):
     """The forward plans made during a test (`_count_plans`)."""
