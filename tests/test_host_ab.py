@@ -70,6 +70,19 @@ def test_stubbed_rounds_time_both_packages():
         assert len(row.split("|")[4].split(" / ")) == 2  # two rounds
 
 
+def test_one_thread_turns_autograd_multithreading_off_for_the_run(monkeypatch):
+    """`--one-thread`: every call of the run sees autograd's multithreading off, so backwards
+    run on the calling thread; the setting is restored afterwards, and stays on without it."""
+    seen = []
+    monkeypatch.setattr(
+        host_ab, "_main", lambda *args: seen.append(torch.autograd.is_multithreading_enabled())
+    )
+    host_ab.main("HEAD", ["tiny"], 1, 1, 1, True, one_thread=True)
+    assert torch.autograd.is_multithreading_enabled()
+    host_ab.main("HEAD", ["tiny"], 1, 1, 1, True)
+    assert seen == [False, True]
+
+
 def test_each_round_starts_one_call_later(monkeypatch):
     order = []
     monkeypatch.setattr(host_ab, "host_us_per_call", lambda fn, calls, repeats: fn() or 1.0)

@@ -23,6 +23,10 @@ Cells (`--cells`):
   of every parameter; s=16 and fp32 with `--stubbed`, where the CPU's own matmuls would
   outweigh the host work) and one decode step over a cache holding 700 tokens.
 
+`--one-thread` runs every backward on the calling thread (autograd's multithreading off, for
+both packages and SDPA alike): a forward+backward then no longer includes the handoff to
+autograd's device thread and back, whose wake-ups spread the rounds of this host by up to 2x.
+
     python examples/perf/host_ab.py --against 3d43fa8
     python examples/perf/host_ab.py --against HEAD~1 --stubbed     # CPU, Triton launches no-ops
 """
@@ -256,7 +260,15 @@ def table(spent: dict[str, list[float]]) -> str:
     return "\n".join(lines)
 
 
-def main(against: str, cells: list[str], rounds: int, calls: int, repeats: int, stubbed: bool):
+def main(
+    against: str, cells: list[str], rounds: int, calls: int, repeats: int, stubbed: bool,
+    one_thread: bool = False,
+):  # fmt: skip
+    with torch.autograd.set_multithreading_enabled(not one_thread):
+        _main(against, cells, rounds, calls, repeats, stubbed, one_thread)
+
+
+def _main(against, cells, rounds, calls, repeats, stubbed, one_thread):
     import fusedlayers
 
     with tempfile.TemporaryDirectory() as folder:
@@ -276,6 +288,7 @@ def main(against: str, cells: list[str], rounds: int, calls: int, repeats: int, 
         packages = {names[0]: old, names[1]: fusedlayers}
         sm90 = not stubbed and torch.cuda.get_device_capability() == (9, 0)
         where = "CPU, launches stubbed" if stubbed else torch.cuda.get_device_name()
+        where += ", backward on the calling thread" if one_thread else ""
         print(
             f"host us per call, {names[0]} against the working tree, {rounds} rounds of "
             f"{repeats} runs of {calls} calls ({where})"
@@ -311,6 +324,9 @@ if __name__ == "__main__":
     parser.add_argument("--calls", type=int, default=200, help="calls per timed run")
     parser.add_argument("--repeats", type=int, default=5, help="timed runs per round (best kept)")
     parser.add_argument("--stubbed", action="store_true", help="CPU, Triton launches as no-ops")
+    parser.add_argument(
+        "--one-thread", action="store_true", help="backward on the calling thread (module doc)"
+    )
     args = parser.parse_args()
     if args.stubbed:
         # Read when triton.jit decorates the kernels, i.e. at the first fusedlayers import.
@@ -319,4 +335,4 @@ if __name__ == "__main__":
     unknown = sorted(set(cells) - set(CELLS))
     if unknown:
         parser.error(f"--cells: unknown {unknown}; choose from {CELLS}")
-    main(args.against, cells, args.rounds, args.calls, args.repeats, args.stubbed)
+    main(args.against, cells, args.rounds, args.calls, args.repeats, args.stubbed, args.one_thread)
