@@ -2,8 +2,8 @@
 
 The portable Triton kernel (`_flash_fwd.py`) runs everything, on any CUDA GPU and under the CPU
 interpreter. On an sm_90 GPU the warp-specialized kernel (`_flash_fwd_sm90.py`) takes the calls it
-covers and where it measured faster (`SM90_MIN_KEYS`); every other call falls back, silently
-and correctly. Callers never choose: `flash_attention` behaves the same on
+covers and where it measured faster (`SM90_MIN_KEYS`, `SM90_MIN_KEYS_CAUSAL`); every other call
+falls back, silently and correctly. Callers never choose: `flash_attention` behaves the same on
 either path.
 
 `set_forward_path("portable" | "sm90" | "auto")` pins the choice for tests and benchmarks.
@@ -23,17 +23,20 @@ _PATHS = ("auto", "portable", "sm90")
 _path = "auto"
 
 # Per head dim, the shortest key length (per sequence) at which "auto" takes the sm_90 kernel,
-# with or without a causal mask; None: "auto" never does (set_forward_path("sm90") still can).
+# without a mask and with a causal one; None: "auto" never does (set_forward_path("sm90") still
+# can).
 # Measured on the H100 through flash_attn_func (bf16, b*s = 16k tokens; docs/performance.md,
 # "The sm_90 forward from 1k keys" and "Warpgroups skip the key blocks they cannot see"):
 # - d=128, since the persistent grids: 1.26-1.33x the portable kernel at s = 1k without a mask
 #   (forward+backward 1.05-1.19x), 1.2x at 2k-4k; causal 1.16x at 1k (197 against 229 us a
 #   forward; the 0.62x forward+backward a sweep once read there was host time, not the
 #   kernels).
-# - d=64 (three consumer warpgroups, `sm90.CONSUMERS`): 1.08-1.14x from 2k without a mask;
-#   causal, since the upper warpgroups skip the key blocks they cannot see, 1.14x at 2k (367
-#   against 323 TFLOP/s); both level at 1k.
+# - d=64 (three consumer warpgroups, `sm90.CONSUMERS`): 1.08-1.14x from 2k without a mask,
+#   0.97x at 1k (the sweep's same-process portable column, 2026-11-27: 364 against 374 and 361
+#   against 372 TFLOP/s); causal, since the upper warpgroups skip the key blocks they cannot
+#   see, 1.14x at 2k (367 against 323) and 1.02-1.03x at 1k (272 against 266, 274 against 264).
 SM90_MIN_KEYS: dict[int, int | None] = {128: 1024, 64: 2048}
+SM90_MIN_KEYS_CAUSAL: dict[int, int | None] = {128: 1024, 64: 1024}
 
 
 def set_forward_path(path: str) -> str:
@@ -85,7 +88,8 @@ def sm90_plan(
         return None
     if window_left != -1 or window_right not in (-1, 0):
         return None
-    min_keys = SM90_MIN_KEYS[q.shape[-1]]
+    table = SM90_MIN_KEYS_CAUSAL if window_right == 0 else SM90_MIN_KEYS
+    min_keys = table[q.shape[-1]]
     if _path == "auto" and (min_keys is None or geom.k.max_len < min_keys):
         return None
     views = sm90.plan_views(q, k, v, geom.varlen)

@@ -105,13 +105,15 @@ def test_set_forward_path_names_bad_values():
         (128, 1023, True, False),
         (64, 2048, False, True),
         (64, 2047, False, False),
-        (64, 2048, True, True),
-        (64, 2047, True, False),
+        (64, 1024, True, True),  # SM90_MIN_KEYS_CAUSAL
+        (64, 1023, True, False),
+        (64, 1024, False, False),
     ],
 )
 def test_auto_takes_sm90_from_the_measured_lengths(d, keys, causal, taken, monkeypatch):
     """ "auto" on an sm_90 GPU (faked here) takes the sm_90 forward from the key length its
-    table gives, causal calls alike; the rest fall back."""
+    tables give, one for calls without a mask and one for causal calls (d=64 from 2k and from
+    1k); the rest fall back."""
     if not sm90.GLUON_AVAILABLE:
         pytest.skip("this Triton has no Gluon")
     monkeypatch.setattr(_forward_paths, "_on_sm90", lambda t: True)
