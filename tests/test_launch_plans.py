@@ -145,6 +145,10 @@ def test_buffers_take_any_shape(shape):
         t = make(shape, F16, torch.device("cpu"))
         assert t.shape == torch.Size(shape) and t.dtype == F16 and t.device.type == "cpu"
         assert t.is_contiguous() and t.untyped_storage().nbytes() == t.numel() * 2
+    # Freed memory of the same size, filled, is what an allocator hands out next: a `zeros`
+    # that only allocated would return the fill.
+    filled = torch.full(shape, 7.0)
+    del filled
     assert not _common.zeros(shape, F32, torch.device("cpu")).any()
 
 
