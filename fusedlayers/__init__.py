@@ -21,6 +21,8 @@ Public API:
     split_packed                              q/k/v views of one packed tensor whose gradient
                                               comes back as one buffer, without a copy
     reference_mode                            run every module on the reference path in a block
+    ArgumentError, ArgumentTypeError          what a bad argument raises: a ValueError (TypeError)
+                                              and a RuntimeError, as flash-attn's checks raise
 """
 
 from .attention.dot_product_attention import DotProductAttention
@@ -36,6 +38,7 @@ from .attention.kvcache import flash_attn_with_kvcache
 from .attention.layouts import get_qkv_layout
 from .attention.packing import split_packed
 from .attention.reference import attention_reference
+from .errors import ArgumentError, ArgumentTypeError
 from .layers.decode_graph import DecodeGraph
 from .layers.inference import InferenceParams
 from .layers.linear import LayerNormLinear, Linear
@@ -49,6 +52,8 @@ from .reference_switch import reference_mode
 __version__ = "0.1.0"
 
 __all__ = [
+    "ArgumentError",
+    "ArgumentTypeError",
     "DecodeGraph",
     "DotProductAttention",
     "InferenceParams",

@@ -41,7 +41,6 @@ Rows with no visible key get output 0 and LSE -inf. Statistics and accumulation 
 from __future__ import annotations
 
 import functools
-import os
 from typing import NamedTuple
 
 import torch
@@ -50,7 +49,7 @@ import triton.language as tl
 
 # The merge's host-side names (`_ticket_counters`, `_fuses_merge`, `_decode_combine`) are read
 # through the module, so a test or tool that replaces one replaces it there, for every caller.
-from . import _decode_merge
+from . import _compat, _decode_merge
 from ._common import (
     LN2,
     cdiv,
@@ -94,7 +93,7 @@ _CANDIDATES = [
     (16, 4, 4),
 ]
 _INTERPRET_CONFIG = (16, 4, 1)
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
 
 # Split calls merge their splits in the main launch (its last program per tile) when True and
 # the merge fits one load (`_fuses_merge`), else in a second launch. Read per call, so one
@@ -161,13 +160,13 @@ def num_splits_heuristic(tiles: int, max_len_k: int, device: torch.device) -> in
 
 
 def _configs() -> list[triton.Config]:
-    cands = [_INTERPRET_CONFIG] if _INTERPRET else _CANDIDATES
+    cands = [_INTERPRET_CONFIG] if _compat.INTERPRETER else _CANDIDATES
     return [triton.Config({"BLOCK_N": bn}, num_warps=w, num_stages=s) for bn, w, s in sorted(cands)]
 
 
 def _prune_configs(configs, named_args, **kwargs):
     """Key blocks that never straddle a page, and K/V pipelines that fit in shared memory."""
-    if _INTERPRET:
+    if _compat.INTERPRETER:
         return configs
     args = {**named_args, **kwargs}
     page_size, paged, block_d = args["page_size"], args["PAGED"], args["BLOCK_D"]
@@ -489,6 +488,15 @@ def decode_attention(
     A split call is one launch with `FUSED_COMBINE` (see `_decode_merge` for its stream
     assumption), else two.
     """
+    if _compat.upcast_bf16(q.dtype):  # the interpreter's bf16 dot is wrong: compute in fp32
+        out, lse = decode_attention(
+            q.float(), k_cache.float(), v_cache.float(), seqlens_k, block_table=block_table,
+            cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad,
+            softmax_scale=softmax_scale, window_left=window_left, window_right=window_right,
+            softcap=softcap, alibi_slopes=alibi_slopes, num_splits=num_splits,
+            return_lse=return_lse,
+        )  # fmt: skip
+        return out.to(q.dtype), lse
     # The kernel indexes these with unit strides; copies only when a caller passed strided views.
     q = q if q.stride(-1) == 1 else q.contiguous()
     seqlens_k, cache_batch_idx, cache_leftpad, block_table = (

@@ -22,7 +22,6 @@ rather than tf32 (about 5e-4), so fp32 results match PyTorch's fp32 attention cl
 from __future__ import annotations
 
 import operator
-import os
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -30,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import _common
+from . import _common, _compat
 from ._common import (
     LN2,
     LOG2E,
@@ -83,11 +82,14 @@ _CANDIDATES = {
 }
 # The interpreter runs one small config: multi-block loops on tiny shapes, no benchmarking.
 _INTERPRET_CONFIG = (32, 16, 4, 1)
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def _configs() -> list[triton.Config]:
-    cands = {_INTERPRET_CONFIG} if _INTERPRET else {c for cs in _CANDIDATES.values() for c in cs}
+    cands = (
+        {_INTERPRET_CONFIG}
+        if _compat.INTERPRETER
+        else {c for cs in _CANDIDATES.values() for c in cs}
+    )
     return [
         triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)
         for bm, bn, w, s in sorted(cands)
@@ -96,7 +98,7 @@ def _configs() -> list[triton.Config]:
 
 def _prune_configs(configs, named_args, **kwargs):
     """Keep the candidates listed for this head dim that fit in shared memory."""
-    if _INTERPRET:
+    if _compat.INTERPRETER:
         return configs
     args = {**named_args, **kwargs}
     block_d, block_dv = args["BLOCK_D"], args["BLOCK_DV"]

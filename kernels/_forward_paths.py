@@ -12,10 +12,10 @@ either path.
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
+from . import _compat
 from . import _flash_fwd_sm90 as sm90
 from ._common import empty, zeros
 
@@ -63,7 +63,7 @@ def _is_sm90(index: int) -> bool:
 
 
 def _on_sm90(t: torch.Tensor) -> bool:
-    if t.device.type != "cuda" or os.environ.get("TRITON_INTERPRET", "0") == "1":
+    if t.device.type != "cuda" or _compat.INTERPRETER:
         return False
     index = t.device.index if t.device.index is not None else torch.cuda.current_device()
     return _is_sm90(index)

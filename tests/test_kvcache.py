@@ -16,7 +16,7 @@ import re
 import numpy as np
 import pytest
 import torch
-from fusedlayers.kernels import _decode_merge, _flash_decode, rotate_and_append
+from fusedlayers.kernels import _compat, _decode_merge, _flash_decode, rotate_and_append
 from kvcache_testing import (
     COMBINES,
     KVCase,
@@ -678,6 +678,7 @@ def test_checked_signature_still_rejects_what_it_does_not_fix(signature_checks):
 
 
 def test_cpu_tensors_need_the_interpreter(monkeypatch):
+    monkeypatch.setattr(_compat, "INTERPRETER", False)  # kernels defined for a GPU
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     q = torch.randn(1, 1, 2, 16, dtype=F16)
     cache = torch.zeros(1, 8, 2, 16, dtype=F16)

@@ -64,7 +64,7 @@ def path(request, monkeypatch):
             (normalization, "_use_kernel"),
             (mlp, "_use_kernel"),
             (rope, "_use_kernel"),
-            (attention_front, "_choose_backend"),
+            (attention_front, "choose_backend"),
         ):
             original = getattr(module, name)
 

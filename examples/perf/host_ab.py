@@ -155,16 +155,12 @@ def _decode_calls(packages: dict, device: str, dtype) -> dict:
 
 def _kernels_on_cpu(package) -> None:
     """Send `package`'s CPU tensors to its (stubbed) kernels where `backend="auto"` would take
-    the reference path on CPU: the attention front end's choice and every module's
+    the reference path on CPU: every module's
     `choose_backend` (norm, RoPE, activation, cache)."""
-    front_end = importlib.import_module(f"{package.__name__}.attention.frontend")
     backends = importlib.import_module(f"{package.__name__}._backend")
-    choose_front_end, choose = front_end._choose_backend, backends.choose_backend
-    front_end._choose_backend = lambda backend, q: choose_front_end(
-        "kernel" if backend == "auto" else backend, q
-    )
+    choose = backends.choose_backend
 
-    def choose_kernel(backend, x, name, blocker, not_worth=""):
+    def choose_kernel(backend, x, name, blocker="", not_worth=""):
         if backend == "auto" and not blocker and not not_worth:
             backend = "kernel"
         return choose(backend, x, name, blocker, not_worth)

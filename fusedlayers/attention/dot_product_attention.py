@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from ..errors import ArgumentError
 from ..reference_switch import ReferenceSwitch
 from .context_parallel import check_cp_arguments, context_parallel_attention
 from .frontend import attention
@@ -82,7 +83,7 @@ class DotProductAttention(ReferenceSwitch):
         normalize_window_size(attn_mask_type, window_size)
         check_dropout(attention_dropout)
         if attention_type not in ("self", "cross"):
-            raise ValueError(f"attention_type={attention_type!r} must be 'self' or 'cross'")
+            raise ArgumentError(f"attention_type={attention_type!r} must be 'self' or 'cross'")
         if sequence_parallel or tp_size != 1 or tp_group is not None:
             raise NotImplementedError(
                 "tensor and sequence parallelism are not supported (got "

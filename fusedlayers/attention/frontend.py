@@ -22,13 +22,14 @@ tensor version (`_host_cache`).
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 
+from .._backend import choose_backend
 from .._logging import debug_enabled, log_decision
+from ..errors import ArgumentError
 from . import masks, validation
 from .reference import attention_reference
 
@@ -37,15 +38,11 @@ try:
     from ..kernels._common import remember
     from ..kernels._launch import tensor_signature
     from ..kernels.attention_ops import PlannedCall, flash_attention_planned, plan_call
-except ImportError as error:  # Triton missing (no Linux wheel) or broken: the reference serves
-    flash_attention, _KERNELS_MISSING = None, f"kernels unavailable ({error})"
-    tensor_signature = None  # and calls are validated in full every time
+except ImportError:  # Triton missing or broken: `choose_backend` sends calls to the reference
+    flash_attention = tensor_signature = None  # and calls are validated in full every time
     PlannedCall = None
-else:
-    _KERNELS_MISSING = None
 
 BIAS_TYPES = ("no_bias", "pre_scale_bias", "post_scale_bias", "alibi")
-BACKENDS = ("auto", "kernel", "reference")
 
 
 @dataclass
@@ -77,33 +74,6 @@ _VALIDATED: dict[tuple, _Validated] = {}
 _MAX_VALIDATED = 1024
 
 
-def _interpreter_on() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-def _choose_backend(backend: str, q: torch.Tensor) -> tuple[bool, str]:
-    """(use kernels?, why). `auto` sends CUDA tensors to the kernels; `kernel` insists."""
-    if backend not in BACKENDS:
-        raise ValueError(f"backend={backend!r} is not one of {BACKENDS}")
-    if backend == "reference":
-        return False, "use_reference=True"
-    if _KERNELS_MISSING is not None:
-        if backend == "kernel":
-            raise RuntimeError(f"the Triton kernels cannot run: {_KERNELS_MISSING}")
-        return False, _KERNELS_MISSING
-    if q.is_cuda:
-        return True, "CUDA tensors"
-    if backend == "kernel":
-        if _interpreter_on():
-            return True, "TRITON_INTERPRET=1 on CPU tensors"
-        raise RuntimeError(
-            f"the Triton kernels need CUDA tensors, got query on {q.device}; set "
-            "TRITON_INTERPRET=1 to run them on the CPU interpreter, or use the modules (which "
-            "run the reference path on CPU)"
-        )
-    return False, f"tensors on {q.device} (no CUDA): reference path"
-
-
 def _bshd(t: torch.Tensor, qkv_format: str) -> torch.Tensor:
     """sbhd <-> bshd as a transposed view (its own inverse); other formats as they are."""
     return t.transpose(0, 1) if qkv_format == "sbhd" else t
@@ -124,21 +94,21 @@ def _hit_prepared(q, k, v, spec: masks.MaskSpec) -> _Prepared:
     return _Prepared(q, k, v, {}, None, None, spec, None, None, None, [])
 
 
-def _varlen_args(q, k, cu_q, cu_kv, cu_q_pad, cu_kv_pad, max_q, max_kv) -> dict:
+def _varlen_args(q, k, cu_q, cu_kv, cu_q_pad, cu_kv_pad, max_q, max_kv, names) -> dict:
     if cu_q is None:
-        raise ValueError("qkv_format='thd' needs cu_seqlens_q (int32 [batch + 1])")
+        raise ArgumentError("qkv_format='thd' needs cu_seqlens_q (int32 [batch + 1])")
     if cu_kv is None:
         if k.shape[0] != q.shape[0]:
-            raise ValueError(
-                f"cu_seqlens_kv is required when key_layer has {k.shape[0]} tokens and "
-                f"query_layer {q.shape[0]}"
+            raise ArgumentError(
+                f"{names.cu_seqlens_kv} is required when {names.k} has {k.shape[0]} tokens "
+                f"and {names.q} {q.shape[0]}"
             )
         cu_kv, cu_kv_pad = cu_q, cu_q_pad
     values_q = validation.check_cu_seqlens(cu_q, "cu_seqlens_q", q.shape[0], cu_q_pad)
-    values_kv = validation.check_cu_seqlens(cu_kv, "cu_seqlens_kv", k.shape[0], cu_kv_pad)
+    values_kv = validation.check_cu_seqlens(cu_kv, names.cu_seqlens_kv, k.shape[0], cu_kv_pad)
     if len(values_q) != len(values_kv):
-        raise ValueError(
-            f"cu_seqlens_q has {len(values_q) - 1} sequences but cu_seqlens_kv has "
+        raise ArgumentError(
+            f"cu_seqlens_q has {len(values_q) - 1} sequences but {names.cu_seqlens_kv} has "
             f"{len(values_kv) - 1}"
         )
     lens_q = [b - a for a, b in zip(values_q, values_q[1:])]
@@ -149,7 +119,7 @@ def _varlen_args(q, k, cu_q, cu_kv, cu_q_pad, cu_kv_pad, max_q, max_kv) -> dict:
         cu_seqlens_q_padded=cu_q_pad,
         cu_seqlens_kv_padded=cu_kv_pad,
         max_seqlen_q=validation.check_max_seqlen(max_q, lens_q, "max_seqlen_q"),
-        max_seqlen_kv=validation.check_max_seqlen(max_kv, lens_kv, "max_seqlen_kv"),
+        max_seqlen_kv=validation.check_max_seqlen(max_kv, lens_kv, names.max_seqlen_kv),
     )
 
 
@@ -163,7 +133,7 @@ def _padding(attention_mask, cu_q, cu_kv, b, s_q, s_kv, device):
     if attention_mask is not None:
         if isinstance(attention_mask, (tuple, list)):
             if len(attention_mask) != 2:
-                raise ValueError(
+                raise ArgumentError(
                     "attention_mask as a sequence must be the pair (q_mask, kv_mask), got "
                     f"{len(attention_mask)} items"
                 )
@@ -192,7 +162,7 @@ def _padding(attention_mask, cu_q, cu_kv, b, s_q, s_kv, device):
             continue
         values = validation.check_cu_seqlens(cu, name, validation.host_values(cu)[-1])
         if len(values) != b + 1 or max(b_ - a for a, b_ in zip(values, values[1:])) > s:
-            raise ValueError(f"{name}={values[:16]} does not describe {b} sequences of <= {s}")
+            raise ArgumentError(f"{name}={values[:16]} does not describe {b} sequences of <= {s}")
         lens.append((cu[1:] - cu[:-1]).to(torch.int32))
     return lens[0], lens[1], None
 
@@ -200,26 +170,26 @@ def _padding(attention_mask, cu_q, cu_kv, b, s_q, s_kv, device):
 def _bias_terms(bias_type, bias, alibi_slopes, scale, target, num_heads, device):
     """(additive bias or None, alibi slopes [1 or b, h] or None) from TE's bias arguments."""
     if bias_type not in BIAS_TYPES:
-        raise ValueError(f"core_attention_bias_type={bias_type!r} is not one of {BIAS_TYPES}")
+        raise ArgumentError(f"core_attention_bias_type={bias_type!r} is not one of {BIAS_TYPES}")
     if bias_type in ("pre_scale_bias", "post_scale_bias"):
         if bias is None:
-            raise ValueError(f"core_attention_bias_type={bias_type!r} needs core_attention_bias")
+            raise ArgumentError(f"core_attention_bias_type={bias_type!r} needs core_attention_bias")
         validation.check_broadcastable(bias, target, "core_attention_bias")
         # (q.k + bias) * scale == q.k * scale + bias * scale
         return (bias * scale if bias_type == "pre_scale_bias" else bias), None
     if bias is not None:
-        raise ValueError(
+        raise ArgumentError(
             f"core_attention_bias is given but core_attention_bias_type={bias_type!r}; use "
             "'post_scale_bias' or 'pre_scale_bias'"
         )
     if bias_type == "no_bias":
         if alibi_slopes is not None:
-            raise ValueError("alibi_slopes is given but core_attention_bias_type='no_bias'")
+            raise ArgumentError("alibi_slopes is given but core_attention_bias_type='no_bias'")
         return None, None
     if alibi_slopes is None:
         alibi_slopes = masks.alibi_slopes_for(num_heads, device)
     if alibi_slopes.shape not in ((num_heads,), (target[0], num_heads)):
-        raise ValueError(
+        raise ArgumentError(
             f"alibi_slopes shape {tuple(alibi_slopes.shape)} must be [{num_heads}] or "
             f"[{target[0]}, {num_heads}]"
         )
@@ -248,19 +218,19 @@ def prepare(
     kernel_path,
     spec=None,
     expected_heads=None,
+    names=validation.TE_NAMES,
 ) -> _Prepared:
     """Validate and normalize a call; see `attention` for the arguments."""
-    validation.check_qkv(q, k, v, qkv_format, kernel_path)
+    validation.check_qkv(q, k, v, qkv_format, kernel_path, names)
     if expected_heads is not None:
         validation.check_configured_heads(q, k, v, expected_heads)
     spec = masks.mask_spec(attn_mask_type, window_size) if spec is None else spec
     copies: list[str] = []
-    names = ("query_layer", "key_layer", "value_layer")
     qb, kb, vb = (_kernel_view(t, qkv_format, n, copies) for t, n in zip((q, k, v), names))
     varlen, lens_q, lens_kv, bool_mask = {}, None, None, None
     if qkv_format == "thd":
         if attention_mask is not None:
-            raise ValueError("attention_mask is not used with qkv_format='thd': pass cu_seqlens")
+            raise ArgumentError("attention_mask is not used with qkv_format='thd': pass cu_seqlens")
         varlen = _varlen_args(
             qb,
             kb,
@@ -270,6 +240,7 @@ def prepare(
             cu_seqlens_kv_padded,
             max_seqlen_q,
             max_seqlen_kv,
+            names,
         )
         b, s_q, s_kv = (
             len(varlen["cu_seqlens_q"]) - 1,
@@ -284,7 +255,7 @@ def prepare(
             )
         elif spec.arbitrary:
             if attention_mask is None or attention_mask.dtype != torch.bool:
-                raise ValueError(
+                raise ArgumentError(
                     "attn_mask_type='arbitrary' needs a bool attention_mask (True = masked out) "
                     "broadcastable to [b, h, s_q, s_kv]"
                 )
@@ -293,7 +264,7 @@ def prepare(
             )
             bool_mask = attention_mask
         elif attention_mask is not None:
-            raise ValueError(
+            raise ArgumentError(
                 f"attention_mask is given but attn_mask_type={attn_mask_type!r} does not use it; "
                 "use a 'padding*' type or 'arbitrary'"
             )
@@ -308,7 +279,7 @@ def prepare(
         q.device,
     )
     if bias is not None and qkv_format == "thd":
-        raise ValueError("core_attention_bias is not supported with qkv_format='thd'")
+        raise ArgumentError("core_attention_bias is not supported with qkv_format='thd'")
     return _Prepared(qb, kb, vb, varlen, lens_q, lens_kv, spec, bool_mask, bias, slopes, copies)
 
 
@@ -423,6 +394,7 @@ def attention(
     tag: str = "attention",
     mask_spec: masks.MaskSpec | None = None,
     expected_heads: tuple[int, int, int, int] | None = None,
+    names: validation.ArgNames = validation.TE_NAMES,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention in any supported layout; returns `(out, lse)` (shapes in the module docstring).
 
@@ -433,8 +405,9 @@ def attention(
     `tag` names the caller in `FUSEDLAYERS_DEBUG=1` logs. `mask_spec`, when given, replaces
     `attn_mask_type`/`window_size` (the flash-attn API builds its own, bottom-right aligned).
     `expected_heads = (h, hg, d_qk, d_v)` checks the inputs against a module's configuration.
+    `names`: what the caller calls the arguments, for error messages (TE's by default).
     """
-    kernel_path, why = _choose_backend(backend, q)
+    kernel_path, why = choose_backend(backend, q, names.q)
     if (
         kernel_path
         and (
@@ -484,7 +457,7 @@ def attention(
         p = _hit_prepared(*(_bshd(t, qkv_format) for t in (q, k, v)), hit.spec)
     else:
         validation.check_qkv_format(qkv_format)
-        validation.check_dropout(dropout_p)
+        validation.check_dropout(dropout_p, names.dropout)
         validation.check_softmax_scale(softmax_scale)
         validation.check_softcap(softcap)
         p = prepare(
@@ -508,6 +481,7 @@ def attention(
             kernel_path=kernel_path,
             spec=mask_spec,
             expected_heads=expected_heads,
+            names=names,
         )
         if signature is not None and not p.copies:
             remember(

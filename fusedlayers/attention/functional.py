@@ -32,6 +32,8 @@ from __future__ import annotations
 
 import torch
 
+from ..errors import ArgumentError
+from . import validation
 from .frontend import attention
 from .masks import flash_attn_spec
 from .packing import split_packed
@@ -47,6 +49,7 @@ def _common(alibi_slopes):
         core_attention_bias_type="alibi" if alibi_slopes is not None else "no_bias",
         alibi_slopes=alibi_slopes,
         backend="kernel",
+        names=validation.FLASH_ATTN_NAMES,
     )
 
 
@@ -130,7 +133,7 @@ def flash_attn_varlen_func(
 def _unpack(packed: torch.Tensor, count: int, dim: int, name: str) -> list[torch.Tensor]:
     """The q/k/v views of a packed tensor; their gradients come back to it as one buffer."""
     if packed.dim() <= dim or packed.shape[dim] != count:
-        raise ValueError(
+        raise ArgumentError(
             f"{name} must have size {count} in dim {dim} (packed q/k/v), got shape "
             f"{tuple(packed.shape)}"
         )
@@ -150,7 +153,7 @@ def flash_attn_qkvpacked_func(
 ):
     """`qkv [b, s, 3, h, d]` -> `[b, s, h, d]`."""
     if qkv.dim() != 5:
-        raise ValueError(f"qkv must be 5-D [b, s, 3, h, d], got shape {tuple(qkv.shape)}")
+        raise ArgumentError(f"qkv must be 5-D [b, s, 3, h, d], got shape {tuple(qkv.shape)}")
     q, k, v = _unpack(qkv, 3, 2, "qkv")
     return flash_attn_func(
         q,
@@ -181,7 +184,7 @@ def flash_attn_kvpacked_func(
 ):
     """`q [b, s_q, h, d]`, `kv [b, s_k, 2, hg, d]` -> `[b, s_q, h, d]`."""
     if kv.dim() != 5:
-        raise ValueError(f"kv must be 5-D [b, s_k, 2, hg, d], got shape {tuple(kv.shape)}")
+        raise ArgumentError(f"kv must be 5-D [b, s_k, 2, hg, d], got shape {tuple(kv.shape)}")
     k, v = _unpack(kv, 2, 2, "kv")
     return flash_attn_func(
         q,
@@ -213,7 +216,7 @@ def flash_attn_varlen_qkvpacked_func(
 ):
     """`qkv [t, 3, h, d]` with `cu_seqlens [b+1]` -> `[t, h, d]`."""
     if qkv.dim() != 4:
-        raise ValueError(f"qkv must be 4-D [t, 3, h, d], got shape {tuple(qkv.shape)}")
+        raise ArgumentError(f"qkv must be 4-D [t, 3, h, d], got shape {tuple(qkv.shape)}")
     q, k, v = _unpack(qkv, 3, 1, "qkv")
     return flash_attn_varlen_func(
         q,
@@ -252,7 +255,7 @@ def flash_attn_varlen_kvpacked_func(
 ):
     """`q [t_q, h, d]`, `kv [t_k, 2, hg, d]` -> `[t_q, h, d]`."""
     if kv.dim() != 4:
-        raise ValueError(f"kv must be 4-D [t_k, 2, hg, d], got shape {tuple(kv.shape)}")
+        raise ArgumentError(f"kv must be 4-D [t_k, 2, hg, d], got shape {tuple(kv.shape)}")
     k, v = _unpack(kv, 2, 1, "kv")
     return flash_attn_varlen_func(
         q,

@@ -41,9 +41,10 @@ from __future__ import annotations
 
 import torch
 
+from .._backend import choose_backend
 from .._logging import debug_enabled, log_decision
+from ..errors import ArgumentError, ArgumentTypeError
 from . import masks
-from .frontend import _choose_backend
 from .validation import (
     KERNEL_DTYPES,
     MAX_KERNEL_HEAD_DIM,
@@ -57,7 +58,7 @@ try:
     from ..kernels import check_page_size, decode_attention, rotate_and_append
     from ..kernels._common import remember
     from ..kernels._launch import call_signature, tensor_signature
-except ImportError:  # Triton missing: `_choose_backend` raises first with the reason
+except ImportError:  # Triton missing: `choose_backend` raises first with the reason
     decode_attention = rotate_and_append = check_page_size = None
     call_signature = tensor_signature = None
 
@@ -71,14 +72,14 @@ def _describe(t: Tensor) -> str:
 def _check_tensor(t, name: str, rank: int, ref: Tensor, dtype=None) -> None:
     """`t` is a tensor of `rank` dims on ref's device with `dtype` (default: ref's)."""
     if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        raise ArgumentTypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.dim() != rank:
-        raise ValueError(f"{name} must be {rank}-D, got {_describe(t)}")
+        raise ArgumentError(f"{name} must be {rank}-D, got {_describe(t)}")
     want = ref.dtype if dtype is None else dtype
     if t.dtype != want:
-        raise TypeError(f"{name} must have dtype {want}, got {_describe(t)}")
+        raise ArgumentTypeError(f"{name} must have dtype {want}, got {_describe(t)}")
     if t.device != ref.device:
-        raise ValueError(f"{name} is on {t.device} but q is on {ref.device}")
+        raise ArgumentError(f"{name} is on {t.device} but q is on {ref.device}")
 
 
 def _check_index(t, name: str, b: int, q: Tensor) -> None:
@@ -87,52 +88,54 @@ def _check_index(t, name: str, b: int, q: Tensor) -> None:
         return
     _check_tensor(t, name, 1, q, torch.int32)
     if t.shape[0] != b:
-        raise ValueError(f"{name} must have shape [batch] = [{b}], got {_describe(t)}")
+        raise ArgumentError(f"{name} must have shape [batch] = [{b}], got {_describe(t)}")
 
 
 def _check_shapes(q, k_cache, v_cache, k, v, block_table, cache_batch_idx) -> None:
     """Ranks, dtypes, devices, head counts and dims of every tensor operand (q a 4-D tensor,
     checked before the backend choice reads its device)."""
     if q.dtype not in KERNEL_DTYPES:
-        raise TypeError(f"q dtype {q.dtype} is not supported (use one of {KERNEL_DTYPES})")
+        raise ArgumentTypeError(f"q dtype {q.dtype} is not supported (use one of {KERNEL_DTYPES})")
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
         _check_tensor(t, name, 4, q)
         if t.stride(-1) != 1:
-            raise ValueError(f"{name} must have a contiguous last dim (it is updated in place)")
+            raise ArgumentError(f"{name} must have a contiguous last dim (it is updated in place)")
     if v_cache.shape != k_cache.shape:
-        raise ValueError(
+        raise ArgumentError(
             f"v_cache {tuple(v_cache.shape)} must have the shape of k_cache {tuple(k_cache.shape)}"
         )
     b, _, h, d = q.shape
     hk = k_cache.shape[2]
     if k_cache.shape[3] != d:
-        raise ValueError(f"q head dim ({d}) differs from k_cache head dim ({k_cache.shape[3]})")
+        raise ArgumentError(f"q head dim ({d}) differs from k_cache head dim ({k_cache.shape[3]})")
     if d > MAX_KERNEL_HEAD_DIM:
-        raise ValueError(f"head dim {d} exceeds the kernels' maximum {MAX_KERNEL_HEAD_DIM}")
+        raise ArgumentError(f"head dim {d} exceeds the kernels' maximum {MAX_KERNEL_HEAD_DIM}")
     check_head_counts(h, hk, "q/k_cache: ")
     if (k is None) != (v is None):
-        raise ValueError("k and v must be given together (or neither)")
+        raise ArgumentError("k and v must be given together (or neither)")
     if k is not None:
         for name, t in (("k", k), ("v", v)):
             _check_tensor(t, name, 4, q)
             if t.shape[0] != b or t.shape[2:] != (hk, d):
-                raise ValueError(
+                raise ArgumentError(
                     f"{name} must have shape [b, s_new, h_k, d] = [{b}, s_new, {hk}, {d}], got "
                     f"{_describe(t)}"
                 )
         if v.shape != k.shape:
-            raise ValueError(f"v {tuple(v.shape)} must have the shape of k {tuple(k.shape)}")
+            raise ArgumentError(f"v {tuple(v.shape)} must have the shape of k {tuple(k.shape)}")
     if block_table is not None:
         _check_tensor(block_table, "block_table", 2, q, torch.int32)
         if block_table.shape[0] != b:
-            raise ValueError(
+            raise ArgumentError(
                 f"block_table must have shape [b, max_blocks], got {_describe(block_table)}"
             )
         if cache_batch_idx is not None:
-            raise ValueError("cache_batch_idx cannot be combined with a paged cache (block_table)")
+            raise ArgumentError(
+                "cache_batch_idx cannot be combined with a paged cache (block_table)"
+            )
         check_page_size(k_cache.shape[1])
     elif cache_batch_idx is None and k_cache.shape[0] != b:
-        raise ValueError(
+        raise ArgumentError(
             f"k_cache batch ({k_cache.shape[0]}) differs from q batch ({b}); pass "
             "cache_batch_idx to pick cache entries"
         )
@@ -140,23 +143,23 @@ def _check_shapes(q, k_cache, v_cache, k, v, block_table, cache_batch_idx) -> No
 
 def _check_rotary(rotary_cos, rotary_sin, q, k) -> None:
     if (rotary_cos is None) != (rotary_sin is None):
-        raise ValueError("rotary_cos and rotary_sin must be given together (or neither)")
+        raise ArgumentError("rotary_cos and rotary_sin must be given together (or neither)")
     if rotary_cos is None:
         return
     if k is None:
-        raise ValueError("rotary_cos/rotary_sin need the new k and v (rotary applies on append)")
+        raise ArgumentError("rotary_cos/rotary_sin need the new k and v (rotary applies on append)")
     for name, t in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)):
         if not isinstance(t, torch.Tensor) or t.dim() != 2 or not t.is_floating_point():
-            raise ValueError(f"{name} must be a float tensor [seqlen_ro, rotary_dim / 2]")
+            raise ArgumentError(f"{name} must be a float tensor [seqlen_ro, rotary_dim / 2]")
         if t.device != q.device:
-            raise ValueError(f"{name} is on {t.device} but q is on {q.device}")
+            raise ArgumentError(f"{name} is on {t.device} but q is on {q.device}")
     if rotary_sin.shape != rotary_cos.shape:
-        raise ValueError(
+        raise ArgumentError(
             f"rotary_sin {tuple(rotary_sin.shape)} must match rotary_cos {tuple(rotary_cos.shape)}"
         )
     rot_dim = 2 * rotary_cos.shape[1]
     if rot_dim == 0 or rot_dim > q.shape[-1]:
-        raise ValueError(f"rotary_dim ({rot_dim} = 2 * rotary_cos.shape[1]) must be in [2, d]")
+        raise ArgumentError(f"rotary_dim ({rot_dim} = 2 * rotary_cos.shape[1]) must be in [2, d]")
 
 
 def _rotary_tables(rotary_cos, rotary_sin, interleaved: bool):
@@ -172,8 +175,20 @@ def _rotary_tables(rotary_cos, rotary_sin, interleaved: bool):
     return widen(rotary_cos), widen(rotary_sin)
 
 
+def _capacity(capacity: int, block_table: Tensor | None) -> str:
+    """The cache capacity in an error message; a paged cache's is what `block_table` addresses
+    (flash-attn names `block_table` in this error too)."""
+    if block_table is None:
+        return f"the cache capacity {capacity}"
+    pages = block_table.shape[1]
+    return (
+        f"the capacity block_table addresses, {capacity} ({pages} pages per sequence x "
+        f"page_size {capacity // max(pages, 1)})"
+    )
+
+
 def _seqlens(
-    cache_seqlens, b: int, capacity: int, q: Tensor, checked: bool
+    cache_seqlens, b: int, capacity: int, q: Tensor, checked: bool, block_table: Tensor | None
 ) -> tuple[Tensor, int | None]:
     """(int32 [b] device tensor, the host value when cache_seqlens is an int or None). An int
     is checked against the capacity every call; a tensor's dtype and shape unless `checked`."""
@@ -181,7 +196,10 @@ def _seqlens(
         cache_seqlens = capacity
     if isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
         if not 0 <= cache_seqlens <= capacity:
-            raise ValueError(f"cache_seqlens={cache_seqlens} must be in [0, {capacity}]")
+            raise ArgumentError(
+                f"cache_seqlens={cache_seqlens} must be in [0, {capacity}], "
+                f"{_capacity(capacity, block_table)}"
+            )
         return torch.full((b,), cache_seqlens, dtype=torch.int32, device=q.device), cache_seqlens
     if not checked:
         _check_index(cache_seqlens, "cache_seqlens", b, q)
@@ -192,9 +210,9 @@ def _check_alibi(alibi_slopes, b: int, h: int) -> None:
     if alibi_slopes is None:
         return
     if not isinstance(alibi_slopes, torch.Tensor):
-        raise TypeError(f"alibi_slopes must be a tensor, got {type(alibi_slopes).__name__}")
+        raise ArgumentTypeError(f"alibi_slopes must be a tensor, got {type(alibi_slopes).__name__}")
     if alibi_slopes.dtype != torch.float32 or alibi_slopes.shape not in ((h,), (b, h)):
-        raise ValueError(f"alibi_slopes must be fp32 [h] or [b, h], got {alibi_slopes.shape}")
+        raise ArgumentError(f"alibi_slopes must be fp32 [h] or [b, h], got {alibi_slopes.shape}")
 
 
 # Calls whose signature-only checks passed (module docstring), with the mask spec they made.
@@ -234,9 +252,9 @@ def _check_device_values(
     if seqlens.numel() == 0:  # an empty batch: nothing to check, nothing to write
         return
     if host_len is not None and host_len + s_new > capacity:
-        raise ValueError(
-            f"appending {s_new} rows at cache_seqlens={host_len} overflows the cache "
-            f"capacity {capacity}"
+        raise ArgumentError(
+            f"appending {s_new} rows at cache_seqlens={host_len} overflows "
+            f"{_capacity(capacity, block_table)}"
         )
     if cache_leftpad is None and block_table is None:
         got = _facts_per_tensor(seqlens, host_len, s_new, cache_batch_idx)
@@ -244,7 +262,7 @@ def _check_device_values(
         got = _facts_on_device(
             seqlens, host_len, s_new, cache_leftpad, cache_batch_idx, block_table, page_size
         )
-    _check_facts(got, host_len, s_new, capacity, b_cache, num_blocks, seqlen_ro)
+    _check_facts(got, host_len, s_new, capacity, b_cache, num_blocks, seqlen_ro, block_table)
 
 
 def _facts_per_tensor(seqlens, host_len, s_new, cache_batch_idx) -> dict[str, int]:
@@ -288,35 +306,37 @@ def _facts_on_device(
     return dict(zip(names, torch.stack(values).tolist()))  # the one host read
 
 
-def _check_facts(got, host_len, s_new, capacity, b_cache, num_blocks, seqlen_ro) -> None:
+def _check_facts(
+    got, host_len, s_new, capacity, b_cache, num_blocks, seqlen_ro, block_table
+) -> None:  # fmt: skip
     if "seq_min" in got:
         if got["seq_min"] < 0:
-            raise ValueError(f"cache_seqlens must be >= 0, got minimum {got['seq_min']}")
+            raise ArgumentError(f"cache_seqlens must be >= 0, got minimum {got['seq_min']}")
         if got["end_max"] > capacity:
             what = f"cache_seqlens + s_new (s_new = {s_new})" if s_new else "cache_seqlens"
-            raise ValueError(
-                f"{what} reaches {got['end_max']}, beyond the cache capacity {capacity}"
+            raise ArgumentError(
+                f"{what} reaches {got['end_max']}, beyond {_capacity(capacity, block_table)}"
                 + (" (an append that overflows the cache)" if s_new else "")
             )
     if "pad_min" in got and (got["pad_min"] < 0 or got["pad_excess"] > 0):
-        raise ValueError(
+        raise ArgumentError(
             f"cache_leftpad must be in [0, cache_seqlens] per sequence, got minimum "
             f"{got['pad_min']} and a pad {got['pad_excess']} past its sequence's length"
         )
     if "idx_min" in got and (got["idx_min"] < 0 or got["idx_max"] >= b_cache):
-        raise ValueError(
+        raise ArgumentError(
             f"cache_batch_idx must be in [0, {b_cache}) (k_cache.shape[0]), got values in "
             f"[{got['idx_min']}, {got['idx_max']}]"
         )
     if "page_min" in got and (got["page_min"] < 0 or got["page_max"] >= num_blocks):
-        raise ValueError(
+        raise ArgumentError(
             f"block_table points outside [0, {num_blocks}) (num_blocks = k_cache.shape[0]): "
             f"entries in use range over [{got['page_min']}, {got['page_max']}]"
         )
     if seqlen_ro is not None:
         last = (got["end_max"] if host_len is None else host_len + s_new) - 1
         if last >= seqlen_ro:
-            raise ValueError(
+            raise ArgumentError(
                 f"rotary_cos/rotary_sin have {seqlen_ro} positions, but position {last} is needed"
             )
 
@@ -374,7 +394,7 @@ def flash_attn_with_kvcache(
     checked = spec is not None
     if not checked:
         _check_tensor(q, "q", 4, q)  # before the backend choice reads q's device
-    _choose_backend("kernel", q)  # CUDA tensors, or CPU ones under TRITON_INTERPRET=1
+    choose_backend("kernel", q, "q")  # CUDA tensors, or CPU ones under the interpreter
     if not checked:
         _check_shapes(q, k_cache, v_cache, k, v, block_table, cache_batch_idx)
     b, s_q, h, d = q.shape
@@ -382,7 +402,7 @@ def flash_attn_with_kvcache(
     page_size = k_cache.shape[1] if paged else 0
     capacity = block_table.shape[1] * page_size if paged else k_cache.shape[1]
     s_new = 0 if k is None else k.shape[1]
-    seqlens, host_len = _seqlens(cache_seqlens, b, capacity, q, checked)
+    seqlens, host_len = _seqlens(cache_seqlens, b, capacity, q, checked, block_table)
     if not checked:
         _check_index(cache_batch_idx, "cache_batch_idx", b, q)
         _check_index(cache_leftpad, "cache_leftpad", b, q)
@@ -392,7 +412,7 @@ def flash_attn_with_kvcache(
         check_softcap(softcap)
         check_softmax_scale(softmax_scale)
         if int(num_splits) < 0:
-            raise ValueError(f"num_splits={num_splits} must be >= 0 (0 = heuristic)")
+            raise ArgumentError(f"num_splits={num_splits} must be >= 0 (0 = heuristic)")
         if key is not None:
             remember(_CHECKED, key, spec, _MAX_CHECKED)
     tables = _rotary_tables(rotary_cos, rotary_sin, rotary_interleaved)

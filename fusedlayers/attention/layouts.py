@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import torch
 
+from ..errors import ArgumentError, ArgumentTypeError
 from .validation import QKV_FORMATS
 
 STRIDED = "strided"
@@ -150,14 +151,14 @@ def _match(q, k, v, f: str, exact: bool) -> str | None:
 
 def _check(q, k, v, qkv_format: str) -> None:
     if qkv_format not in QKV_FORMATS:
-        raise ValueError(f"qkv_format={qkv_format!r} is not one of {', '.join(QKV_FORMATS)}")
+        raise ArgumentError(f"qkv_format={qkv_format!r} is not one of {', '.join(QKV_FORMATS)}")
     rank = len(qkv_format)
     named = (("query_layer", q), ("key_layer", k), ("value_layer", v))
     for name, t in named:
         if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+            raise ArgumentTypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         if t.dim() != rank:
-            raise ValueError(
+            raise ArgumentError(
                 f"{name} must be {rank}-D for qkv_format={qkv_format!r} "
                 f"([{', '.join(qkv_format)}]), got shape {tuple(t.shape)}"
             )
@@ -166,14 +167,14 @@ def _check(q, k, v, qkv_format: str) -> None:
     if batch is not None:
         for name, t in named[1:]:
             if t.shape[batch] != q.shape[batch]:
-                raise ValueError(
+                raise ArgumentError(
                     f"{name} batch size {t.shape[batch]} (dim {batch} of shape "
                     f"{tuple(t.shape)}) differs from query_layer's {q.shape[batch]} (shape "
                     f"{tuple(q.shape)}) for qkv_format={qkv_format!r}"
                 )
     seq = qkv_format.index("t" if qkv_format == "thd" else "s")
     if k.shape[seq] != v.shape[seq]:
-        raise ValueError(
+        raise ArgumentError(
             f"value_layer length {v.shape[seq]} (dim {seq} of shape {tuple(v.shape)}) differs "
             f"from key_layer's {k.shape[seq]} (shape {tuple(k.shape)}) for "
             f"qkv_format={qkv_format!r}"

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from .._host_cache import per_version
+from ..errors import ArgumentError, ArgumentTypeError
 
 ATTN_MASK_TYPES = (
     "no_mask",
@@ -39,7 +40,7 @@ class MaskSpec:
 
 def check_mask_type(attn_mask_type: str) -> None:
     if attn_mask_type not in ATTN_MASK_TYPES:
-        raise ValueError(
+        raise ArgumentError(
             f"attn_mask_type={attn_mask_type!r} is not one of {', '.join(ATTN_MASK_TYPES)}"
         )
 
@@ -59,10 +60,10 @@ def normalize_window_size(
     if window_size is None:
         return (-1, 0) if causal else (-1, -1)
     if len(window_size) != 2 or not all(isinstance(x, int) for x in window_size):
-        raise ValueError(f"window_size={window_size!r} must be a pair of ints (left, right)")
+        raise ArgumentError(f"window_size={window_size!r} must be a pair of ints (left, right)")
     left, right = (int(x) for x in window_size)
     if left < -1 or right < -1:
-        raise ValueError(f"window_size={window_size!r}: entries must be >= -1 (-1 = unbounded)")
+        raise ArgumentError(f"window_size={window_size!r}: entries must be >= -1 (-1 = unbounded)")
     if causal:
         if (left, right) == (-1, 0) or (left >= 0 and right == 0):
             return left, right
@@ -73,7 +74,7 @@ def normalize_window_size(
                 stacklevel=3,
             )
             return left, 0
-        raise ValueError(
+        raise ArgumentError(
             f"window_size={window_size!r} is invalid for attn_mask_type={attn_mask_type!r}: "
             "expected (-1, 0) or (>=0, 0)"
         )
@@ -86,7 +87,7 @@ def normalize_window_size(
             stacklevel=3,
         )
         return -1, -1
-    raise ValueError(
+    raise ArgumentError(
         f"window_size={window_size!r} is invalid for attn_mask_type={attn_mask_type!r}: "
         "expected (-1, -1) or (>=0, >=0)"
     )
@@ -118,7 +119,7 @@ def flash_attn_spec(causal: bool, window_size: tuple[int, int]) -> MaskSpec:
     except (KeyError, TypeError):  # new, or a list for window_size (not kept)
         pass
     if len(window_size) != 2 or any(int(x) < -1 for x in window_size):
-        raise ValueError(f"window_size={window_size!r} must be (left, right) with entries >= -1")
+        raise ArgumentError(f"window_size={window_size!r} must be (left, right) with entries >= -1")
     left, right = (int(x) for x in window_size)
     if causal:
         right = 0
@@ -143,19 +144,21 @@ def seqlens_from_padding_mask(
     True): such a mask is then applied as a general boolean mask instead, which is always correct.
     """
     if not isinstance(mask, torch.Tensor):
-        raise TypeError(f"{name} must be a bool tensor [b, 1, 1, s], got {type(mask).__name__}")
+        raise ArgumentTypeError(
+            f"{name} must be a bool tensor [b, 1, 1, s], got {type(mask).__name__}"
+        )
     if mask.dtype != torch.bool or mask.dim() != 4 or mask.shape[1] != 1 or mask.shape[2] != 1:
-        raise ValueError(
+        raise ArgumentError(
             f"{name}: a padding mask must be bool [b, 1, 1, s], got {mask.dtype} "
             f"{tuple(mask.shape)}"
         )
     if (mask.shape[0], mask.shape[3]) != (batch, length):
-        raise ValueError(
+        raise ArgumentError(
             f"{name} of shape {tuple(mask.shape)} does not match the inputs: expected "
             f"[{batch}, 1, 1, {length}] (batch {batch}, sequence length {length})"
         )
     if mask.device != device:
-        raise ValueError(f"{name} is on {mask.device}, the inputs on {device}")
+        raise ArgumentError(f"{name} is on {mask.device}, the inputs on {device}")
     # torch.equal reads the answer on the host: once per mask and in-place version.
     return per_version(mask, "right-padded lengths", _right_padded_lengths)
 

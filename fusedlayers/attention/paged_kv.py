@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from .._host_cache import per_version
+from ..errors import ArgumentError, ArgumentTypeError
 from .validation import host_values
 
 
@@ -29,38 +30,42 @@ def _check_layout(k, v, block_table, cu_seqlens_q, cu_seqlens_k) -> tuple[int, i
     for name, t in (("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
             what = _describe(t) if isinstance(t, torch.Tensor) else type(t).__name__
-            raise ValueError(
+            raise ArgumentError(
                 f"with block_table, {name} must be pages [num_blocks, page_size, h_k, d], got "
                 f"{what}"
             )
     if k.shape[:3] != v.shape[:3]:
-        raise ValueError(
+        raise ArgumentError(
             f"k {tuple(k.shape)} and v {tuple(v.shape)} pages must agree in num_blocks, "
             "page_size and heads"
         )
     if not isinstance(block_table, torch.Tensor) or block_table.dtype != torch.int32:
         what = _describe(block_table) if isinstance(block_table, torch.Tensor) else block_table
-        raise TypeError(f"block_table must be an int32 tensor [b, max_blocks], got {what}")
+        raise ArgumentTypeError(f"block_table must be an int32 tensor [b, max_blocks], got {what}")
     if block_table.dim() != 2:
-        raise ValueError(f"block_table must be 2-D [b, max_blocks], got {_describe(block_table)}")
+        raise ArgumentError(
+            f"block_table must be 2-D [b, max_blocks], got {_describe(block_table)}"
+        )
     for name, t in (("k", k), ("v", v), ("cu_seqlens_k", cu_seqlens_k)):
         if isinstance(t, torch.Tensor) and t.device != block_table.device:
-            raise ValueError(f"{name} is on {t.device} but block_table is on {block_table.device}")
+            raise ArgumentError(
+                f"{name} is on {t.device} but block_table is on {block_table.device}"
+            )
     if not isinstance(cu_seqlens_k, torch.Tensor) or cu_seqlens_k.dtype != torch.int32:
-        raise TypeError("cu_seqlens_k must be an int32 tensor [b + 1]")
+        raise ArgumentTypeError("cu_seqlens_k must be an int32 tensor [b + 1]")
     if cu_seqlens_k.dim() != 1 or cu_seqlens_k.numel() < 1:
-        raise ValueError(f"cu_seqlens_k must be 1-D [b + 1], got {_describe(cu_seqlens_k)}")
+        raise ArgumentError(f"cu_seqlens_k must be 1-D [b + 1], got {_describe(cu_seqlens_k)}")
     cu = host_values(cu_seqlens_k)  # the read the varlen front end makes anyway (memoized)
     if cu[0] != 0 or any(b < a for a, b in zip(cu, cu[1:])):
-        raise ValueError(f"cu_seqlens_k must start at 0 and never decrease, got {cu[:16]}")
+        raise ArgumentError(f"cu_seqlens_k must start at 0 and never decrease, got {cu[:16]}")
     b = len(cu) - 1
     if block_table.shape[0] != b:
-        raise ValueError(
+        raise ArgumentError(
             f"block_table has {block_table.shape[0]} rows but cu_seqlens_k describes {b} "
             f"sequences ({_describe(block_table)})"
         )
     if isinstance(cu_seqlens_q, torch.Tensor) and cu_seqlens_q.numel() != b + 1:
-        raise ValueError(
+        raise ArgumentError(
             f"cu_seqlens_q has {cu_seqlens_q.numel() - 1} sequences, cu_seqlens_k has {b}"
         )
     return k.shape[0], k.shape[1], cu
@@ -83,7 +88,7 @@ def _check_entries(block_table, pages_used: list[int], num_blocks: int) -> None:
     key = f"paged_kv_used_range:{num_blocks}:{','.join(map(str, pages_used))}"
     low, high = per_version(block_table, key, used_range)
     if low < 0 or high >= num_blocks:
-        raise ValueError(
+        raise ArgumentError(
             f"block_table entries in use must be in [0, {num_blocks}) (num_blocks = "
             f"k.shape[0]), got values in [{low}, {high}]"
         )
@@ -98,7 +103,7 @@ def gather_pages(k, v, block_table, cu_seqlens_q, cu_seqlens_k):
     pages_used = [-(-n // page_size) for n in lens]
     for z, (n, pages) in enumerate(zip(lens, pages_used)):
         if pages > block_table.shape[1]:
-            raise ValueError(
+            raise ArgumentError(
                 f"sequence {z} has {n} keys (cu_seqlens_k), which need {pages} pages of "
                 f"{page_size} rows, but block_table has {block_table.shape[1]} columns"
             )

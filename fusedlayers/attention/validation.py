@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import math
 from numbers import Real
+from typing import NamedTuple
 
 import torch
 
 from .._host_cache import per_version
+from ..errors import ArgumentError, ArgumentTypeError
 
 QKV_FORMATS = ("sbhd", "bshd", "thd")
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -24,67 +26,92 @@ def host_values(t: torch.Tensor) -> list[int]:
     return list(per_version(t, "values", torch.Tensor.tolist))
 
 
+class ArgNames(NamedTuple):
+    """What the caller calls the arguments, so that errors speak its words: TransformerEngine's
+    by default (`TE_NAMES`), flash-attn's for the `flash_attn_*` functions (`FLASH_ATTN_NAMES`)."""
+
+    q: str = "query_layer"
+    k: str = "key_layer"
+    v: str = "value_layer"
+    dropout: str = "attention_dropout"
+    cu_seqlens_kv: str = "cu_seqlens_kv"
+    max_seqlen_kv: str = "max_seqlen_kv"
+    # Where to compute what the kernels cannot (head dims over MAX_KERNEL_HEAD_DIM).
+    beyond_kernels: str = "use_reference=True computes it in PyTorch"
+
+
+TE_NAMES = ArgNames()
+FLASH_ATTN_NAMES = ArgNames(
+    "q", "k", "v", "dropout_p", "cu_seqlens_k", "max_seqlen_k",
+    "fusedlayers.attention_reference computes it in PyTorch",
+)  # fmt: skip
+
+
 def _describe(t: torch.Tensor) -> str:
     return f"shape {tuple(t.shape)}, dtype {t.dtype}, device {t.device}"
 
 
 def check_qkv_format(qkv_format: str) -> None:
     if qkv_format not in QKV_FORMATS:
-        raise ValueError(f"qkv_format={qkv_format!r} is not one of {', '.join(QKV_FORMATS)}")
+        raise ArgumentError(f"qkv_format={qkv_format!r} is not one of {', '.join(QKV_FORMATS)}")
 
 
 def check_head_counts(num_heads: int, num_kv_heads: int, where: str = "") -> None:
     """Query heads must split evenly over KV heads (GQA); `where` names the source."""
     if num_kv_heads <= 0 or num_heads <= 0 or num_heads % num_kv_heads:
-        raise ValueError(
+        raise ArgumentError(
             f"{where}number of query heads ({num_heads}) must be a positive multiple of the "
             f"number of KV heads ({num_kv_heads})"
         )
 
 
-def check_qkv(q, k, v, qkv_format: str, kernel_path: bool) -> None:
+def check_qkv(q, k, v, qkv_format: str, kernel_path: bool, names: ArgNames = TE_NAMES) -> None:
     """Ranks, dtypes, devices, head counts and dims of query/key/value in `qkv_format`."""
     check_qkv_format(qkv_format)
     rank = 3 if qkv_format == "thd" else 4
-    for name, t in (("query_layer", q), ("key_layer", k), ("value_layer", v)):
+    for name, t in ((names.q, q), (names.k, k), (names.v, v)):
         if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+            raise ArgumentTypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         if t.dim() != rank:
-            raise ValueError(
+            raise ArgumentError(
                 f"{name} must be {rank}-D for qkv_format={qkv_format!r} "
                 f"([{', '.join(qkv_format)}]), got {_describe(t)}"
             )
     allowed = KERNEL_DTYPES if kernel_path else REFERENCE_DTYPES
     if q.dtype not in allowed:
-        raise TypeError(f"query_layer dtype {q.dtype} is not supported (use one of {allowed})")
-    for name, t in (("key_layer", k), ("value_layer", v)):
+        raise ArgumentTypeError(
+            f"{names.q} dtype {q.dtype} is not supported (use one of {allowed})"
+        )
+    for name, t in ((names.k, k), (names.v, v)):
         if t.dtype != q.dtype:
-            raise TypeError(f"{name} dtype {t.dtype} differs from query_layer dtype {q.dtype}")
+            raise ArgumentTypeError(
+                f"{name} dtype {t.dtype} differs from {names.q} dtype {q.dtype}"
+            )
         if t.device != q.device:
-            raise ValueError(f"{name} is on {t.device} but query_layer is on {q.device}")
+            raise ArgumentError(f"{name} is on {t.device} but {names.q} is on {q.device}")
     if k.shape[:-1] != v.shape[:-1]:
-        raise ValueError(
-            f"key_layer {tuple(k.shape)} and value_layer {tuple(v.shape)} must match in every "
+        raise ArgumentError(
+            f"{names.k} {tuple(k.shape)} and {names.v} {tuple(v.shape)} must match in every "
             "dim but the last (head dim)"
         )
     if q.shape[-1] != k.shape[-1]:
-        raise ValueError(
-            f"query_layer head dim ({q.shape[-1]}) differs from key_layer head dim ({k.shape[-1]})"
+        raise ArgumentError(
+            f"{names.q} head dim ({q.shape[-1]}) differs from {names.k} head dim ({k.shape[-1]})"
         )
     if qkv_format != "thd":
         batch_dim = 1 if qkv_format == "sbhd" else 0
         if q.shape[batch_dim] != k.shape[batch_dim]:
-            raise ValueError(
-                f"query_layer batch ({q.shape[batch_dim]}) differs from key_layer batch "
+            raise ArgumentError(
+                f"{names.q} batch ({q.shape[batch_dim]}) differs from {names.k} batch "
                 f"({k.shape[batch_dim]}) for qkv_format={qkv_format!r}"
             )
-    check_head_counts(q.shape[-2], k.shape[-2], "query_layer/key_layer: ")
+    check_head_counts(q.shape[-2], k.shape[-2], f"{names.q}/{names.k}: ")
     if kernel_path:
-        for name, t in (("query_layer", q), ("value_layer", v)):
+        for name, t in ((names.q, q), (names.v, v)):
             if t.shape[-1] > MAX_KERNEL_HEAD_DIM:
-                raise ValueError(
+                raise ArgumentError(
                     f"{name} head dim {t.shape[-1]} exceeds the kernels' maximum "
-                    f"{MAX_KERNEL_HEAD_DIM} (use_reference=True computes it in PyTorch)"
+                    f"{MAX_KERNEL_HEAD_DIM} ({names.beyond_kernels})"
                 )
 
 
@@ -99,7 +126,7 @@ def check_configured_heads(q, k, v, expected: tuple[int, int, int, int]) -> None
     )
     for name, have, want in zip(what, got, expected):
         if have != want:
-            raise ValueError(f"{name} is {have}, but the module was built for {want}")
+            raise ArgumentError(f"{name} is {have}, but the module was built for {want}")
 
 
 def check_cu_seqlens(
@@ -112,30 +139,30 @@ def check_cu_seqlens(
     its padded slot and the padded offsets end at `tokens`.
     """
     if not isinstance(cu, torch.Tensor):
-        raise TypeError(f"{name} must be an int32 tensor, got {type(cu).__name__}")
+        raise ArgumentTypeError(f"{name} must be an int32 tensor, got {type(cu).__name__}")
     if cu.dtype != torch.int32 or cu.dim() != 1 or cu.numel() < 1:
-        raise ValueError(f"{name} must be a 1-D int32 tensor [batch + 1], got {_describe(cu)}")
+        raise ArgumentError(f"{name} must be a 1-D int32 tensor [batch + 1], got {_describe(cu)}")
     values = host_values(cu)
     if values[0] != 0:
-        raise ValueError(f"{name} must start at 0, got {values[:8]}")
+        raise ArgumentError(f"{name} must start at 0, got {values[:8]}")
     if any(b < a for a, b in zip(values, values[1:])):
-        raise ValueError(f"{name} must not decrease, got {values[:16]}")
+        raise ArgumentError(f"{name} must not decrease, got {values[:16]}")
     if padded is None:
         if values[-1] != tokens:
-            raise ValueError(
+            raise ArgumentError(
                 f"{name} ends at {values[-1]} but the tensor holds {tokens} tokens "
                 "(pass cu_seqlens_*_padded when sequences have padding between them)"
             )
         return values
     offsets = check_cu_seqlens(padded, name + "_padded", tokens)
     if len(offsets) != len(values):
-        raise ValueError(
+        raise ArgumentError(
             f"{name} has {len(values) - 1} sequences but {name}_padded has {len(offsets) - 1}"
         )
     for i in range(len(values) - 1):
         length, slot = values[i + 1] - values[i], offsets[i + 1] - offsets[i]
         if length > slot:
-            raise ValueError(
+            raise ArgumentError(
                 f"sequence {i} has {length} tokens ({name}) but only {slot} rows between its "
                 f"padded offsets ({name}_padded)"
             )
@@ -148,13 +175,13 @@ def check_max_seqlen(max_seqlen: int | None, lengths: list[int], name: str) -> i
     if max_seqlen is None:
         return longest
     if int(max_seqlen) < longest:
-        raise ValueError(f"{name}={max_seqlen} is below the longest sequence ({longest})")
+        raise ArgumentError(f"{name}={max_seqlen} is below the longest sequence ({longest})")
     return int(max_seqlen)
 
 
 def check_dropout(p: float, name: str = "attention_dropout") -> None:
     if not 0.0 <= float(p) < 1.0:
-        raise ValueError(f"{name}={p} must be in [0, 1)")
+        raise ArgumentError(f"{name}={p} must be in [0, 1)")
 
 
 def is_whole(value, minimum: int) -> bool:
@@ -172,26 +199,28 @@ def check_softmax_scale(scale, name: str = "softmax_scale") -> None:
     if scale is None:
         return
     if isinstance(scale, bool) or not isinstance(scale, Real):
-        raise TypeError(f"{name} must be a float or None, got {type(scale).__name__} {scale!r}")
+        raise ArgumentTypeError(
+            f"{name} must be a float or None, got {type(scale).__name__} {scale!r}"
+        )
     if not math.isfinite(scale) or scale <= 0:
-        raise ValueError(f"{name}={scale!r} must be a finite number > 0 (or None for 1/sqrt(d))")
+        raise ArgumentError(f"{name}={scale!r} must be a finite number > 0 (or None for 1/sqrt(d))")
 
 
 def check_softcap(softcap, name: str = "softcap") -> None:
     """0 (off) or a finite number > 0: scores become softcap * tanh(scores / softcap)."""
     if isinstance(softcap, bool) or not isinstance(softcap, Real):
-        raise TypeError(f"{name} must be a float, got {type(softcap).__name__} {softcap!r}")
+        raise ArgumentTypeError(f"{name} must be a float, got {type(softcap).__name__} {softcap!r}")
     if not math.isfinite(softcap) or softcap < 0:
-        raise ValueError(f"{name}={softcap!r} must be 0 (off) or a finite number > 0")
+        raise ArgumentError(f"{name}={softcap!r} must be 0 (off) or a finite number > 0")
 
 
 def check_broadcastable(t: torch.Tensor, target: tuple[int, ...], name: str) -> None:
     """`t` must broadcast to `target` ([b, h, s_q, s_k]) without growing it."""
     if t.dim() > len(target):
-        raise ValueError(f"{name} with shape {tuple(t.shape)} has more dims than {target}")
+        raise ArgumentError(f"{name} with shape {tuple(t.shape)} has more dims than {target}")
     for size, want in zip(reversed(t.shape), reversed(target)):
         if size not in (1, want):
-            raise ValueError(
+            raise ArgumentError(
                 f"{name} with shape {tuple(t.shape)} does not broadcast to [b, h, s_q, s_k] = "
                 f"{list(target)}"
             )

@@ -52,7 +52,7 @@ def _split_rotary(rotary_pos_emb):
 def _kernel_blocker(module, q, v, spec, attention_mask, bias_type, alibi_slopes, rotary) -> str:
     """Why this step cannot take the decode kernel ("" when it can)."""
     backend = "reference" if module.reference_active else "auto"
-    use_kernel, why = frontend._choose_backend(backend, q)  # looked up per call: tests patch it
+    use_kernel, why = frontend.choose_backend(backend, q, "query_layer")  # tests patch it
     if not use_kernel:
         return why
     if q.dtype not in KERNEL_DTYPES or q.shape[-1] > MAX_KERNEL_HEAD_DIM:
