@@ -19,6 +19,7 @@ from unittest import mock
 import torch
 import torch.distributed as dist
 from fusedlayers.models import GPT, GPTConfig
+from repeat_testing import grads_of, run_sequence
 
 import fusedlayers.attention.reference as reference_module
 from fusedlayers import DotProductAttention
@@ -280,6 +281,67 @@ def run_layer_cases(rank: int, world: int, formats: list[str]) -> dict[str, dict
     reports = {f"layer-{f}": run_layer_case(rank, world, f) for f in formats}
     for pos_emb, fmt in (("rope", "sbhd"), ("learned", "thd")):
         reports[f"gpt-{pos_emb}-{fmt}"] = run_gpt_case(rank, world, pos_emb, fmt)
+    return reports
+
+
+def run_repeats(rank: int, world: int, cases: list[CPCase], order: str) -> list[dict]:
+    """Context-parallel `DotProductAttention` calls along `repeat_testing.SEQUENCES[order]`:
+    signature "A" is `cases[0]`, "B" `cases[1]`, each with one module and one set of local leaf
+    tensors for all its calls (as a training loop or a benchmark reuses them). Returns one
+    `run_case`-style report per call, for the outputs and, on calls with grad, the gradients."""
+    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    setups = {}
+    for name, case in zip("AB", cases):
+        dtype = getattr(torch, case.dtype)
+        q, k, v, dout = _full_inputs(case, device)
+        seqlens = case.seqlens if case.qkv_format == "thd" else [case.s]
+        index = context_parallel_indices(list(seqlens), world, rank, device)
+        high = _oracle(case, q, k, v, dout, getattr(torch, case.high))
+        low = _oracle(case, q, k, v, dout, dtype, case.pytorch_in_dtype)
+        local = [_local(t, case, index).to(dtype) for t in (q, k, v, dout)]
+        leaves = tuple(t.detach().requires_grad_() for t in local[:3])
+        options = {}
+        if case.qkv_format == "thd":
+            options["cu_seqlens_q"] = options["cu_seqlens_kv"] = _cu(case.seqlens, device)
+        if case.module:
+            attn = DotProductAttention(
+                case.heads, (case.d, case.d_v), num_gqa_groups=case.kv_heads,
+                qkv_format=case.qkv_format, attn_mask_type=case.mask, cp_group=dist.group.WORLD,
+                cp_stream=torch.cuda.Stream() if case.cp_stream else None,
+                use_reference=case.backend == "reference",
+            )  # fmt: skip
+        else:  # the functional entry, which takes `backend` ("kernel" on a CPU: interpreter)
+            options.update(
+                cp_group=dist.group.WORLD, qkv_format=case.qkv_format,
+                attn_mask_type=case.mask, backend=case.backend,
+            )  # fmt: skip
+            attn = context_parallel_attention
+        setups[name] = (case, attn, leaves, local[3], options, index, high, low)
+    reports = []
+
+    def run(signature, mode):
+        case, attn, leaves, dout, options, *_ = setups[signature]
+        out = attn(*leaves, **options)
+        if case.module:  # [..., h * d_v] -> [..., h, d_v], as the functional entry returns
+            out = out.view(*out.shape[:-1], case.heads, case.d_v)
+        return out, grads_of(out, leaves, dout, mode)
+
+    def check(signature, mode, i, result):
+        case, *_, index, high, low = setups[signature]
+        rows = lambda t: _local(t, case, index)  # noqa: E731
+        names = ("out", *GRADS) if result[1] is not None else ("out",)
+        got = (result[0].detach(), *(result[1] or ()))
+        report = {}
+        for name, g, h, lo in zip(names, got, (high[0], *high[1]), (low[0], *low[1])):
+            h = rows(h)
+            report[f"call {i} ({signature}, {mode}) {name}"] = dict(
+                error=_max_error(_as_full_layout(g, case), _as_full_layout(h, case)),
+                pytorch_error=_max_error(rows(lo), h),
+                magnitude=h.abs().max().item(),
+            )
+        reports.append(report)
+
+    run_sequence(run, check, order)
     return reports
 
 

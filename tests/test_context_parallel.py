@@ -13,8 +13,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from context_parallel_testing import CPCase, run_cases, run_layer_cases
+from context_parallel_testing import CPCase, run_cases, run_layer_cases, run_repeats
 from distributed_testing import run_on_ranks
+from repeat_testing import SEQUENCES
 
 import fusedlayers.attention.context_parallel as cp_module
 from fusedlayers import DotProductAttention
@@ -31,7 +32,7 @@ def _check(cases: list[CPCase], per_rank: list[list[dict]], world: int) -> None:
     for rank, reports in enumerate(per_rank):
         for case, report in zip(cases, reports):
             for name, r in report.items():
-                factor = 3.0 if name.startswith("d") else 2.0
+                factor = 3.0 if name.split()[-1].startswith("d") else 2.0
                 atol = (world + 1) * FP32_EPS * max(r["magnitude"], 1.0)
                 bound = factor * r["pytorch_error"] + atol
                 if not r["error"] <= bound:
@@ -68,6 +69,24 @@ def test_ring_on_the_kernels_two_ranks():
         CPCase("sbhd", "no_mask", heads=4, kv_heads=1, **small),
     ]
     _check(cases, run_on_ranks(2, run_cases, cases), 2)
+
+
+@pytest.mark.parametrize("order", SEQUENCES)
+@pytest.mark.parametrize("backend", ["reference", "kernel"])
+def test_ring_repeated_calls(order, backend):
+    """One module (or functional entry) per signature called again and again on the same leaf
+    tensors, with and without grad in both orders and interleaved with a second signature
+    (`repeat_testing`): every call's output and gradients against the full sequences.
+    `kernel`: the Triton kernels under the interpreter, fp32, through the functional entry."""
+    kernel = backend == "kernel"
+    common = dict(dtype="float32" if kernel else "float64", backend=backend, module=not kernel)
+    cases = [
+        CPCase("bshd", "causal", s=16, **common),
+        CPCase("thd", "no_mask", heads=2, kv_heads=1, seqlens=(8, 16), **common),
+    ]
+    per_rank = run_on_ranks(2, run_repeats, cases, order)
+    labels = [f"{order} call {i}" for i in range(len(SEQUENCES[order]))]
+    _check(labels, per_rank, 2)
 
 
 @pytest.mark.parametrize("world", [3, 4])

@@ -29,6 +29,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ..errors import ArgumentError, ArgumentTypeError
 from . import masks, validation
 from .ring_attention import KERNELS_AVAILABLE, Ring, RingAttention
 
@@ -41,27 +42,27 @@ def check_cp_arguments(cp_group, cp_global_ranks, cp_stream, cp_comm_type) -> li
     """Validate TE's context-parallel arguments; returns the group's global ranks (None when
     `cp_group` is None). Raises naming the argument and its value."""
     if cp_comm_type not in CP_COMM_TYPES:
-        raise ValueError(
+        raise ArgumentError(
             f"cp_comm_type={cp_comm_type!r} is not supported; context parallelism runs the ring "
             f"exchange, one of {CP_COMM_TYPES}"
         )
     if cp_group is None:
         if cp_global_ranks is not None:
-            raise ValueError(f"cp_global_ranks={cp_global_ranks} is given without a cp_group")
+            raise ArgumentError(f"cp_global_ranks={cp_global_ranks} is given without a cp_group")
         return None
     if isinstance(cp_group, (list, tuple)):
-        raise ValueError(
+        raise ArgumentError(
             f"cp_group={cp_group!r}: a list of groups is TE's 'a2a+p2p' form; pass one group"
         )
     if not dist.is_initialized():
         raise RuntimeError("cp_group is given but torch.distributed is not initialized")
     ranks = dist.get_process_group_ranks(cp_group)
     if cp_global_ranks is not None and list(cp_global_ranks) != list(ranks):
-        raise ValueError(
+        raise ArgumentError(
             f"cp_global_ranks={list(cp_global_ranks)} does not match cp_group's ranks {ranks}"
         )
     if cp_stream is not None and not isinstance(cp_stream, torch.cuda.Stream):
-        raise TypeError(f"cp_stream must be a torch.cuda.Stream or None, got {cp_stream!r}")
+        raise ArgumentTypeError(f"cp_stream must be a torch.cuda.Stream or None, got {cp_stream!r}")
     return ranks
 
 
@@ -78,7 +79,7 @@ def context_parallel_indices(
     rows, start = [], 0
     for length in seqlens:
         if length % (2 * cp_size):
-            raise ValueError(
+            raise ArgumentError(
                 f"sequence length {length} is not divisible by 2 * cp_size = {2 * cp_size}"
             )
         c = length // (2 * cp_size)
@@ -110,14 +111,14 @@ def _check_features(
     """What the ring supports, checked before any compute; returns whether the mask is causal."""
     allowed = _THD_MASKS if qkv_format == "thd" else _DENSE_MASKS
     if attn_mask_type not in allowed:
-        raise ValueError(
+        raise ArgumentError(
             f"attn_mask_type={attn_mask_type!r} is not supported with context parallelism "
             f"(cp_group given) and qkv_format={qkv_format!r}; use one of {allowed}"
         )
     causal = "causal" in attn_mask_type
     window = masks.normalize_window_size(attn_mask_type, window_size)
     if window != ((-1, 0) if causal else (-1, -1)):
-        raise ValueError(
+        raise ArgumentError(
             f"window_size={tuple(window_size)} is not supported with context parallelism: the "
             "ring's load-balanced chunks take full causal or unmasked attention only"
         )
@@ -128,13 +129,15 @@ def _check_features(
     )
     for name, value in unsupported.items():
         if value is not None:
-            raise ValueError(f"{name} is not supported with context parallelism (cp_group given)")
+            raise ArgumentError(
+                f"{name} is not supported with context parallelism (cp_group given)"
+            )
     if bias_type != "no_bias":
-        raise ValueError(
+        raise ArgumentError(
             f"core_attention_bias_type={bias_type!r} is not supported with context parallelism"
         )
     if dropout_p > 0:
-        raise ValueError(
+        raise ArgumentError(
             f"attention_dropout={dropout_p} is not supported with context parallelism; set it to 0"
         )
     return causal
@@ -144,7 +147,7 @@ def _dense_geometry(q, k, causal, cp_size, qkv_format) -> None:
     s_dim = 0 if qkv_format == "sbhd" else 1
     s_q, s_kv = q.shape[s_dim], k.shape[s_dim]
     if causal and (s_q != s_kv or s_q % 2):
-        raise ValueError(
+        raise ArgumentError(
             f"causal context parallelism needs equal query and key lengths, each 2 chunks of the "
             f"sequence cut into 2 * cp_size = {2 * cp_size}: got local query_layer length {s_q} "
             f"and key_layer length {s_kv} (full lengths {s_q * cp_size}, {s_kv * cp_size})"
@@ -154,7 +157,7 @@ def _dense_geometry(q, k, causal, cp_size, qkv_format) -> None:
 def _thd_geometry(q, k, cu_q, cu_kv, cu_q_pad, cu_kv_pad, causal, cp_size) -> dict:
     """Local cu_seqlens and half-sequence row indices from the full sequences' `cu_seqlens`."""
     if cu_q is None:
-        raise ValueError("qkv_format='thd' needs cu_seqlens_q (of the full sequences)")
+        raise ArgumentError("qkv_format='thd' needs cu_seqlens_q (of the full sequences)")
     cu_kv = cu_q if cu_kv is None else cu_kv
     seqs = {}
     for name, cu, pad, t in (
@@ -170,26 +173,26 @@ def _thd_geometry(q, k, cu_q, cu_kv, cu_q_pad, cu_kv_pad, causal, cp_size) -> di
         ):
             last = validation.host_values(cu)[-1]
             if last != tokens:
-                raise ValueError(
+                raise ArgumentError(
                     f"{name} ends at {last}, but with context parallelism it describes the full "
                     f"sequences: {t.shape[0]} tokens on this rank x cp_size {cp_size} = {tokens}"
                 )
         values = validation.check_cu_seqlens(cu, name, tokens)
         if pad is not None and validation.host_values(pad) != values:
-            raise ValueError(
+            raise ArgumentError(
                 f"{name}_padded={validation.host_values(pad)[:16]} differs from {name}: padding "
                 "between sequences is not supported with context parallelism"
             )
         lengths = [b - a for a, b in zip(values, values[1:])]
         bad = [n for n in lengths if n % (2 * cp_size)]
         if bad:
-            raise ValueError(
+            raise ArgumentError(
                 f"{name}={values[:16]}: every sequence length must be divisible by 2 * cp_size "
                 f"= {2 * cp_size}, got {bad[:8]}"
             )
         seqs[name] = values
     if causal and seqs["cu_seqlens_q"] != seqs["cu_seqlens_kv"]:
-        raise ValueError("causal context parallelism needs cu_seqlens_kv equal to cu_seqlens_q")
+        raise ArgumentError("causal context parallelism needs cu_seqlens_kv equal to cu_seqlens_q")
     device = q.device
 
     def local(values, parts):
@@ -297,7 +300,7 @@ def context_parallel_attention(
         _dense_geometry(q, k, causal, size, qkv_format)
         for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_kv", cu_seqlens_kv)):
             if cu is not None:
-                raise ValueError(
+                raise ArgumentError(
                     f"{name} with qkv_format={qkv_format!r} is not supported with context "
                     "parallelism (padding); use qkv_format='thd'"
                 )
@@ -305,8 +308,7 @@ def context_parallel_attention(
         group=cp_group,
         rank=rank,
         size=size,
-        next_rank=ranks[(rank + 1) % size],
-        prev_rank=ranks[(rank - 1) % size],
+        ranks=ranks,
         causal=causal,
         scale=q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale),
         use_kernel=use_kernel,

@@ -5,6 +5,13 @@ which validates the call and builds the `Ring`. At ring step i rank r holds the 
 (r - i) mod cp; under a causal mask with TE's load balancing every step is one of three blocks
 (`Ring.block`), computed by the kernels' forward (with LSE) and backward (from out, dout and
 LSE), or by the reference path. Shapes: module docstring of `context_parallel`.
+
+The forward keeps the K/V blocks it received, (cp - 1) times the local K/V (with GQA a fraction
+of q's size), so the backward sends no K/V: it computes the other ranks' blocks first and sends
+each block's dK/dV partial straight to its owner, where the transfers overlap the rank's own
+block, the largest under a causal mask, which comes last. Partial results meet in the input
+dtype where two terms meet (one rounding, bitwise what an fp32 sum rounded once gives), in fp32
+where more do.
 """
 
 from __future__ import annotations
@@ -27,13 +34,12 @@ KERNELS_AVAILABLE = flash_attention is not None
 
 @dataclass
 class Ring:
-    """Neighbours on the ring and the options every step shares."""
+    """The group, this rank's place in it, and the options every step shares."""
 
     group: object
     rank: int
     size: int
-    next_rank: int  # global ranks, as torch.distributed's P2P ops take them
-    prev_rank: int
+    ranks: list[int]  # the group's global ranks, as torch.distributed's P2P ops take them
     causal: bool
     scale: float
     use_kernel: bool
@@ -41,23 +47,26 @@ class Ring:
     stream: torch.cuda.Stream | None
     varlen: dict  # thd: cu_seqlens/max_seqlen of the full local sequences and of their halves
 
-    def exchange(self, send: torch.Tensor, recv: torch.Tensor, tag: int = 0) -> list:
-        """Post send -> next and recv <- prev; returns the requests to wait on. K/V (tag 0)
-        and dK/dV (tag 1) are in flight together in the backward; gloo pairs them by tag."""
+    def send_recv(self, send, to: int, recv, source: int, tag: int) -> list:
+        """Post send -> rank `to` and recv <- rank `source` (group ranks); returns the requests
+        to wait on. The forward's K/V (tag 0) and the backward's dK/dV (tag 1) never share a
+        pair of ranks and a tag; gloo pairs messages by tag."""
         ops = [
-            dist.P2POp(dist.isend, send, self.next_rank, self.group, tag),
-            dist.P2POp(dist.irecv, recv, self.prev_rank, self.group, tag),
+            dist.P2POp(dist.isend, send, self.ranks[to], self.group, tag),
+            dist.P2POp(dist.irecv, recv, self.ranks[source], self.group, tag),
         ]
         return dist.batch_isend_irecv(ops)
 
-    def block(self, step: int) -> tuple[str, str, bool]:
-        """(query rows, key rows, causal) of ring step `step`: rows are all/first/second."""
+    def block(self, step: int, rank: int | None = None) -> tuple[str, str, bool]:
+        """(query rows, key rows, causal) that `rank` (default this one) computes at ring step
+        `step`, holding the K/V of rank (rank - step) mod cp: rows are all/first/second."""
+        rank = self.rank if rank is None else rank
         if not self.causal:
             return "all", "all", False
         if step == 0:
             return "all", "all", True
-        src = (self.rank - step) % self.size
-        return ("all", "first", False) if src < self.rank else ("second", "all", False)
+        src = (rank - step) % self.size
+        return ("all", "first", False) if src < rank else ("second", "all", False)
 
 
 def _seq_dim(ring: Ring, lse: bool) -> int:
@@ -76,12 +85,22 @@ def _rows(t: torch.Tensor, which: str, ring: Ring, lse: bool = False) -> torch.T
     return t.narrow(dim, 0 if which == "first" else c, c)
 
 
+def _rows_shape(t: torch.Tensor, which: str, ring: Ring) -> torch.Size:
+    """The shape of `_rows(t, which, ring)` (without gathering varlen rows)."""
+    if which == "all":
+        return t.shape
+    dim, shape = _seq_dim(ring, False), list(t.shape)
+    shape[dim] = ring.varlen[which].numel() if ring.varlen else t.shape[dim] // 2
+    return torch.Size(shape)
+
+
 def _put_rows(dst, which: str, src, ring: Ring, lse: bool = False, add: bool = False) -> None:
     """`dst[rows] = src` (or `+=`) for the rows `_rows` selects."""
     if which == "all":
         dst.add_(src) if add else dst.copy_(src)
     elif ring.varlen:
         index, dim = ring.varlen[which], _seq_dim(ring, lse)
+        src = src.to(dst.dtype)
         dst.index_add_(dim, index, src) if add else dst.index_copy_(dim, index, src)
     else:
         view = _rows(dst, which, ring, lse)
@@ -187,15 +206,32 @@ def _block_backward(ring, q, k, v, out, dout, lse, causal, cu):
 
 
 def _merge(out, lse, out_b, lse_b, rows: str, ring: Ring) -> None:
-    """Fold a block's (out_b, lse_b) into the running (out, lse) for `rows`, in place, fp32+."""
+    """Fold a block's (out_b, lse_b) into the running (out, lse) for `rows`, in place, in
+    out's precision (fp32, fp64 for fp64 inputs): two passes over out's rows."""
     acc_out, acc_lse = _rows(out, rows, ring), _rows(lse, rows, ring, lse=True)
     new = torch.logaddexp(acc_lse, lse_b)
     # Rows no key has reached yet stay at -inf with weight 0 (exp(-inf - -inf) would be NaN).
     safe = torch.where(torch.isfinite(new), new, 0.0)
     w_acc, w_b = torch.exp(acc_lse - safe), torch.exp(lse_b - safe)
-    merged = acc_out * _lse_as_out(w_acc, ring) + out_b.to(out.dtype) * _lse_as_out(w_b, ring)
-    _put_rows(out, rows, merged, ring)
-    _put_rows(lse, rows, new, ring, lse=True)
+    acc_out.mul_(_lse_as_out(w_acc, ring)).addcmul_(out_b, _lse_as_out(w_b, ring))
+    if ring.varlen and rows != "all":  # gathered rows are a copy: put them back
+        _put_rows(out, rows, acc_out, ring)
+        _put_rows(lse, rows, new, ring, lse=True)
+    else:
+        acc_lse.copy_(new)
+
+
+def _sum_parts(own: torch.Tensor, parts: list, ring: Ring) -> torch.Tensor:
+    """`own` (every row) plus each (rows, part), in own's dtype: in place where at most two
+    terms meet per row (one rounding, as an fp32 sum rounded once), else summed in fp32."""
+    if len(parts) > 1:
+        acc = torch.float64 if own.dtype == torch.float64 else torch.float32
+        total = own.to(acc)
+    else:
+        total = own
+    for rows, part in parts:
+        _put_rows(total, rows, part, ring, add=True)
+    return total.to(own.dtype)
 
 
 def _pack(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -214,23 +250,22 @@ class RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, ring: Ring):
         acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-        out = q.new_zeros(*q.shape[:-1], v.shape[-1], dtype=acc)
-        lse_shape = (
-            (q.shape[1], q.shape[0]) if ring.varlen else (q.shape[0], q.shape[2], q.shape[1])
-        )
-        lse = torch.full(lse_shape, float("-inf"), dtype=torch.float32, device=q.device)
-        kv, keep = (k, v), []
+        kv, held, keep = (k, v), [], []
         buf = _pack(k, v) if ring.size > 1 else None
+        out = lse = None
         for step in range(ring.size):
             pending = []
             if step + 1 < ring.size:
                 recv = torch.empty_like(buf)
-                pending = ring.exchange(buf, recv)
+                pending = ring.send_recv(buf, (ring.rank + 1) % ring.size, recv,
+                                         (ring.rank - 1) % ring.size, tag=0)  # fmt: skip
             q_rows, k_rows, causal = ring.block(step)
             k_b, v_b = (_rows(t, k_rows, ring) for t in kv)
             cu = _varlen_args(ring, q_rows, k_rows)
             out_b, lse_b = _block_forward(ring, _rows(q, q_rows, ring), k_b, v_b, causal, cu)
-            if ring.stream is not None:
+            if out is None:  # step 0, the rank's own block, covers every query row
+                out, lse = out_b.to(acc), lse_b
+            elif ring.stream is not None:
                 # The merge of this step runs beside the next step's attention kernels; `keep`
                 # holds its inputs until the end, so the allocator cannot hand their memory to
                 # the main stream while the merge may still read it.
@@ -244,59 +279,53 @@ class RingAttention(torch.autograd.Function):
                 request.wait()
             if pending:
                 buf = recv
+                held.append(buf)  # the backward computes this block again
                 kv = _unpack(buf, k.shape, v.shape)
         if ring.stream is not None:
             torch.cuda.current_stream().wait_stream(ring.stream)
         out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.save_for_backward(q, k, v, out, lse, *held)
         ctx.ring = ring
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, *held = ctx.saved_tensors
         ring: Ring = ctx.ring
         dout = dout.contiguous()
-        acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-        kv, buf = (k, v), (_pack(k, v) if ring.size > 1 else None)
-        dkv, dkv_pending, dkv_recv = None, [], None
-        for step in range(ring.size):
-            kv_pending = []
-            if step + 1 < ring.size:
-                recv = torch.empty_like(buf)
-                kv_pending = ring.exchange(buf, recv)
+        blocks = [(k, v), *(_unpack(buf, k.shape, v.shape) for buf in held)]
+        dq_parts, dkv_parts, requests = [], [], []
+        # The other ranks' blocks first, each one's dK/dV sent to its owner at once; the rank
+        # at step distance `step` ahead computes this rank's block at the same step and sends
+        # its partial here. The own block (step 0) comes last, covering the transfers.
+        for step in (*range(1, ring.size), 0):
             q_rows, k_rows, causal = ring.block(step)
             rows = lambda t, lse=False, w=q_rows: _rows(t, w, ring, lse)  # noqa: E731
             dq_b, dk_b, dv_b = _block_backward(
                 ring,
                 rows(q),
-                *(_rows(t, k_rows, ring) for t in kv),
+                *(_rows(t, k_rows, ring) for t in blocks[step]),
                 rows(out),
                 rows(dout),
                 rows(lse, lse=True),
                 causal,
                 _varlen_args(ring, q_rows, k_rows),
             )
-            _put_rows(dq, q_rows, dq_b.to(acc), ring, add=True)
-            # The dK/dV of the block held now: what earlier ranks added, plus this rank's part.
-            for request in dkv_pending:
-                request.wait()
-            dkv = (
-                dkv_recv if dkv_recv is not None else k.new_zeros(k.numel() + v.numel(), dtype=acc)
+            if step == 0:
+                dq_own, dk_own, dv_own = dq_b, dk_b, dv_b
+                continue
+            dq_parts.append((q_rows, dq_b))
+            sender = (ring.rank + step) % ring.size
+            their_rows = ring.block(step, sender)[1]
+            shapes = _rows_shape(k, their_rows, ring), _rows_shape(v, their_rows, ring)
+            recv = k.new_empty(shapes[0].numel() + shapes[1].numel())
+            requests += ring.send_recv(
+                _pack(dk_b, dv_b), (ring.rank - step) % ring.size, recv, sender, tag=1
             )
-            dk_acc, dv_acc = _unpack(dkv, k.shape, v.shape)
-            _put_rows(dk_acc, k_rows, dk_b.to(acc), ring, add=True)
-            _put_rows(dv_acc, k_rows, dv_b.to(acc), ring, add=True)
-            if ring.size > 1:  # pass it on; after the last step this hop reaches the owner
-                dkv_recv = torch.empty_like(dkv)
-                dkv_pending = ring.exchange(dkv, dkv_recv, tag=1)
-            for request in kv_pending:
-                request.wait()
-            if kv_pending:
-                buf = recv
-                kv = _unpack(buf, k.shape, v.shape)
-        for request in dkv_pending:
+            dkv_parts.append((their_rows, recv, shapes))
+        for request in requests:
             request.wait()
-        dk, dv = _unpack(dkv_recv if ring.size > 1 else dkv, k.shape, v.shape)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
+        dk_parts = [(r, _unpack(buf, *shapes)[0]) for r, buf, shapes in dkv_parts]
+        dv_parts = [(r, _unpack(buf, *shapes)[1]) for r, buf, shapes in dkv_parts]
+        dq = _sum_parts(dq_own, dq_parts, ring)
+        return dq, _sum_parts(dk_own, dk_parts, ring), _sum_parts(dv_own, dv_parts, ring), None

@@ -18,8 +18,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from context_parallel_testing import CPCase, run_cases, run_twice_bitwise
+from context_parallel_testing import CPCase, run_cases, run_repeats, run_twice_bitwise
 from distributed_testing import run_on_ranks
+from repeat_testing import SEQUENCES
 
 pytestmark = [
     pytest.mark.gpu,
@@ -49,7 +50,7 @@ def _check(cases, per_rank, world) -> None:
     for rank, reports in enumerate(per_rank):
         for case, report in zip(cases, reports):
             for name, r in report.items():
-                factor = 3.0 if name.startswith("d") else 2.0
+                factor = 3.0 if name.split()[-1].startswith("d") else 2.0
                 atol = world * BF16_EPS * max(r["magnitude"], 1.0)
                 bound = factor * r["pytorch_error"] + atol
                 if not r["error"] <= bound:
@@ -71,6 +72,19 @@ def test_ring_bf16_two_gpus():
         CPCase("thd", "padding_causal", module=False, **{**GPU, "kv_heads": 1}),
     ]
     _check(cases, run_on_ranks(2, run_cases, cases, backend="nccl", timeout=600), 2)
+
+
+@pytest.mark.parametrize("order", SEQUENCES)
+def test_ring_repeated_calls_two_gpus(order):
+    """One CP module per signature, called again and again on the same leaf tensors with and
+    without grad, in both orders and interleaved with a second signature (`repeat_testing`),
+    the merge on a second stream: every call against the fp32 reference."""
+    cases = [
+        CPCase("bshd", "causal", cp_stream=True, **{**GPU, "s": 8192, "b": 1}),
+        CPCase("thd", "causal", **{**GPU, "kv_heads": 16}),
+    ]
+    per_rank = run_on_ranks(2, run_repeats, cases, order, backend="nccl", timeout=600)
+    _check([f"{order} call {i}" for i in range(len(SEQUENCES[order]))], per_rank, 2)
 
 
 def test_ring_deterministic_two_gpus():
