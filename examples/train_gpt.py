@@ -14,6 +14,11 @@ chunks); the remaining factor of the world is data parallel. `--fsdp` shards par
 and optimizer state with FSDP2 instead of replicating them with DDP.
 
 Writes to `--out-dir`: `last.safetensors` (+ `last.train.safetensors`), `loss.png`, `log.jsonl`.
+
+Ctrl-C (one process) lets the step in progress finish, saves `last.safetensors` at that step and
+exits with status 130, saying how to resume; a second Ctrl-C stops at once, without saving. Under
+torchrun an interrupt saves nothing (the ranks stop at different points, and a sharded save is a
+collective): `--resume` continues from the last periodic checkpoint (`--ckpt-interval`).
 """
 
 from __future__ import annotations
@@ -24,10 +29,13 @@ import gzip
 import json
 import math
 import os
+import signal
 import sys
+import threading
 import time
 from contextlib import nullcontext
 from pathlib import Path
+from typing import NoReturn
 
 # Spinning OpenMP workers collapse CPU throughput when the cores are shared with anything else
 # (measured on 2 busy cores: 370 tokens/s spinning vs 5,000 passive); passive waiting costs
@@ -362,7 +370,7 @@ def train(args: argparse.Namespace) -> None:
 
 def run(model, core, optimizer, data, args, step, history, rank, world) -> int:
     """Train from `step` to `--steps` (or `--stop-at`), evaluating and checkpointing on the
-    way; appends to `history` and returns the step reached."""
+    way; appends to `history` and returns the step reached. Ctrl-C: see `interrupted`."""
     train_data, val_data = data
     ctx = core.config.context_length
     autocast = (
@@ -380,32 +388,114 @@ def run(model, core, optimizer, data, args, step, history, rank, world) -> int:
             tqdm.write(f"step {step}: val loss {val:.4f}", file=sys.stdout)
             sys.stdout.flush()
 
-    if step == 0:
-        validate()
-    last = min(args.steps, args.stop_at or args.steps)
-    # Step, loss, tokens/s, elapsed and ETA on stderr (rank 0), redrawn at most twice a second
-    # so that logs captured from a pipe stay small.
-    with tqdm(
-        total=args.steps, initial=step, unit="step", mininterval=0.5, disable=rank != 0
-    ) as progress:
-        while step < last:
-            t0 = time.perf_counter()
-            loss = train_step(model, optimizer, train_data, args, ctx, step, rank, world, autocast)
-            # train_step ends in .item(), so this times finished GPU work (evals excluded).
-            tokens_per_s = args.batch_size * ctx / (time.perf_counter() - t0)
-            history.append({"step": step, "train_loss": loss})
-            progress.set_postfix_str(f"loss {loss:.3f} {tokens_per_s:,.0f} tok/s", refresh=False)
-            progress.update()
-            step += 1
-            if step % args.eval_interval == 0 or step == args.steps:
+    start, last = step, min(args.steps, args.stop_at or args.steps)
+    saved = step if args.resume else None  # the step `--resume` would continue from now
+    stop = StopRequest(enabled=world == 1)
+    try:
+        with stop:
+            if step == 0:
                 validate()
-            if step % args.ckpt_interval == 0 or step == last:
-                path, extra = args.out_dir / "last.safetensors", {"history": history}
-                if args.fsdp:  # every rank takes part in gathering the shards
-                    save_sharded_checkpoint(path, core, optimizer, step, extra)
-                elif rank == 0:
-                    save_checkpoint(path, core, optimizer, step, extra)
+            # Step, loss, tokens/s, elapsed and ETA on stderr (rank 0), redrawn at most twice a
+            # second so that logs captured from a pipe stay small.
+            with tqdm(
+                total=args.steps, initial=step, unit="step", mininterval=0.5, disable=rank != 0
+            ) as progress:
+                while step < last and not stop.requested:
+                    t0 = time.perf_counter()
+                    loss = train_step(
+                        model, optimizer, train_data, args, ctx, step, rank, world, autocast
+                    )
+                    # train_step ends in .item(): this times finished GPU work (no evals).
+                    tokens_per_s = args.batch_size * ctx / (time.perf_counter() - t0)
+                    history.append({"step": step, "train_loss": loss})
+                    progress.set_postfix_str(
+                        f"loss {loss:.3f} {tokens_per_s:,.0f} tok/s", refresh=False
+                    )
+                    progress.update()
+                    step += 1
+                    if step % args.eval_interval == 0 or step == args.steps:
+                        validate()
+                    if step % args.ckpt_interval == 0 or step == last:
+                        saved = checkpoint(core, optimizer, args, step, history, rank)
+    except KeyboardInterrupt:
+        interrupted(core, optimizer, args, step, start, saved, history, rank, world, stop.forced)
+    if stop.requested:
+        interrupted(core, optimizer, args, step, start, saved, history, rank, world, False)
     return step
+
+
+class StopRequest:
+    """Ctrl-C while training, held until the step in progress ends (`requested`): a step cut
+    short could leave the optimizer update half applied, which no checkpoint resumes exactly. A
+    second Ctrl-C raises KeyboardInterrupt at once (`forced`). Only in the main thread of a
+    single process (`enabled`); elsewhere Ctrl-C raises as usual."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled and threading.current_thread() is threading.main_thread()
+        self.requested = self.forced = False
+        self._previous = None
+
+    def __enter__(self) -> StopRequest:
+        if self.enabled:
+            self._previous = signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.enabled:  # None: a handler not set from Python; Python's own is the default
+            signal.signal(signal.SIGINT, self._previous or signal.default_int_handler)
+
+    def _handle(self, signum, frame) -> None:
+        if self.requested:
+            self.forced = True
+            raise KeyboardInterrupt
+        self.requested = True
+        # os.write, not print: a signal handler that prints can land inside another print.
+        os.write(2, b"\nCtrl-C: finishing this step, then saving (Ctrl-C again: stop now)\n")
+
+
+def checkpoint(core, optimizer, args, step: int, history: list, rank: int) -> int:
+    """Save OUT_DIR/last.safetensors (+ resume state) at `step`; returns `step`."""
+    path, extra = args.out_dir / "last.safetensors", {"history": history}
+    if args.fsdp:  # every rank takes part in gathering the shards
+        save_sharded_checkpoint(path, core, optimizer, step, extra)
+    elif rank == 0:
+        save_checkpoint(path, core, optimizer, step, extra)
+    return step
+
+
+def interrupted(
+    core, optimizer, args, step, start, saved, history, rank, world, forced
+) -> NoReturn:
+    """After Ctrl-C: one process at a step boundary saves `step` (unless no step ran since the
+    start, or it is saved already); then one line says what was saved and how to resume, and
+    the process exits with status 130 (no traceback)."""
+    path = args.out_dir / "last.safetensors"
+    if world == 1 and not forced and step > start:
+        if saved != step:
+            checkpoint(core, optimizer, args, step, history, rank)
+        message = (
+            f"interrupted: saved step {step} to {path}; run the same command with --resume to "
+            "continue from it"
+        )
+    else:
+        if forced:
+            what = "stopped in the middle of the step, without saving"
+        elif world > 1:
+            what = (
+                "not saved (under torch.distributed the ranks stop at different points, so "
+                "only the periodic checkpoints are saved)"
+            )
+        else:
+            what = "nothing new to save (no step finished in this run)"
+        resume = (
+            "no checkpoint was written"
+            if saved is None
+            else f"--resume continues from step {saved} ({path})"
+        )
+        message = f"interrupted at step {step}: {what}; {resume}"
+    if rank == 0:
+        print(message, flush=True)
+    raise SystemExit(130)  # 128 + SIGINT, the shell's status for a run stopped by Ctrl-C
 
 
 def train_step(model, optimizer, data, args, ctx, step, rank, world, autocast) -> float:

@@ -15,19 +15,28 @@ How a divergence is localized:
 - backward, when every output agrees: among modules whose incoming output-gradient agrees but
   whose parameter gradients do not, the one that *started* last (deepest, nearest the loss);
 - NaN/Inf: the first recorded tensor (forward, then backward) holding one, with its index.
+
+Without CUDA there is no kernel pass: the modules take the reference path for CPU tensors
+whatever their switches say, so both passes compute the same thing. The report then says so
+(`reference_only`, a first line `NO KERNEL RAN: ...` and a `NoKernelWarning`) instead of
+presenting its zeros as a kernel-vs-reference comparison; the only differences it can show come
+from hooks acting on the kernel pass (the tests plant faults that way).
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
+import os
+import textwrap
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from .reference_switch import ReferenceSwitch
+from .reference_switch import ReferenceSwitch, reference_mode_active
 
 # (atol, rtol) by compared dtype; a tensor is over tolerance when
 # max|kernel - reference| > atol + rtol * max|reference|.
@@ -38,6 +47,10 @@ DEFAULT_TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
     torch.float16: (5e-3, 5e-3),
 }
 PATHS = ("kernel", "reference")
+
+
+class NoKernelWarning(UserWarning):
+    """`compare_with_reference` ran no kernel: both passes took the reference path."""
 
 
 @dataclass
@@ -73,6 +86,9 @@ class DebugReport:
     first_backward: str | None
     nonfinite: str | None
     tolerances: dict[torch.dtype, tuple[float, float]] = field(repr=False)
+    # Why the kernel pass ran no kernel (both passes took the reference path); None when the
+    # kernel pass could take the kernels.
+    reference_only: str | None = None
 
     @property
     def first_divergence(self) -> str | None:
@@ -82,12 +98,17 @@ class DebugReport:
     def __str__(self) -> str:
         width = max([len(r.name) for r in self.records] + [6])
         head = f"{'module':<{width}}  {'output abs/rel':>21}  {'grad-out abs/rel':>21}"
-        lines = [head + f"  {'param-grad abs/rel':>21}"]
+        lines = []
+        if self.reference_only:
+            note = f"NO KERNEL RAN: {self.reference_only}"
+            lines += textwrap.wrap(note, width=100, subsequent_indent="  ")
+        lines.append(head + f"  {'param-grad abs/rel':>21}")
         for r in self.records:
             cells = [str(d) if d else f"{'-':>21}" for d in (r.output, r.grad_output, r.param_grad)]
             lines.append(f"{r.name:<{width}}  " + "  ".join(cells))
+        kernel = "'kernel' pass (reference path)" if self.reference_only else "kernel"
         lines.append(
-            f"loss: kernel {self.loss['kernel']:.6g}, reference {self.loss['reference']:.6g}"
+            f"loss: {kernel} {self.loss['kernel']:.6g}, reference {self.loss['reference']:.6g}"
         )
         lines.append(f"first over tolerance (forward):  {self.first_forward or 'none'}")
         lines.append(f"first over tolerance (backward): {self.first_backward or 'none'}")
@@ -175,6 +196,52 @@ def _switches(model: torch.nn.Module, on: bool) -> Iterator[None]:
             m.__dict__["_use_reference"] = value
 
 
+def _tensors(x: Any) -> Iterator[torch.Tensor]:
+    if isinstance(x, torch.Tensor):
+        yield x
+    elif isinstance(x, (tuple, list)):
+        for item in x:
+            yield from _tensors(item)
+    elif isinstance(x, dict):
+        for item in x.values():
+            yield from _tensors(item)
+
+
+def reference_only_reason(model: torch.nn.Module, inputs: Any) -> str | None:
+    """Why a pass with every `use_reference` switch off would still run no kernel (None when it
+    can run them): inside `reference_mode()`, or with no CUDA tensor among `model`'s parameters
+    and buffers and `inputs`, since the modules send only CUDA tensors to the kernels."""
+    if reference_mode_active():
+        where = (
+            "compare_with_reference was called inside reference_mode(), which puts every module "
+            "on the reference path"
+        )
+        fix = "call it outside that block"
+    else:
+        tensors = [*model.parameters(), *model.buffers(), *_tensors(inputs)]
+        if any(t.is_cuda for t in tensors):
+            return None
+        devices = ", ".join(sorted({str(t.device) for t in tensors})) or "cpu"
+        where = (
+            f"the model and its inputs are on {devices}, where the modules take the PyTorch "
+            "reference path whatever their use_reference switches say"
+        )
+        functional = (
+            "the functional API (flash_attn_func and the other flash_attn_* functions) runs the "
+            "Triton kernels on CPU tensors under the interpreter"
+        )
+        if os.environ.get("TRITON_INTERPRET", "0") == "1":
+            here = f"TRITON_INTERPRET=1 is set, so {functional} (compare with attention_reference)"
+        else:
+            here = f"export TRITON_INTERPRET=1 before Python starts and {functional}"
+        fix = f"compare on a CUDA device; on this machine, {here}"
+    return (
+        f"{where}: both passes ran the PyTorch reference path, so the comparison is empty "
+        "(reference against itself; only hooks acting on the kernel pass, such as a planted "
+        f"fault, can differ). To test the kernels, {fix}."
+    )
+
+
 def _run(model, args, kwargs, loss_fn, watched, on, seed):
     """One pass; returns (recorder, loss, {param name: grad})."""
     recorder = _Recorder(watched)
@@ -218,6 +285,9 @@ def compare_with_reference(
     watch: (name, module) -> bool choosing the modules to record; default: every fusedlayers
         module (anything with a `use_reference` switch) except `model` itself.
     tolerances: {dtype: (atol, rtol)} overriding `DEFAULT_TOLERANCES`.
+
+    When the kernel pass can run no kernel (no CUDA tensors, see `reference_only_reason`), the
+    comparison still runs, warns (`NoKernelWarning`) and says why in `report.reference_only`.
     """
     if watch is None:
         watch = lambda name, m: bool(name) and isinstance(m, ReferenceSwitch)
@@ -231,6 +301,9 @@ def compare_with_reference(
         else ((batch,), {})
     )
     loss_fn = loss_fn or _default_loss(seed)
+    reference_only = reference_only_reason(model, (args, kwargs))
+    if reference_only:
+        warnings.warn(f"no kernel ran: {reference_only}", NoKernelWarning, stacklevel=2)
     was_training = model.training
     model.eval()  # dropout off: both paths must see the same function
     try:
@@ -240,10 +313,10 @@ def compare_with_reference(
         }
     finally:
         model.train(was_training)
-    return _build_report(model, watched, runs, tols)
+    return _build_report(model, watched, runs, tols, reference_only)
 
 
-def _build_report(model, watched, runs, tols) -> DebugReport:
+def _build_report(model, watched, runs, tols, reference_only) -> DebugReport:
     (kern, k_loss, k_grads), (ref, r_loss, r_grads) = runs["kernel"], runs["reference"]
     records = []
     for name in ref.finished:
@@ -281,6 +354,7 @@ def _build_report(model, watched, runs, tols) -> DebugReport:
         first_backward=first_backward,
         nonfinite=_first_nonfinite(runs),
         tolerances=tols,
+        reference_only=reference_only,
     )
 
 

@@ -1,6 +1,7 @@
 """GPT checkpoints in safetensors: nothing is ever unpickled.
 
-Two files per checkpoint:
+Two files per checkpoint (a path given without the `.safetensors` suffix gets it, on saving and
+on loading alike):
     `<name>.safetensors`        model weights; metadata: format tag, `GPTConfig` as JSON, a sha256
                                 over every tensor's bytes (safetensors itself checks the header and
                                 sizes but not the data, so a flipped bit would load silently).
@@ -32,8 +33,26 @@ class CheckpointError(ValueError):
     """A checkpoint file that cannot be loaded: unreadable, corrupted or mismatched."""
 
 
+def weights_path(path: str | Path) -> Path:
+    """The weights file a checkpoint `path` names: `path` itself when it ends in `.safetensors`,
+    else `path` with the suffix appended (`run/ck` -> `run/ck.safetensors`, `ck.v2` ->
+    `ck.v2.safetensors`)."""
+    path = Path(path)
+    if path.name.endswith(".safetensors"):
+        return path
+    return path.with_name(path.name + ".safetensors")
+
+
+def _existing_weights(path: str | Path) -> Path:
+    """`weights_path(path)`, or `path` as given when only that file exists (written before the
+    suffix was added)."""
+    named = weights_path(path)
+    return Path(path) if not named.is_file() and Path(path).is_file() else named
+
+
 def train_state_path(path: str | Path) -> Path:
-    """The companion resume-state file of the weights file `path`."""
+    """The companion resume-state file of the weights file `path` (with or without its
+    `.safetensors` suffix: `ck` and `ck.safetensors` both give `ck.train.safetensors`)."""
     path = Path(path)
     return path.with_name(path.name.removesuffix(".safetensors") + ".train.safetensors")
 
@@ -92,7 +111,7 @@ def _json(path: Path, metadata: dict[str, str], key: str) -> Any:
 
 def read_config(path: str | Path) -> GPTConfig:
     """The `GPTConfig` stored in a weights file (the file is fully verified first)."""
-    path = Path(path)
+    path = _existing_weights(path)
     _, metadata = _read(path, FORMAT)
     return _config_from(path, metadata)
 
@@ -114,13 +133,14 @@ def save_checkpoint(
     weights: dict[str, torch.Tensor] | None = None,
     optimizer_state: dict[str, Any] | None = None,
 ) -> Path:
-    """Write `model` (a `GPT`, or a DDP/compiled wrapper of one) to `path`; with an optimizer,
-    also the resume state to `train_state_path(path)`. Returns the weights path.
+    """Write `model` (a `GPT`, or a DDP/compiled wrapper of one) to `path` (`.safetensors`
+    appended when it does not end so, see `weights_path`); with an optimizer, also the resume
+    state to `train_state_path(path)`. Returns the weights file's path.
 
     `weights` and `optimizer_state` (torch's `optimizer.state_dict()` form) replace the model's
     and optimizer's own state when given: a sharded model passes its gathered full state
     (`sharded_checkpoint`), so every checkpoint has one format whatever wrote it."""
-    path = Path(path)
+    path = weights_path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     gpt = _unwrap(model)
     weights = gpt.state_dict() if weights is None else weights
@@ -157,7 +177,7 @@ def load_weights(path: str | Path, model: torch.nn.Module) -> None:
 def checked_weights(path: str | Path, model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The full tensors of a weights file, checked against `model`'s config, keys and shapes
     (a sharded model's state dict reports full shapes, so it is checked the same way)."""
-    path = Path(path)
+    path = _existing_weights(path)
     tensors, metadata = _read(path, FORMAT)
     gpt = _unwrap(model)
     stored = _config_from(path, metadata).to_dict()
@@ -195,7 +215,7 @@ def restore_train_state(path: str | Path, optimizer, load) -> dict[str, Any]:
     """`load_train_state` with the loading step left to the caller: `load(state)` receives the
     checked optimizer state in `optimizer.state_dict()` form (a sharded optimizer loads it its
     own way)."""
-    path = Path(path)
+    path = _existing_weights(path)
     state_path = train_state_path(path)
     tensors, metadata = _read(state_path, FORMAT + "-train")
     weights_sha = _read(path, FORMAT)[1]["sha256"]

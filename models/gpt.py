@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from fusedlayers._logging import debug_enabled
 from fusedlayers.attention.context_parallel import context_parallel_positions
 from fusedlayers.attention.validation import is_whole
 from fusedlayers.layers.decode_graph import DecodeGraph
@@ -162,7 +163,12 @@ class GPT(ReferenceSwitch):
 
         With `inference_params`, `idx` holds the tokens after the `sequence_len_offset` already
         cached; the caller advances the offset afterwards (see `generate`).
+
+        A ValueError names `idx` when it is not int64/int32 `[b, s]`, when its positions pass
+        `context_length`, or when it holds ids outside `[0, vocab_size)` (read where that costs
+        no device sync, see `_reads_idx_range`).
         """
+        _check_idx(idx, self.config.vocab_size, read_range=_reads_idx_range(idx))
         b, s = idx.shape
         limit = self.config.context_length
         # Positions: 0.. without a cache (under context parallelism, this rank's chunks' places
@@ -173,7 +179,11 @@ class GPT(ReferenceSwitch):
         full = s * self.cp_size
         if lens and max(lens) + full > limit:
             start = max(lens)
-            raise ValueError(f"positions {start}..{start + full - 1} exceed context_length {limit}")
+            ranks = f" over {self.cp_size} context-parallel ranks" if self.cp_size > 1 else ""
+            raise ValueError(
+                f"idx of shape {tuple(idx.shape)}{ranks} takes positions {start}.."
+                f"{start + full - 1}, which exceed context_length ({limit})"
+            )
         x = self.tok_emb(idx)  # [b, s, d]
         if self.pos_emb is not None:
             positions = (
@@ -282,31 +292,53 @@ class GPT(ReferenceSwitch):
         return idx
 
 
-def _check_generate_args(idx, max_new_tokens, temperature, top_k, vocab_size) -> None:
-    """`generate`'s arguments, checked before the first forward (one host read of idx's range)."""
+def _reads_idx_range(idx: torch.Tensor) -> bool:
+    """Whether `forward` reads the range of `idx`'s token ids (`_check_idx`).
+
+    An id outside the vocabulary makes the embedding raise a bare IndexError on a CPU, and on
+    CUDA a device-side assert that poisons the process. On a CPU tensor the read is one
+    `aminmax`, no sync: always done. On CUDA it is a device sync per forward, which would stop
+    the host from running ahead of the GPU in every eager training step and cannot sit in a
+    captured decode step: done only in debug mode (`FUSEDLAYERS_DEBUG=1`) outside capture.
+    Never under torch.compile (a data-dependent read breaks the graph). `generate` checks its
+    prompt once on any device; the tokens it samples are in range."""
+    if torch.compiler.is_compiling():
+        return False
+    if idx.device.type == "cpu":
+        return True
+    return idx.is_cuda and debug_enabled() and not torch.cuda.is_current_stream_capturing()
+
+
+def _check_idx(idx, vocab_size: int, read_range: bool) -> None:
+    """`idx` must be integer token ids [b, s]; with `read_range`, ids in [0, vocab_size) (one
+    host read of idx's min and max)."""
     if (
         not isinstance(idx, torch.Tensor)
         or idx.dim() != 2
-        or idx.dtype
-        not in (
-            torch.int64,
-            torch.int32,
-        )
+        or idx.dtype not in (torch.int64, torch.int32)
     ):
         what = (
             f"shape {tuple(idx.shape)}, dtype {idx.dtype}"
             if isinstance(idx, torch.Tensor)
             else type(idx).__name__
         )
-        raise ValueError(f"idx must be integer token ids [b, s], got {what}")
+        raise ValueError(f"idx must be integer token ids [b, s] (int64 or int32), got {what}")
+    if read_range and idx.numel():
+        low, high = torch.stack(torch.aminmax(idx)).tolist()  # one host read
+        if low < 0 or high >= vocab_size:
+            raise ValueError(
+                f"idx holds token ids in [{low}, {high}], outside [0, vocab_size={vocab_size})"
+            )
+
+
+def _check_generate_args(idx, max_new_tokens, temperature, top_k, vocab_size) -> None:
+    """`generate`'s arguments, checked before the first forward (one host read of idx's range)."""
+    _check_idx(idx, vocab_size, read_range=True)
     if idx.shape[0] == 0 or idx.shape[1] == 0:
         raise ValueError(
             f"idx of shape {tuple(idx.shape)} is empty: generation needs a prompt of at least one "
             "token per sequence (e.g. a begin-of-text token)"
         )
-    low, high = int(idx.min()), int(idx.max())
-    if low < 0 or high >= vocab_size:
-        raise ValueError(f"idx holds token ids in [{low}, {high}], outside [0, {vocab_size})")
     if not is_whole(max_new_tokens, 0):
         raise ValueError(f"max_new_tokens ({max_new_tokens!r}) must be an integer >= 0")
     if not math.isfinite(temperature) or temperature < 0:

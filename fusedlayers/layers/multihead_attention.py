@@ -31,6 +31,7 @@ import torch.distributed as dist
 from ..attention.dot_product_attention import DotProductAttention
 from ..attention.packing import split_packed
 from ..attention.validation import is_whole
+from ..errors import ArgumentError, ArgumentTypeError
 from ..reference_switch import ReferenceSwitch
 from .cached_attention import self_attention_with_cache
 from .inference import InferenceParams
@@ -39,6 +40,38 @@ from .qkv_storage import QKVSpec, install_qkv_storage_hooks, storage_form
 from .rope import apply_rotary_pos_emb, rotate_qk
 
 FORMATS = ("sbhd", "bshd", "thd")
+_LAYOUTS = {"sbhd": "[s, b, hidden_size]", "bshd": "[b, s, hidden_size]", "thd": "[t, hidden_size]"}
+
+
+def check_hidden_states(
+    x, name: str, hidden_size: int, fmt: str, fmt_arg: str = "qkv_format"
+) -> None:
+    """A block's input against the layout it was built for: rank 3 (`sbhd`, `bshd`) or 2
+    (`thd`), last dim `hidden_size`, floating point. Host-side shape reads only, so it costs no
+    device sync and may sit in a captured step. `fmt_arg` names the format in the caller's
+    words (`attn_input_format` for `TransformerLayer`)."""
+    if not isinstance(x, torch.Tensor):
+        raise ArgumentTypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    takes = f"{fmt_arg}={fmt!r} takes {_LAYOUTS[fmt]}"
+    if x.dim() != (2 if fmt == "thd" else 3):
+        hint = ""
+        if fmt != "thd" and x.dim() == 2:
+            hint = f"; a [t, hidden_size] token batch needs {fmt_arg}='thd' and cu_seqlens_q"
+        elif fmt == "thd" and x.dim() == 3:
+            hint = f"; a [b, s, hidden_size] batch needs {fmt_arg}='bshd'"
+        raise ArgumentError(
+            f"{name} has shape {tuple(x.shape)}, but {takes} with hidden_size ({hidden_size})"
+            + hint
+        )
+    if x.shape[-1] != hidden_size:
+        raise ArgumentError(
+            f"{name} has shape {tuple(x.shape)}: its last dimension must be hidden_size "
+            f"({hidden_size}), the width this module was built for ({takes})"
+        )
+    if not x.is_floating_point():
+        raise ArgumentTypeError(
+            f"{name} has dtype {x.dtype}: hidden states must be floating point ({takes})"
+        )
 
 
 def split_qkv(
@@ -343,6 +376,9 @@ class MultiheadAttention(ReferenceSwitch):
         `input_layernorm and return_layernorm_output`, then the residual sum if `residual` is
         given (a tuple when anything is added).
         """
+        check_hidden_states(hidden_states, "hidden_states", self.hidden_size, self.qkv_format)
+        if encoder_output is not None:
+            check_hidden_states(encoder_output, "encoder_output", self.hidden_size, self.qkv_format)
         if residual is not None and not self.input_layernorm:
             raise ValueError(
                 f"residual ({tuple(residual.shape)}, {residual.dtype}, {residual.device}) is "

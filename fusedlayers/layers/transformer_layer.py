@@ -43,7 +43,7 @@ import torch.nn.functional as F
 from ..reference_switch import ReferenceSwitch
 from .inference import InferenceParams
 from .mlp import LayerNormMLP
-from .multihead_attention import MultiheadAttention
+from .multihead_attention import MultiheadAttention, check_hidden_states
 from .normalization import fusible_add, make_norm, residual_for_fusion
 
 
@@ -261,6 +261,10 @@ class TransformerLayer(ReferenceSwitch):
         of their sum: the MLP's output after hidden dropout and the residual it joins, for the
         next layer's `residual=` or a final norm's `residual=` to add inside its kernel.
         """
+        fmt, hidden = self.attn_input_format, self.self_attention.hidden_size
+        check_hidden_states(hidden_states, "hidden_states", hidden, fmt, "attn_input_format")
+        if encoder_output is not None:
+            check_hidden_states(encoder_output, "encoder_output", hidden, fmt, "attn_input_format")
         if (residual is not None or return_residual) and not self.supports_residual_stream:
             raise ValueError(
                 "residual= and return_residual=True need a pre-LN TransformerLayer (got "
