@@ -1,5 +1,13 @@
 """What differs between Triton (and torch) releases and run modes, in one place.
 
+Two fast paths lean on Triton internals that change between releases: the direct launcher
+(`_launch.py`: the compiled kernel's C launcher, its argument format) and the Hopper kernels
+(`_flash_fwd_sm90.py`, `_flash_bwd_sm90.py`: Gluon, an experimental API). They run on the Triton
+releases the GPU suite passed on (`TESTED_TRITON`); on any other the launches go through
+`kernel[grid]` and the portable kernels take every call, which is correct on every release, and
+the `fusedlayers` logger says why once (`FAST_PATHS_OFF`). `FUSEDLAYERS_UNTESTED_TRITON=1` turns
+them on outside the window, to test a new release.
+
 The Triton interpreter (`TRITON_INTERPRET=1`) runs the kernels on the CPU. Triton reads the
 variable once per kernel, when `@triton.jit` defines it: the kernels of this package are
 interpreted or compiled as the variable stood when the package was imported, whatever it says
@@ -12,9 +20,11 @@ Triton 3.6 to 3.9), so interpreted attention computes bf16 inputs in fp32 (`upca
 
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
+import triton
 
 try:
     from triton import knobs
@@ -38,4 +48,32 @@ def upcast_bf16(dtype: torch.dtype) -> bool:
     return INTERPRETER and dtype == torch.bfloat16
 
 
-__all__ = ["INTERPRETER", "interpreter_requested", "upcast_bf16"]
+# Triton releases (major, minor) on which the GPU suite passed with both fast paths on.
+TESTED_TRITON = ((3, 6),)
+TRITON_VERSION = tuple(int(part) for part in triton.__version__.split(".")[:2])
+
+
+def _fast_paths_off() -> str | None:
+    """Why the direct launcher and the Hopper kernels are off on this install, or None."""
+    if TRITON_VERSION in TESTED_TRITON:
+        return None
+    if os.environ.get("FUSEDLAYERS_UNTESTED_TRITON", "0") not in ("", "0"):
+        return None
+    tested = ", ".join(".".join(map(str, v)) for v in TESTED_TRITON)
+    return (
+        f"Triton {triton.__version__} is outside the releases the GPU suite passed on "
+        f"({tested}): the Hopper (sm_90) kernels and the direct launcher are off, every call "
+        "takes the portable kernels through kernel[grid]; FUSEDLAYERS_UNTESTED_TRITON=1 turns "
+        "them on"
+    )
+
+
+FAST_PATHS_OFF = _fast_paths_off()
+if FAST_PATHS_OFF and not INTERPRETER:
+    logging.getLogger("fusedlayers").warning("fusedlayers: %s", FAST_PATHS_OFF)
+
+
+__all__ = [
+    "FAST_PATHS_OFF", "INTERPRETER", "TESTED_TRITON", "TRITON_VERSION", "interpreter_requested",
+    "upcast_bf16",
+]  # fmt: skip

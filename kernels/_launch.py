@@ -52,13 +52,16 @@ import torch
 import triton
 import triton.language as tl
 
+from . import _compat
+
 try:
     from triton import knobs
 except ImportError:  # Triton < 3.4: another launcher convention; its own path only
     knobs = None
 
 _MIN_INT32, _MAX_INT32 = -(2**31), 2**31 - 1
-_enabled = knobs is not None
+# Off outside the Triton releases it was tested on (`_compat.FAST_PATHS_OFF`).
+_enabled = knobs is not None and _compat.FAST_PATHS_OFF is None
 _check_signatures = False
 
 
@@ -69,7 +72,8 @@ class _Unsupported(Exception):
 def set_direct_launch(enabled: bool) -> bool:
     """Turn the direct path on or off (for comparisons); returns the previous setting."""
     global _enabled
-    previous, _enabled = _enabled, bool(enabled) and knobs is not None
+    previous = _enabled
+    _enabled = bool(enabled) and knobs is not None and _compat.FAST_PATHS_OFF is None
     return previous
 
 

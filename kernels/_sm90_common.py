@@ -13,9 +13,12 @@ import functools
 
 import torch
 
+from . import _compat
 from ._launch import int_signature, launch_slot
 
 try:  # Gluon ships with Triton 3.5+; its Hopper module is what this path needs.
+    if _compat.FAST_PATHS_OFF:  # an untested Triton: the portable kernels take every call
+        raise ImportError(_compat.FAST_PATHS_OFF)
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (

@@ -10,7 +10,7 @@ import pytest
 import torch
 import triton
 import triton.language as tl
-from fusedlayers.kernels import _launch
+from fusedlayers.kernels import _compat, _launch
 
 
 def _toy(x_ptr, n, scale, flag, BLOCK: tl.constexpr, MODE: tl.constexpr = 2):
@@ -43,6 +43,9 @@ class ToyKernel(triton.runtime.jit.JITFunction):
 
 @pytest.fixture
 def kernel(monkeypatch):
+    # The mechanism under test, whatever the installed Triton (`_compat`'s window turns the
+    # direct path off outside the releases it was tested on; test_compat.py covers that).
+    monkeypatch.setattr(_compat, "FAST_PATHS_OFF", None)
     monkeypatch.setattr(_launch, "_current_device", lambda: 0)
     monkeypatch.setattr(_launch, "_current_stream", lambda device: 1234)
     monkeypatch.setattr(_launch, "_LAUNCHES", {})

@@ -39,6 +39,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--fresh-inputs", action="store_true", help="new leaf tensors every call")
     p.add_argument("--dry-run", action="store_true", help="tiny CPU run (gloo, reference)")
     args = p.parse_args()
     if args.dry_run:
@@ -69,8 +70,10 @@ def time_ms(step, device, args, group=None) -> float:
 
 
 def attention_steps(attn, b, s, args, device, dtype, rows=None):
-    """(forward step, forward+backward step) on fresh random q/k/v of length s (this rank's
-    `rows` of it under CP)."""
+    """(forward step, forward+backward step) on random q/k/v of length s (this rank's `rows` of
+    it under CP): the same leaf tensors every call, as a training loop's or a benchmark's, or
+    with `--fresh-inputs` new leaves per call (a copy of the same values, outside the timing's
+    attention work but inside its wall time, for both providers alike)."""
     gen = torch.Generator(device=device).manual_seed(0)
 
     def rand(heads):
@@ -80,12 +83,17 @@ def attention_steps(attn, b, s, args, device, dtype, rows=None):
     q, k, v = rand(args.heads), rand(args.kv_heads), rand(args.kv_heads)
     dout = torch.randn_like(q).flatten(-2)
 
+    def inputs():
+        if not args.fresh_inputs:
+            return q, k, v
+        return [t.detach().clone().requires_grad_() for t in (q, k, v)]
+
     def forward():
         with torch.no_grad():
-            attn(q, k, v)
+            attn(*inputs())
 
     def forward_backward():
-        attn(q, k, v).backward(dout)
+        attn(*inputs()).backward(dout)
 
     return forward, forward_backward
 
@@ -124,7 +132,8 @@ def main() -> None:
         what = "bf16 Triton kernels, NCCL" if cuda else "dry run: CPU, gloo, reference path"
         print(
             f"causal attention, s={args.seqlen}, b={args.batch} (single GPU: {args.batch // 2}), "
-            f"h={args.heads}, hg={args.kv_heads}, d={args.head_dim}; {what}\n"
+            f"h={args.heads}, hg={args.kv_heads}, d={args.head_dim}; {what}; "
+            f"{'new' if args.fresh_inputs else 'the same'} input tensors every call\n"
         )
         print("| pass | cp2 ms | cp2 TFLOP/s per GPU | single ms | single TFLOP/s | cp2 / single |")
         print("|---|---|---|---|---|---|")

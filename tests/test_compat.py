@@ -1,0 +1,58 @@
+"""The Triton version window (`kernels/_compat.py`): outside the releases the GPU suite passed
+on, the direct launcher and the Hopper kernels step aside, with a reason, and every call takes
+Triton's own launch and the portable kernels."""
+
+import subprocess
+import sys
+
+import pytest
+from fusedlayers.kernels import _compat, _launch, _sm90_common
+
+
+@pytest.mark.parametrize("version", [(3, 5), (3, 9), (4, 0)])
+def test_outside_the_window_the_fast_paths_are_off(monkeypatch, version):
+    monkeypatch.setattr(_compat, "TRITON_VERSION", version)
+    monkeypatch.delenv("FUSEDLAYERS_UNTESTED_TRITON", raising=False)
+    reason = _compat._fast_paths_off()
+    assert reason is not None and "FUSEDLAYERS_UNTESTED_TRITON=1" in reason
+    assert "portable kernels" in reason and "3.6" in reason
+    monkeypatch.setenv("FUSEDLAYERS_UNTESTED_TRITON", "1")
+    assert _compat._fast_paths_off() is None
+
+
+def test_inside_the_window_the_fast_paths_are_on(monkeypatch):
+    monkeypatch.setattr(_compat, "TRITON_VERSION", _compat.TESTED_TRITON[0])
+    monkeypatch.delenv("FUSEDLAYERS_UNTESTED_TRITON", raising=False)
+    assert _compat._fast_paths_off() is None
+
+
+def test_the_installed_triton_follows_the_window(monkeypatch):
+    """This install's launcher and Gluon path agree with its version: off outside the window,
+    and `set_direct_launch(True)` cannot turn the launcher on there."""
+    off = _compat.FAST_PATHS_OFF is not None
+    assert _compat.FAST_PATHS_OFF == _compat._fast_paths_off()
+    previous = _launch.set_direct_launch(True)
+    try:
+        assert _launch._enabled is not off
+    finally:
+        _launch.set_direct_launch(previous)
+    if off:
+        assert not _sm90_common.GLUON_AVAILABLE
+
+
+@pytest.mark.skipif(
+    _compat.TRITON_VERSION in _compat.TESTED_TRITON, reason="needs a Triton outside the window"
+)
+def test_the_reason_is_logged_at_import():
+    """A fresh process on an untested Triton logs the reason on the `fusedlayers` logger."""
+    code = (
+        "import logging, sys; logging.basicConfig(stream=sys.stdout, level=logging.WARNING)\n"
+        "import fusedlayers.kernels._compat as c\n"
+        "print('off' if c.FAST_PATHS_OFF else 'on')"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+        env={"PATH": "", "FUSEDLAYERS_UNTESTED_TRITON": "0"},
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "outside the releases the GPU suite passed on" in done.stdout, done.stdout
