@@ -69,7 +69,8 @@ def _fast_paths_off() -> str | None:
 
 
 FAST_PATHS_OFF = _fast_paths_off()
-if FAST_PATHS_OFF and not INTERPRETER:
+# Said where it costs speed: on a machine with a GPU (not on a CPU, not under the interpreter).
+if FAST_PATHS_OFF and not INTERPRETER and torch.cuda.is_available():
     logging.getLogger("fusedlayers").warning("fusedlayers: %s", FAST_PATHS_OFF)
 
 

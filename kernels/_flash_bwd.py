@@ -54,6 +54,7 @@ from ._common import (
     remember,
     seq_bounds,
     shape_only_geometry,
+    smem_per_block,
     strides4,
     zeros,
 )
@@ -199,10 +200,40 @@ def bwd_table(max_len: int, causal: bool) -> dict[int, tuple[int, ...]]:
     return BWD_SHORT_CONFIGS if causal and max_len <= SHORT_SEQLEN else BWD_CONFIGS
 
 
-def bwd_config(head_dim: int, on_cuda: bool, max_len: int, causal: bool) -> dict[str, int]:
+def bwd_config(
+    head_dim: int, on_cuda: bool, max_len: int, causal: bool, elem_size: int = 2,
+    smem_bytes: int | None = None,
+) -> dict[str, int]:  # fmt: skip
     """Block sizes, warps and pipeline stages of both passes for a head dim (max of d_qk, d_v),
-    the longest query or key sequence and a causal-like mask or not."""
-    return _table_entry(bwd_table(max_len, causal), CONFIG_FIELDS, head_dim, on_cuda)
+    the longest query or key sequence and a causal-like mask or not. The tables are tuned for
+    16-bit inputs; with `elem_size` 4 (fp32) the tiles shrink to `smem_bytes` (the device's
+    shared memory per block), which the 16-bit tiles overrun from d = 72 on (fp32 needed
+    288 KiB at d = 96 on an H200, which has 227)."""
+    cfg = _table_entry(bwd_table(max_len, causal), CONFIG_FIELDS, head_dim, on_cuda)
+    if elem_size > 2 and smem_bytes is not None:
+        cfg = fit_shared_memory(cfg, next_pow2_dim(head_dim), elem_size, smem_bytes)
+    return cfg
+
+
+def fit_shared_memory(cfg: dict, head_dim: int, elem_size: int, limit: int) -> dict[str, int]:
+    """`cfg` with each pass's tiles shrunk until a rough bound of its shared memory fits
+    `limit`: a pass keeps two resident [rows, head_dim] tiles (k and v, or q and dO) and streams
+    two more per pipeline stage. Fewer stages first, then the resident tile, then the streamed
+    one, never below 16 rows (the smallest tile `tl.dot` takes)."""
+    cfg = dict(cfg)
+    for resident, streamed, stages in (
+        ("BLOCK_N1", "BLOCK_M1", "STAGES1"), ("BLOCK_M2", "BLOCK_N2", "STAGES2"),
+    ):  # fmt: skip
+        while 2 * head_dim * elem_size * (cfg[resident] + cfg[stages] * cfg[streamed]) > limit:
+            if cfg[stages] > 1:
+                cfg[stages] -= 1
+            elif cfg[resident] > 16:
+                cfg[resident] //= 2
+            elif cfg[streamed] > 16:
+                cfg[streamed] //= 2
+            else:
+                break
+    return cfg
 
 
 def bwd_atomic_config(head_dim: int, on_cuda: bool) -> dict[str, int]:
@@ -499,7 +530,10 @@ def _make_plan(
     if atomic:
         cfg = bwd_atomic_config(head_dim, q.is_cuda)
     else:
-        cfg = bwd_config(head_dim, q.is_cuda, max(max_q, max_k), causal=opts["HAS_RIGHT"])
+        cfg = bwd_config(
+            head_dim, q.is_cuda, max(max_q, max_k), causal=opts["HAS_RIGHT"],
+            elem_size=q.element_size(), smem_bytes=smem_per_block(q.device) if q.is_cuda else None,
+        )  # fmt: skip
     programs = cdiv(max_k, cfg["BLOCK_N1"]) * geo.batch * h_kv
     splits = group_splits(programs, h_q // h_kv, q.device, causal=opts["HAS_RIGHT"])
     # With splits, the dK/dV pass writes fp32 partial sums [splits, *k.shape] (one share each).

@@ -47,6 +47,7 @@ def test_the_reason_is_logged_at_import():
     """A fresh process on an untested Triton logs the reason on the `fusedlayers` logger."""
     code = (
         "import logging, sys; logging.basicConfig(stream=sys.stdout, level=logging.WARNING)\n"
+        "import torch; torch.cuda.is_available = lambda: True  # said only where a GPU is\n"
         "import fusedlayers.kernels._compat as c\n"
         "print('off' if c.FAST_PATHS_OFF else 'on')"
     )

@@ -242,7 +242,7 @@ def _call_signature(tensors: tuple, cache_seqlens, options: tuple) -> tuple | No
 
 def _check_device_values(
     seqlens, host_len, s_new, capacity, cache_leftpad, cache_batch_idx, b_cache, block_table,
-    num_blocks, page_size, seqlen_ro,
+    num_blocks, page_size, rotary,
 ) -> None:  # fmt: skip
     """The checks that need device values. Without `cache_leftpad` and `block_table` each fact
     is one tensor's (`host_values`: read once per tensor and in-place version, so the layers of a
@@ -262,7 +262,7 @@ def _check_device_values(
         got = _facts_on_device(
             seqlens, host_len, s_new, cache_leftpad, cache_batch_idx, block_table, page_size
         )
-    _check_facts(got, host_len, s_new, capacity, b_cache, num_blocks, seqlen_ro, block_table)
+    _check_facts(got, host_len, s_new, capacity, b_cache, num_blocks, rotary, block_table)
 
 
 def _facts_per_tensor(seqlens, host_len, s_new, cache_batch_idx) -> dict[str, int]:
@@ -307,7 +307,7 @@ def _facts_on_device(
 
 
 def _check_facts(
-    got, host_len, s_new, capacity, b_cache, num_blocks, seqlen_ro, block_table
+    got, host_len, s_new, capacity, b_cache, num_blocks, rotary, block_table
 ) -> None:  # fmt: skip
     if "seq_min" in got:
         if got["seq_min"] < 0:
@@ -333,11 +333,13 @@ def _check_facts(
             f"block_table points outside [0, {num_blocks}) (num_blocks = k_cache.shape[0]): "
             f"entries in use range over [{got['page_min']}, {got['page_max']}]"
         )
-    if seqlen_ro is not None:
-        last = (got["end_max"] if host_len is None else host_len + s_new) - 1
+    if rotary is not None:  # (table positions, rows rotated from cache_seqlens on)
+        seqlen_ro, span = rotary
+        last = (got["end_max"] - s_new if host_len is None else host_len) + span - 1
         if last >= seqlen_ro:
             raise ArgumentError(
                 f"rotary_cos/rotary_sin have {seqlen_ro} positions, but position {last} is needed"
+                f" (rows rotated from cache_seqlens on: {span})"
             )
 
 
@@ -418,11 +420,15 @@ def flash_attn_with_kvcache(
     tables = _rotary_tables(rotary_cos, rotary_sin, rotary_interleaved)
     if alibi_slopes is not None:
         alibi_slopes = alibi_slopes.to(q.device).expand(b, h)
+    # Rows rotated from cache_seqlens on: the new keys, and the queries too when causal or
+    # windowed (query i at cache_seqlens + i).
+    local = causal or tuple(window_size) != (-1, -1)
+    rotary = None if tables is None else (tables[0].shape[0], max(s_new, s_q) if local else s_new)
     if not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
         _check_device_values(
             seqlens, host_len, s_new, capacity, cache_leftpad, cache_batch_idx, k_cache.shape[0],
             block_table, k_cache.shape[0], page_size,
-            None if tables is None else tables[0].shape[0],
+            rotary,
         )  # fmt: skip
 
     if debug_enabled():
@@ -443,7 +449,7 @@ def flash_attn_with_kvcache(
         v=v,
         rotary_q=tables,
         rotary_k=tables,
-        rotary_local=causal or tuple(window_size) != (-1, -1),
+        rotary_local=local,
         rotary_interleaved=rotary_interleaved,
         block_table=block_table,
         cache_batch_idx=cache_batch_idx,
