@@ -416,16 +416,9 @@ def flash_attention(
         lse: fp32 dense [b, h_q, s_q] / varlen [h_q, t_q], natural log; -inf on empty rows.
             Not differentiable (requires_grad is False).
     """
-    if _compat.upcast_bf16(q.dtype):  # the interpreter's bf16 dot is wrong: compute in fp32
-        out, lse = flash_attention(
-            q.float(), k.float(), v.float(), cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-            seq_offsets_q=seq_offsets_q, seq_offsets_k=seq_offsets_k, max_seqlen_q=max_seqlen_q,
-            max_seqlen_k=max_seqlen_k, seqlens_q=seqlens_q, seqlens_k=seqlens_k,
-            softmax_scale=softmax_scale, window_size=window_size, bottom_right=bottom_right,
-            bias=bias, alibi_slopes=alibi_slopes, softcap=softcap, dropout_p=dropout_p,
-            rng_state=rng_state, deterministic=deterministic,
-        )  # fmt: skip
-        return out.to(q.dtype), lse
+    dtype = q.dtype
+    if _compat.upcast_bf16(dtype):  # the interpreter's bf16 dot is wrong: compute in fp32
+        q, k, v = q.float(), k.float(), v.float()
     if dropout_p > 0 and rng_state is None:
         # torch.randint on the default generator: reproducible under torch.manual_seed, and
         # traceable by torch.compile (the state is an op input, not a Python-side int).
@@ -439,7 +432,8 @@ def flash_attention(
         bias=bias, alibi_slopes=alibi_slopes, softcap=softcap, dropout_p=dropout_p,
         rng_state=rng_state, deterministic=deterministic,
     )  # fmt: skip
-    return pick_forward(flash_attn_fwd, _eager_apply, _forward_impl, (q, k, v, bias))(*args)
+    out, lse = pick_forward(flash_attn_fwd, _eager_apply, _forward_impl, (q, k, v, bias))(*args)
+    return (out, lse) if out.dtype == dtype else (out.to(dtype), lse)
 
 
 def _arguments(
