@@ -204,8 +204,8 @@ def query_block_range(
 # load neither vectorizes nor pipelines (cp.async copies at least 4 bytes under one predicate).
 # The backward once masked every load by a runtime head dim: ncu on the H100 showed its dK/dV
 # kernel at 255 registers with 12.8M spill requests, and its Q/dO loads were not pipelined
-# (2026-11-23, docs/performance.md). Hence: mask the head dim only where it is padded, and rows
-# only on blocks that can run past the sequence.
+# (2026-11-23, docs/performance.md, "The portable backward"). Hence: mask the head dim only where
+# it is padded, and rows only on blocks that can run past the sequence.
 
 
 @triton.jit

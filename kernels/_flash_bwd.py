@@ -154,8 +154,8 @@ PREPROCESS_BLOCK_M = 64
 
 # The atomic-dQ path's dK/dV launch, (BLOCK_M1, BLOCK_N1, WARPS1, STAGES1) per padded head dim: the
 # kernel also holds a [BLOCK_M, d_qk] dQ tile and issues its atomics. Every entry must pass
-# tests/gpu/test_backward_gpu.py. `tune_attention.py --atomic` (s=4096, H100, 2026-11-23; tune 2
-# in docs/performance.md's log), ms non-causal / causal, against the two-pass backward's 3.68 / 2.25
+# tests/gpu/test_backward_gpu.py. `tune_attention.py --atomic` (s=4096, H100, 2026-11-23; commit
+# history), ms non-causal / causal, against the two-pass backward's 3.68 / 2.25
 # (d=128) and 4.47 / 2.59 (d=64): d=128 (64, 128, 8, 3) 4.00 / 3.26 (the two-pass dK/dV tile:
 # 6.23 / 3.92); d=64 (64, 128, 8, 3) 4.86 / 3.05. Still slower, so the path stays off.
 ATOMIC_CONFIG_FIELDS = CONFIG_FIELDS[:4]

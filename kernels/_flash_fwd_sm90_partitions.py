@@ -43,8 +43,8 @@ if GLUON_AVAILABLE:
         start_m, len_q, len_k, diag, num_blocks, first_masked, qk_scale,
         out_ptr, lse_ptr, o_base, lse_base, stride_os, stride_ls,
     ):  # fmt: skip
-        """One warp: each warpgroup's Q rows once, then K and V of key blocks 0..num_blocks-1
-        into the stage ring, each stage reused once every consumer released it."""
+        """The producer warpgroup: each consumer's Q rows once, then K and V of key blocks
+        0..num_blocks-1 into the stage ring, each stage reused once every consumer released it."""
         q_smem, k_smem, v_smem, _ = smem
         BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
         NUM_STAGES: gl.constexpr = k_smem.type.shape[0]

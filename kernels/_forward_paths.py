@@ -26,7 +26,7 @@ _path = "auto"
 # without a mask and with a causal one; None: "auto" never does (set_forward_path("sm90") still
 # can).
 # Measured on the H100 through flash_attn_func (bf16, b*s = 16k tokens; docs/performance.md,
-# "The sm_90 forward from 1k keys" and "Warpgroups skip the key blocks they cannot see"):
+# "When each path runs" and "Warpgroups skip the key blocks they cannot see"):
 # - d=128, since the persistent grids: 1.26-1.33x the portable kernel at s = 1k without a mask
 #   (forward+backward 1.05-1.19x), 1.2x at 2k-4k; causal 1.16x at 1k (197 against 229 us a
 #   forward; the 0.62x forward+backward a sweep once read there was host time, not the

@@ -36,9 +36,10 @@ else:
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 # The smallest hidden size for which `auto` (what the modules use) sends CUDA tensors to the Triton
 # kernels; None keeps them off. Measured on the H100, bf16, 16384 rows, against this module's
-# fp32 torch path (docs/performance.md, its log): at hidden 4096 and 8192 the kernels are 5-6.7x
-# faster forward and 2.4-4.6x forward+backward; at 1024 and 2048 the forward wins but the backward
-# loses (0.6-1.2x forward+backward), so smaller rows keep the torch path.
+# fp32 torch path (docs/performance.md, "Norm, RoPE and activation kernels"): at hidden 4096 and
+# 8192 the kernels are 5-6.7x faster forward and 2.4-4.6x forward+backward; at 1024 and 2048 the
+# forward wins but the backward loses (0.6-1.2x forward+backward), so smaller rows keep the torch
+# path.
 KERNEL_MIN_HIDDEN: int | None = 4096
 # Calls of at most this many rows (a decode step: one row per sequence) take the kernel at any
 # hidden size: they are bound by launches, and the kernel is one launch where the fp32 torch path
