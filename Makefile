@@ -7,7 +7,7 @@ PIP := $(VENV)/bin/pip
 TORCH_SPEC ?= torch
 PYTEST_WORKERS ?= 2
 
-.PHONY: install test test-gpu lint train clean
+.PHONY: install test test-gpu lint train report clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -29,6 +29,10 @@ lint: install
 
 train: install
 	$(PY) examples/train_gpt.py
+
+# BENCHMARKS.md and docs/img/ from the runs in bench/ (python -m fusedlayers.bench report).
+report: install
+	$(PY) -m fusedlayers.bench report
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

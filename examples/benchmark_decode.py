@@ -22,6 +22,7 @@ and the timing floor: the time this harness reads for a one-element kernel, whic
     python examples/benchmark_decode.py --batches 8 --cache-lens 8192 --json decode.json
     python examples/benchmark_decode.py --dtype fp16 --providers ours,ours-paged,sdpa
     python examples/benchmark_decode.py --cuda-graph        # replays of captured calls
+    python examples/benchmark_decode.py --cuda-graph --json bench/decode.json   # for the report
 
 Every provider is checked against SDPA's math on the first batch entry before it is timed; a
 provider that raises or disagrees is reported in the notes, never timed silently.
@@ -30,7 +31,6 @@ provider that raises or disagrees is reported in the notes, never timed silently
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from collections.abc import Callable
@@ -39,6 +39,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_utils import bench_ms, configure_dynamo, ints_arg, short_error  # noqa: E402
+
+from fusedlayers.bench.record import run_header, write_run  # noqa: E402
 
 DEVICE = "cuda"  # the CPU test points this at "cpu" to run the pipeline under the interpreter
 DTYPES = ("bf16", "fp16")
@@ -305,7 +307,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--time-limit", type=float, default=150, help="s; no combo starts after it")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--cuda-graph", action="store_true", help="time replays of captured calls")
-    p.add_argument("--json", help="also write the rows as JSON here")
+    p.add_argument("--json", help="also write the run here (fusedlayers.bench.record, kind decode)")
     args = p.parse_args(argv)
     unknown = set(args.providers) - set(PROVIDERS)
     if unknown:
@@ -327,12 +329,13 @@ def main(argv: list[str] | None = None) -> None:
     notes = [f"skipped b={b} s={s}: {why}" for b, s, why in skipped]
     copy_gbps = copy_bandwidth(args.warmup, args.rep)
     floor_us = timing_floor(args.cuda_graph, args.warmup, args.rep)
+    mode = "graph" if args.cuda_graph else "eager"
     rows = []
     for b, s in combos:
         if time.time() - started > args.time_limit:
             notes.append(f"skipped b={b} s={s}: --time-limit {args.time_limit:g} s reached")
             continue
-        rows.append(run_combo(b, s, args, notes))
+        rows.append({"mode": mode, **run_combo(b, s, args, notes)})
         print(f"b={b} s={s} done at {time.time() - started:.0f} s", file=sys.stderr)
     header = (
         f"## Decode attention, {torch.cuda.get_device_name()}: s_q=1, GQA {args.heads}:"
@@ -342,10 +345,13 @@ def main(argv: list[str] | None = None) -> None:
     )
     print(markdown(rows, copy_gbps, header, notes, floor_us))
     if args.json:
-        payload = dict(
-            header=header, copy_gbps=copy_gbps, floor_us=floor_us, rows=rows, notes=notes
-        )
-        Path(args.json).write_text(json.dumps(payload, indent=1))
+        config = {
+            "s_q": 1, "heads": args.heads, "kv_heads": args.kv_heads, "head_dim": args.head_dim,
+            "dtype": args.dtype, "page_size": args.page_size, "mode": mode,
+            "warmup_ms": args.warmup, "rep_ms": args.rep,
+        }  # fmt: skip
+        extra = dict(description=header, copy_gbps=copy_gbps, floor_us=floor_us, notes=notes)
+        write_run(args.json, "decode", run_header(config=config, **extra), rows)
         print(f"wrote {args.json}", file=sys.stderr)
 
 

@@ -5,6 +5,7 @@ graph).
 
     python examples/benchmark_generate.py                      # gpt-125m, batch 1 and 16
     python examples/benchmark_generate.py --batches 1 --new-tokens 128 --json gen.json
+    python examples/benchmark_generate.py --json bench/generate.json   # the run the report shows
     python examples/benchmark_generate.py --dry-run            # tiny model on the CPU
 
 Every model starts from the same weights (the plain model gets the fused QKV regrouped, as in
@@ -25,7 +26,6 @@ Providers:
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -38,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchmark_gpt import PlainGPT, _rope, copy_from_fused  # noqa: E402
 from fusedlayers.models import GPT, GPTConfig  # noqa: E402
 
+from fusedlayers.bench.record import run_header, write_run  # noqa: E402
 from fusedlayers.layers.decode_graph import DecodeGraph  # noqa: E402
 from fusedlayers.layers.inference import InferenceParams  # noqa: E402
 
@@ -237,7 +238,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--prompt", type=int, default=1024, help="prompt tokens")
     p.add_argument("--new-tokens", type=int, default=256)
     p.add_argument("--providers", type=lambda s: s.split(","), default=list(PROVIDERS))
-    p.add_argument("--json", type=Path, default=None, help="also write the results here")
+    p.add_argument(
+        "--json", type=Path, default=None, help="also write the run here (kind generate)"
+    )
     p.add_argument(
         "--dry-run",
         action="store_true",
@@ -253,6 +256,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def main(argv=None) -> dict:
+    """Run every batch and provider; returns the run as `write_run` writes it (kind generate,
+    one row per batch and provider)."""
     args = parse_args(argv)
     if not args.dry_run and not torch.cuda.is_available():
         raise SystemExit("needs a CUDA GPU (or --dry-run)")
@@ -262,22 +267,18 @@ def main(argv=None) -> dict:
         raise SystemExit(f"prompt + new tokens exceed {args.config}'s context {c.context_length}")
     ours, plain = build(c, device, dtype)
     gpu = torch.cuda.get_device_name() if device == "cuda" else "CPU"
-    record = {
-        "device": gpu,
-        "torch": torch.__version__,
-        "config": args.config,
-        "prompt": args.prompt,
-        "new_tokens": args.new_tokens,
-        "dtype": str(dtype),
-        "results": {},
-    }
+    config = {"config": args.config, "prompt": args.prompt, "new_tokens": args.new_tokens}
+    header = run_header(config=config | {"dtype": str(dtype), "batches": args.batches})
+    run = {"kind": "generate", "header": header, "rows": []}
     print(f"{gpu}, {args.config}, {dtype}, prompt {args.prompt}, {args.new_tokens} new tokens")
     print("setup s: warm-up run (compilation) + graph capture", flush=True)
     print("| batch | provider | prefill ms | decode ms/token | tokens/s | setup s | agree |")
     print("|---|---|---|---|---|---|---|")
     for b in args.batches:
         rows = bench_batch(args, c, ours, plain, b)
-        record["results"][str(b)] = rows
+        run["rows"] += [
+            {"batch": b, "provider": n, "config": args.config, **r} for n, r in rows.items()
+        ]
         for name, r in rows.items():
             if "skipped" in r:
                 print(f"| {b} | {name} | skipped: {r['skipped']} | | | | |")
@@ -289,9 +290,8 @@ def main(argv=None) -> dict:
                 flush=True,
             )
         if args.json:  # after every batch, so a run cut short keeps what it measured
-            args.json.parent.mkdir(parents=True, exist_ok=True)
-            args.json.write_text(json.dumps(record, indent=2))
-    return record
+            write_run(args.json, "generate", header, run["rows"])
+    return run
 
 
 if __name__ == "__main__":

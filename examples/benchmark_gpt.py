@@ -2,6 +2,7 @@
 
     python examples/benchmark_gpt.py                      # gpt-125m, context 2048, batch 8, H100
     python examples/benchmark_gpt.py --compile --json runs/bench.json
+    python examples/benchmark_gpt.py --json bench/gpt.json      # the run BENCHMARKS.md shows
     python examples/benchmark_gpt.py --variants default,norm-kernels,atomic-dq,both
     python examples/benchmark_gpt.py --batch-size 1 --backward-on-calling-thread
     python examples/benchmark_gpt.py --batch-size 1 --profile-host 3   # where the host's time goes
@@ -25,7 +26,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import json
 import time
 from pathlib import Path
 
@@ -35,6 +35,7 @@ from fusedlayers.kernels import _flash_bwd
 from fusedlayers.models import GPT, GPTConfig, lm_loss
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from fusedlayers.bench.record import run_header, write_run
 from fusedlayers.layers import normalization
 from fusedlayers.layers.qkv_storage import QKVSpec, split_fused
 
@@ -171,7 +172,7 @@ def parse_args() -> argparse.Namespace:
         "thread (torch.autograd.set_multithreading_enabled(False)), for every model",
     )
     p.add_argument("--peak-tflops", type=float, default=None, help="default: by GPU name")
-    p.add_argument("--json", type=Path, default=None, help="also write the results here")
+    p.add_argument("--json", type=Path, default=None, help="also write the run here (kind gpt)")
     p.add_argument(
         "--profile",
         type=int,
@@ -359,9 +360,26 @@ def main() -> None:
             f"{r['first_loss']:.4f} | {r['final_loss']:.4f} |"
         )
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        record = {"args": vars(args) | {"json": str(args.json)}, "results": results}
-        args.json.write_text(json.dumps(record, indent=2))
+        config = {k: v for k, v in vars(args).items() if k != "json"}
+        write_run(args.json, "gpt", run_header(config=config), result_rows(results, args))
+
+
+def result_rows(results: dict[str, dict], args: argparse.Namespace) -> list[dict]:
+    """One row per timed model for the run's JSON (fusedlayers.bench.record, kind gpt): the
+    measurements and what the report groups them by (mode, batch, where the backward ran)."""
+    return [
+        {
+            "model": name,
+            "provider": "plain" if name == "pytorch_sdpa_cudnn" else "fusedlayers",
+            "mode": "compiled" if args.compile else "eager",
+            "config": args.config,
+            "batch_size": args.batch_size,
+            "context_length": args.context_length,
+            "backward_on_calling_thread": args.backward_on_calling_thread,
+            **r,
+        }
+        for name, r in results.items()
+    ]
 
 
 if __name__ == "__main__":

@@ -14,15 +14,24 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 
 import benchmark_generate as bg  # noqa: E402
 
+from fusedlayers.bench.record import read_run  # noqa: E402
+
 
 def test_dry_run_writes_every_provider(tmp_path):
     out = tmp_path / "gen.json"
-    record = bg.main(["--dry-run", "--json", str(out)])
-    assert json.loads(out.read_text()) == json.loads(json.dumps(record))
-    for b in ("1", "2"):
-        rows = record["results"][b]
+    run = bg.main(["--dry-run", "--json", str(out)])
+    assert read_run(out) == json.loads(json.dumps(run)) and run["kind"] == "generate"
+    assert run["header"]["config"] == {
+        "config": "tiny", "prompt": 12, "new_tokens": 6, "dtype": "torch.float32",
+        "batches": [1, 2],
+    }  # fmt: skip
+    assert {"date", "torch", "python", "commit", "command"} <= set(run["header"])
+    for b in (1, 2):
+        rows = {r["provider"]: r for r in run["rows"] if r["batch"] == b}
         assert list(rows) == list(bg.PROVIDERS)
-        assert rows["ours-graph"] == {"skipped": "needs CUDA"}
+        assert rows["ours-graph"] == {
+            "batch": b, "provider": "ours-graph", "config": "tiny", "skipped": "needs CUDA"
+        }  # fmt: skip
         for name in ("ours-eager", "plain-eager"):
             assert rows[name]["ms_per_token"] > 0 and rows[name]["tokens_per_s"] > 0
         # fp32, same weights: the plain static-cache model decodes the same greedy tokens.

@@ -1,27 +1,32 @@
 """The attention benchmark's CPU-checkable parts: FLOP counts, presets, writers, the pipeline.
 
-The benchmark itself needs a CUDA GPU; here its counting and reporting are checked against
-brute force and synthetic results, and its whole case/check/report pipeline runs on tiny CPU
-shapes with stand-ins for the GPU-only pieces (timing, memory, the Triton kernels).
+The benchmark (fusedlayers.bench.attention, also run as examples/benchmark_attention.py) needs
+a CUDA GPU; here its counting and reporting are checked against brute force and synthetic
+results, and its whole case/check/report pipeline runs on tiny CPU shapes with stand-ins for
+the GPU-only pieces (timing, memory, the Triton kernels).
 """
 
 from __future__ import annotations
 
 import json
 import random
+import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 from attention_testing import KernelSpy
 from fusedlayers.kernels import _flash_bwd, _flash_fwd
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
-sys.path[:0] = [str(EXAMPLES), str(EXAMPLES / "perf")]  # benchmark_attention; tune_attention
+from fusedlayers.bench import attention as ba
+from fusedlayers.bench import attention_cases as cases
+from fusedlayers.bench import common as bu
+from fusedlayers.bench.record import read_run
 
-import bench_utils as bu  # noqa: E402
-import benchmark_attention as ba  # noqa: E402
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+sys.path[:0] = [str(EXAMPLES), str(EXAMPLES / "perf")]  # the wrapper script; tune_attention
 
 
 def brute_force_pairs(s_q: int, s_k: int, window: tuple[int, int]) -> int:
@@ -90,11 +95,12 @@ def test_rel_err_never_passes_nan():
 
 
 def test_presets_and_overrides():
-    quick = ba.parse_args([])
-    assert (quick.preset, quick.dtypes, quick.dims) == ("quick", ["bf16"], [64, 128])
-    assert quick.seqlens == [1024, 4096, 16384]
-    assert quick.passes == ["fwd", "fwdbwd"] and quick.causal == [False, True]
-    assert quick.cases == list(ba.CASES) and quick.providers == list(ba.PROVIDERS)
+    standard = ba.parse_args([])
+    assert (standard.preset, standard.dtypes, standard.dims) == ("standard", ["bf16"], [64, 128])
+    assert standard.seqlens == [1024, 4096, 16384]
+    assert standard.passes == ["fwd", "fwdbwd"] and standard.causal == [False, True]
+    assert standard.cases == list(ba.CASES) and standard.providers == list(ba.PROVIDERS)
+    assert (standard.warmup, standard.rep, standard.time_limit) == (25, 100, 480)
     full = ba.parse_args(["--full"])
     assert (full.dtypes, full.dims) == (["bf16", "fp16"], [64, 128, 256])
     assert full.seqlens == [512, 1024, 2048, 4096, 8192, 16384]
@@ -137,8 +143,49 @@ def test_bad_arguments_are_refused(argv, capsys):
         ba.parse_args(argv)
 
 
-def test_quick_cases_keep_tokens_and_hidden_fixed():
-    cases = ba.build_cases(ba.parse_args(["--quick"]))
+def test_quick_preset_is_the_summary_cells_against_the_anchors():
+    """--quick (two minutes or less on an H100): the cells the summary reads, s >= 4k at both
+    head dims, causal and not, both passes, against cuDNN, SDPA-flash and FlexAttention, with a
+    shorter do_bench and a time limit; explicit flags still win over it."""
+    quick = ba.parse_args(["--quick"])
+    assert quick.preset == "quick"
+    assert quick.providers == ["fusedlayers", "sdpa-flash", "sdpa-cudnn", "flex"]
+    assert (quick.warmup, quick.rep, quick.time_limit) == (10, 30, 90)
+    assert quick.passes == ["fwd", "fwdbwd"]
+    cells = [(c.kind, c.dtype, c.d, c.s, c.causal) for c in ba.build_cases(quick)]
+    assert cells == [
+        ("sweep", "bf16", d, s, causal)
+        for d in (64, 128)
+        for s in (4096, 16384)
+        for causal in (False, True)
+    ]
+    with_1k = ba.parse_args(["--quick", "--seqlens", "1024,4096,16384", "--rep", "50"])
+    assert len(ba.build_cases(with_1k)) == 12 and with_1k.rep == 50
+    assert with_1k.providers == quick.providers
+
+
+def test_help_runs_as_a_module():
+    """`python -m fusedlayers.bench attention --help` works without a GPU and names the quick
+    preset's estimate; the old script path answers the same."""
+    run = subprocess.run(
+        [sys.executable, "-m", "fusedlayers.bench", "attention", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 0, run.stderr
+    assert "--quick" in run.stdout and "not yet timed" in " ".join(run.stdout.split())
+    script = subprocess.run(
+        [sys.executable, str(EXAMPLES / "benchmark_attention.py"), "--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert script.returncode == 0 and script.stdout == run.stdout
+
+
+def test_standard_cases_keep_tokens_and_hidden_fixed():
+    cases = ba.build_cases(ba.parse_args([]))
     kinds = [c.kind for c in cases]
     assert kinds.count("sweep") == 2 * 3 * 2
     assert (kinds.count("gqa"), kinds.count("varlen"), kinds.count("packed")) == (4, 2, 2)
@@ -205,7 +252,7 @@ def test_ratios_and_memory_flag():
     assert not ok["mem_flag"]
 
 
-def test_writers_round_trip(tmp_path):
+def test_finish_writes_the_run_and_plots_and_prints_the_summary(tmp_path):
     rows = [
         _row(
             fusedlayers=_result(2.0),
@@ -214,29 +261,32 @@ def test_writers_round_trip(tmp_path):
         ),
         _row(fusedlayers=_result(0, status="wrong"), **{"sdpa-flash": _result(4.0)}),
     ]
-    header = {"date": "2026-11-22", "gpu": "test", "command": "python x.py", "method": ["m"]}
-    text = bu.write_results(str(tmp_path), header, rows, plot=True)
-    assert (tmp_path / "attention.md").read_text() == text
-    data = json.loads((tmp_path / "attention.json").read_text())
-    assert data["rows"] == rows and data["header"] == header
+    header = {"date": "2026-11-22 10:00 UTC", "gpu": "test", "command": "python x.py"}
+    args = ba.parse_args(["--out", str(tmp_path)])
+    text = ba.finish(args, header, rows)
+    run = read_run(tmp_path / "attention.json")
+    assert (run["kind"], run["header"], run["rows"]) == ("attention", header, rows)
     lines = text.splitlines()
-    table = [line for line in lines if line.startswith("| bf16")]
+    table = [line for line in lines if line.startswith("| 128 | 4096 | 1 | fwd |")]
     assert len(table) == 2
-    assert "| 500 |" in table[0] and "| 250 |" in table[0] and "| 2.00 |" in table[0]
-    assert "err[1]" in table[0] and "WRONG" in table[1]
-    assert "- err[1]: RuntimeError: no kernel" in lines and "- n1" in lines
-    assert "- command: python x.py" in lines
-    png = tmp_path / "attention.png"
-    assert png.exists() or "matplotlib" not in sys.modules
+    # 1e12 FLOPs in 2 ms and 4 ms: 500 and 250 TFLOP/s, SDPA-flash's time / ours = 2.00;
+    # cuDNN raised (error, no ratio); the second row's subject was wrong (no ratio at all).
+    assert table[0] == "| 128 | 4096 | 1 | fwd | 500 | 250 | error |  | 2.00 | 100 / 100 |"
+    assert table[1] == "| 128 | 4096 | 1 | fwd | WRONG | 250 |  |  |  | - / 100 |"
+    assert "| d=128 forward | - | 2.00x (2.00-2.00) | - |" in lines
+    png = tmp_path / "attention-d128.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert f"wrote {png}" in lines
 
 
 def test_merge_joins_runs(tmp_path):
     for i, name in enumerate(("a", "b")):
         header = {"date": "d", "command": f"run {name}"}
         rows = [_row(fusedlayers=_result(1.0 + i))]
-        bu.write_results(str(tmp_path / name), header, rows, plot=False)
-    header, rows = bu.merge_results([str(tmp_path / "a"), str(tmp_path / "b")])
+        ba.write_run(tmp_path / f"{name}.json", "attention", header, rows)
+    header, rows = ba.merge_runs([str(tmp_path / "a.json"), str(tmp_path / "b.json")])
     assert header["command"] == "run a ; run b" and len(rows) == 2
+    assert [r["providers"]["fusedlayers"]["ms"] for r in rows] == [1.0, 2.0]
 
 
 def _fake_flash_attn_func(q, k, v, causal=False, window_size=(-1, -1)):
@@ -267,16 +317,16 @@ def cpu_pipeline(monkeypatch):
     import fusedlayers
 
     for name, value in (
-        ("DEVICE", "cpu"),
         ("TOKENS", 64),
         ("HIDDEN", 32),
         ("EXTRA_DIM", 8),
         ("GQA_HEADS", (4, (2, 1))),
         ("WINDOW_SEQLEN", 64),
         ("WINDOW", (8, 0)),
-        ("MASK_REF_BACKENDS", ("MATH",)),
     ):
         monkeypatch.setattr(ba, name, value)
+    monkeypatch.setattr(cases, "DEVICE", "cpu")
+    monkeypatch.setattr(cases, "MASK_REF_BACKENDS", ("MATH",))
     monkeypatch.setattr(bu, "bench_ms", lambda fn, *args, **kwargs: _call(fn, 1.0))
     monkeypatch.setattr(bu, "peak_extra_mib", lambda fn, leaves: _call(fn, 10.0))
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
@@ -286,9 +336,12 @@ def cpu_pipeline(monkeypatch):
 
 
 def _tiny_run(tmp_path, flags: str) -> list[dict]:
-    """run_all on the tiny CPU shapes; `flags` is the command line after the common part."""
+    """run_all on the tiny CPU shapes; `flags` is the command line after the common part.
+    The run it wrote after its last case holds the rows it returns."""
     common = f"--dims 8 --extra-seqlen 32 --out {tmp_path} "
-    return ba.run_all(ba.parse_args((common + flags).split()), {"command": "test"})
+    rows = ba.run_all(ba.parse_args((common + flags).split()), {"command": "test"})
+    assert read_run(tmp_path / "attention.json")["rows"] == json.loads(json.dumps(rows))
+    return rows
 
 
 def test_pipeline_runs_checks_and_reports_on_cpu(cpu_pipeline, tmp_path):
@@ -305,8 +358,10 @@ def test_pipeline_runs_checks_and_reports_on_cpu(cpu_pipeline, tmp_path):
     assert "fusedlayers-dense" in varlen["providers"] and varlen["seqs"] > 1
     # The equal-length dense batch is checked against its own reference before it is timed.
     assert varlen["providers"]["fusedlayers-dense-equal"]["status"] == "ok"
-    text = (tmp_path / "attention.md").read_text()
-    assert "## Varlen" in text and "## Packed" in text and "## Sliding window" in text
+    text = ba.finish(SimpleNamespace(out=str(tmp_path), no_plot=True), {"command": "test"}, rows)
+    for case in ("gqa", "varlen", "packed", "window"):  # the cases beyond the sweep, one table
+        assert sum(line.startswith(f"| {case} | bf16 | 8 |") for line in text.splitlines()) >= 2
+    assert "| 8 | 32 | 0 | fwdbwd |" in text  # the sweep table
 
 
 def test_a_wrong_provider_is_reported_not_timed(cpu_pipeline, monkeypatch, tmp_path):
@@ -318,7 +373,9 @@ def test_a_wrong_provider_is_reported_not_timed(cpu_pipeline, monkeypatch, tmp_p
     rows = _tiny_run(tmp_path, flags)
     assert [r["providers"]["fusedlayers"]["status"] for r in rows] == ["wrong", "wrong"]
     assert len(timed) == 2  # sdpa-flash's two passes only
-    assert "WRONG" in (tmp_path / "attention.md").read_text()
+    text = ba.finish(SimpleNamespace(out=str(tmp_path), no_plot=True), {}, rows)
+    table = [line for line in text.splitlines() if line.startswith("| 8 | 64 | 1 |")]
+    assert [line.split(" | ")[4] for line in table] == ["WRONG", "WRONG"]
 
 
 class _NoBackward(torch.autograd.Function):

@@ -4,6 +4,8 @@
     torchrun --standalone --nproc_per_node 2 examples/perf/benchmark_context_parallel.py \\
         --seqlen 65536 --batch 2 --heads 32 --kv-heads 8
     torchrun --standalone --nproc_per_node 2 examples/perf/benchmark_context_parallel.py --dry-run
+    torchrun --standalone --nproc_per_node 2 examples/perf/benchmark_context_parallel.py \\
+        --json bench/context_parallel.json                 # the run BENCHMARKS.md shows
 
 Providers, bf16 causal `DotProductAttention` (bshd, d = 128) on the Triton kernels:
     cp2      the sequence of `--seqlen` tokens split over both ranks (TE's load-balanced chunks),
@@ -14,7 +16,8 @@ forward+backward; each provider's TFLOP/s is per GPU. `cp2 / single` is the ring
 1.0 means the K/V exchange hides entirely behind the compute.
 
 `--dry-run` runs tiny shapes on the CPU (gloo, reference path) to check the script itself.
-Prints a markdown table on rank 0.
+Prints a markdown table on rank 0 and, with --json, writes the run there
+(fusedlayers.bench.record, kind context_parallel: one row per pass).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import torch.distributed as dist
 
 from fusedlayers import DotProductAttention
 from fusedlayers.attention.context_parallel import context_parallel_indices
+from fusedlayers.bench.record import run_header, write_run
 
 
 def parse_args() -> argparse.Namespace:
@@ -41,6 +45,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--fresh-inputs", action="store_true", help="new leaf tensors every call")
     p.add_argument("--dry-run", action="store_true", help="tiny CPU run (gloo, reference)")
+    p.add_argument("--json", help="also write the run here (rank 0)")
     args = p.parse_args()
     if args.dry_run:
         args.seqlen, args.batch, args.heads, args.kv_heads, args.head_dim = 32, 2, 4, 2, 16
@@ -137,6 +142,7 @@ def main() -> None:
         )
         print("| pass | cp2 ms | cp2 TFLOP/s per GPU | single ms | single TFLOP/s | cp2 / single |")
         print("|---|---|---|---|---|---|")
+        rows = []
         for (name, work), t_cp, t_one in zip(flops.items(), cp_ms, single_ms):
             per_gpu = work / world  # both providers do this much per GPU
             tf_cp, tf_one = per_gpu / t_cp / 1e9, per_gpu / t_one / 1e9
@@ -144,6 +150,14 @@ def main() -> None:
                 f"| {name} | {t_cp:.2f} | {tf_cp:.1f} | {t_one:.2f} | {tf_one:.1f} | "
                 f"{tf_cp / tf_one:.2f} |"
             )
+            rows.append(
+                {"pass": name, "cp_ms": t_cp, "cp_tflops_per_gpu": tf_cp, "single_ms": t_one,
+                 "single_tflops": tf_one, "flops_per_gpu": per_gpu}
+            )  # fmt: skip
+        if args.json:
+            config = {k: v for k, v in vars(args).items() if k != "json"} | {"world": world}
+            write_run(args.json, "context_parallel", run_header(config=config), rows)
+            print(f"wrote {args.json}")
     dist.barrier()
     dist.destroy_process_group()
 

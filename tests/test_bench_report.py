@@ -1,0 +1,188 @@
+"""The benchmark report (fusedlayers.bench.report): BENCHMARKS.md rendered from run JSON.
+
+Synthetic runs in tests/fixtures/bench cover every kind but context parallelism (the missing
+kind) and one file that is not a run; their numbers are chosen so that the ratios, geometric
+means and ranges below are worked out by hand. Then the committed page: BENCHMARKS.md must be
+exactly what the committed bench/*.json render, within the size limits the page promises.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from fusedlayers.bench import report, tables
+from fusedlayers.bench.record import KINDS, read_run, write_run
+
+ROOT = Path(__file__).resolve().parents[1]
+FIXTURES = Path(__file__).resolve().parent / "fixtures" / "bench"
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def page(tmp_path_factory):
+    """The fixture runs rendered into a fresh directory laid out like the repository."""
+    root = tmp_path_factory.mktemp("page")
+    shutil.copytree(FIXTURES, root / "bench")
+    text, plots = report.render(root / "bench", root / "BENCHMARKS.md", root / "docs" / "img")
+    return root, text, plots
+
+
+def _section(text: str, title: str) -> list[str]:
+    """The lines of one `## title` section."""
+    lines = text.splitlines()
+    start = lines.index(f"## {title}")
+    end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), None)
+    return lines[start:end]
+
+
+def test_summary_geometric_means_and_ranges(page):
+    # d=64 forward at s >= 4k, two cells (causal and not), fusedlayers 1 ms in both:
+    # cuDNN 1.21 and 1.0 ms -> geometric mean sqrt(1.21) = 1.10; SDPA-flash 2.0 and 0.5 -> 1.00;
+    # Flex 4.0 and 1.0 -> 2.00. The s = 1k cells stay out of it.
+    summary = _section(page[1], "Summary")
+    assert "| d=64 forward | 1.10x (1.00-1.21) | 1.00x (0.50-2.00) | 2.00x (1.00-4.00) |" in summary
+    # forward+backward: cuDNN 0.81 and 1.0 -> 0.90; Flex failed in both cells -> no ratio.
+    assert "| d=64 forward+backward | 0.90x (0.81-1.00) | 1.00x (1.00-1.00) | - |" in summary
+    # d=128, one cell at 2 ms: cuDNN 1.8 / 2 = 0.90, SDPA-flash 4 / 2, Flex 3 / 2.
+    d128 = "| d=128 forward | 0.90x (0.90-0.90) | 2.00x (2.00-2.00) | 1.50x (1.50-1.50) |"
+    assert d128 in summary
+    # GPT: plain 60 ms / ours 50 ms eager, 45 / 45 compiled (from a second run of the kind);
+    # decode: plain compiled 0.6 / ours' graph 0.5 ms per token at batch 1, 0.9 / 1.0 at 4.
+    rows = [line for line in summary if line.startswith("| gpt-test")]
+    assert rows == [
+        "| gpt-test training, eager, ms/step (batch 8 x 2048) | 50.0 | 60.0 | 1.20x |",
+        "| gpt-test training, compiled, ms/step (batch 8 x 2048) | 45.0 | 45.0 | 1.00x |",
+        "| gpt-test decode, batch 1, ms/token (CUDA graph vs compiled) | 0.500 | 0.600 | 1.20x |",
+        "| gpt-test decode, batch 4, ms/token (CUDA graph vs compiled) | 1.000 | 0.900 | 0.90x |",
+    ]
+
+
+def test_attention_table_takes_newer_cells_and_keeps_the_rest(page):
+    section = _section(page[1], "Attention")
+    head = next(line for line in section if line.startswith("| d | s |"))
+    assert head == (
+        "| d | s | causal | pass | fusedlayers | SDPA-flash | cuDNN | FlexAttention | vs cuDNN | "
+        "vs SDPA-flash | vs FlexAttention | MiB, ours / SDPA-flash |"
+    )
+    rows = [line for line in section if line.startswith(("| 64 |", "| 128 |"))]
+    assert len(rows) == 8  # 9 rows in the older run, one replaced by the newer run's cell
+    assert rows[:4] == [
+        # The newer run's d=64 s=1k cell: 4e11 FLOPs in 0.5 ms = 800 TFLOP/s, the others 1 ms.
+        "| 64 | 1024 | 0 | fwd | 800 | 400 | 400 | 400 | 2.00 | 2.00 | 2.00 | 120 / 200 |",
+        "| 64 | 1024 | 1 | fwd | 400 | 400 | 400 | 400 | 1.00 | 1.00 | 1.00 | 120 / 200 |",
+        # 4e11 / 1.21 ms = 331 TFLOP/s; Flex raised in the fwdbwd rows: "error", no ratio.
+        "| 64 | 4096 | 0 | fwd | 400 | 200 | 331 | 100 | 1.21 | 2.00 | 4.00 | 120 / 200 |",
+        "| 64 | 4096 | 0 | fwdbwd | 400 | 400 | 494 | error | 0.81 | 1.00 |  | 120 / 200 |",
+    ]
+    gqa = "| gqa | bf16 | 128 | s=4096, b=4, h=16:8 | fwd | fusedlayers | 400 | SDPA-flash 1.50 |"
+    assert gqa in section
+    setups = [line for line in section if line.startswith("Setup: ")]
+    assert len(setups) == 2  # oldest first; each names the cells it supplies
+    assert setups[0].startswith(
+        "Setup: 2026-01-01 00:00 UTC; Test GPU 80GB (driver 555.55); torch 2.0.0, Triton 3.0.0, "
+        "cuDNN 90000, Python 3.12.0; fusedlayers 0.1.0 at abc1234; bf16 8192^3 matmul 700 TFLOP/s"
+    )
+    assert setups[0].endswith(
+        "[attention.json](bench/attention.json) (cells: s = 1024, 4096; gqa)."
+    )
+    assert "at def5678-dirty" in setups[1] and setups[1].endswith("(cells: s = 1024).")
+
+
+def test_other_sections_and_the_missing_kind(page):
+    text = page[1]
+    gpt = _section(text, "GPT training")
+    assert (
+        "| fusedlayers[bshd] | eager | 8 x 2048 | 50.0 | 327,680 | 25.0% | 1.20x | 17.5 | "
+        "10.9713 | 7.5000 |"
+    ) in gpt
+    generate = _section(text, "Generation")
+    # vs plain in the same mode: eager 4.0 / 5.0, the graph against compiled 0.6 / 0.5.
+    assert "| 1 | fusedlayers, eager | 10.0 | 5.000 | 200 | 1.1 | 100.0% | 0.80x |" in generate
+    assert "| 1 | fusedlayers, CUDA graph | 10.0 | 0.500 | 2,000 | 1.1 | 100.0% | 1.20x |" in (
+        generate
+    )
+    assert "| 4 | fusedlayers, eager | skipped: needs CUDA |  |  |  |  |  |" in generate
+    decode = _section(text, "Decode attention")
+    # b=1, 1k tokens: 2*1*1024*8*128*2 bytes in 10 us = 419 GB/s; cuDNN 12 us of the others.
+    assert "| 1 | 1024 | 10.0 | 419 | 11.0 (1.100) | 12.0 (cuDNN) | 1.20x |" in decode
+    assert "| 8 | 8192 | 1280.0 | 210 | 1408.0 (1.100) | 1536.0 (cuDNN) | 1.20x |" in decode
+    titles = [line for line in decode if line.startswith("**")]
+    assert titles == [
+        "**graph** (device copy 3000 GB/s, read + write; timing floor 4.5 us):",
+        "**eager** (device copy 3000 GB/s, read + write; timing floor 4.5 us):",
+    ]
+    cp = _section(text, "Context parallelism")
+    assert cp[2].startswith("No context_parallel run recorded in bench/ yet: `torchrun")
+
+
+def test_plots_are_small_pngs(page):
+    root, text, plots = page
+    names = ["attention-d64.png", "attention-d128.png", "gpt.png", "decode.png"]
+    assert [p.name for p in plots] == names
+    for path in plots:
+        data = path.read_bytes()
+        assert data[:8] == PNG and 2_000 < len(data) < 100_000, (path.name, len(data))
+        assert f"](docs/img/{path.name})" in text  # linked relative to the page
+
+
+def test_render_is_deterministic_and_the_command_writes_and_checks(page, tmp_path):
+    root, text, _ = page
+    again, _ = report.render(root / "bench", root / "BENCHMARKS.md", root / "docs/img", draw=False)
+    assert again == text
+    shutil.copytree(FIXTURES, tmp_path / "bench")  # the same layout: the same links
+    out, plots = tmp_path / "BENCHMARKS.md", tmp_path / "docs" / "img"
+    argv = ["--bench-dir", str(tmp_path / "bench"), "--out", str(out), "--plots", str(plots)]
+    assert report.main([*argv, "--check"]) == 1  # nothing written yet: stale
+    assert report.main(argv) == 0
+    assert out.read_text() == text and (plots / "decode.png").exists()
+    assert report.main([*argv, "--check"]) == 0
+
+
+def test_overlay_prefers_the_newest_run_per_row(tmp_path):
+    row = lambda s, ms: {"batch": s, "provider": "ours-graph", "ms_per_token": ms}
+    write_run(tmp_path / "b.json", "generate", {"date": "2026-01-02 00:00 UTC"}, [row(1, 2.0)])
+    write_run(tmp_path / "a.json", "generate", {"date": "2026-01-03 00:00 UTC"}, [row(4, 3.0)])
+    write_run(tmp_path / "c.json", "generate", {"date": "2026-01-01 00:00 UTC"},
+              [row(1, 9.0), row(4, 9.0)])  # fmt: skip
+    runs = report.load_runs(tmp_path)["generate"]
+    assert [r.path.name for r in runs] == ["c.json", "b.json", "a.json"]  # by date
+    used = report.overlay(runs, report.ROW_KEYS["generate"])
+    assert [(run.path.name, rows) for run, rows in used] == [
+        ("b.json", [row(1, 2.0)]),
+        ("a.json", [row(4, 3.0)]),
+    ]  # c.json supplies nothing any more: no Setup line for it
+
+
+def test_write_run_refuses_unknown_kinds_and_reads_back(tmp_path):
+    with pytest.raises(ValueError, match="kind 'training'"):
+        write_run(tmp_path / "x.json", "training", {}, [])
+    run = write_run(tmp_path / "x.json", "decode", {"gpu": "g"}, [{"b": 1}])
+    assert read_run(tmp_path / "x.json") == run and set(KINDS) == set(report.ROW_KEYS)
+    (tmp_path / "y.json").write_text('{"rows": []}')
+    with pytest.raises(ValueError, match="not a benchmark run"):
+        read_run(tmp_path / "y.json")
+
+
+def test_geometric_mean_by_hand():
+    assert tables.geomean([2.0, 8.0]) == pytest.approx(4.0)
+    assert tables.spread([2.0, 8.0, 4.0]) == "4.00x (2.00-8.00)"
+    assert tables.spread([]) == "-"
+
+
+def test_committed_page_is_current_and_small(tmp_path):
+    """BENCHMARKS.md is exactly what `python -m fusedlayers.bench report` renders from the
+    committed bench/*.json (rendered here into a copy laid out the same way), at most 250
+    lines, and bench/ holds at most 1 MB. Stale? Run the command and commit the result."""
+    shutil.copytree(ROOT / "bench", tmp_path / "bench")
+    text, plots = report.render(
+        tmp_path / "bench", tmp_path / "BENCHMARKS.md", tmp_path / "docs" / "img", draw=False
+    )
+    committed = (ROOT / "BENCHMARKS.md").read_text()
+    assert committed == text, "BENCHMARKS.md is stale: run `python -m fusedlayers.bench report`"
+    assert len(committed.splitlines()) <= 250
+    assert sum(p.stat().st_size for p in (ROOT / "bench").rglob("*") if p.is_file()) <= 2**20
+    for plot in plots:  # the committed page's plots are committed beside it
+        assert (ROOT / "docs" / "img" / plot.name).read_bytes()[:8] == PNG
