@@ -15,7 +15,7 @@ $(PY):
 
 install: $(PY)
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q "$(TORCH_SPEC)"
-	$(PIP) install -q -e ".[dev,examples]"
+	$(PIP) install -q -e ".[dev,examples,hf]"
 
 test: install
 	$(VENV)/bin/pytest -q -n $(PYTEST_WORKERS)
