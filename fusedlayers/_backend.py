@@ -50,7 +50,7 @@ def choose_backend(
     should not take it although it could (a measured break-even), "" when it should.
     """
     if backend not in BACKENDS:
-        raise ArgumentError(f"backend={backend!r} must be one of {BACKENDS}")
+        raise ArgumentError(f"backend ({backend!r}) must be one of {BACKENDS}")
     if backend == "reference":
         return False, "use_reference=True"
     if KERNELS_MISSING is not None:
@@ -61,7 +61,7 @@ def choose_backend(
         if blocker:
             raise ArgumentError(f"backend='kernel': {blocker}")
         check_kernel_device(x, name)
-        return True, "backend='kernel'" if x.is_cuda else "TRITON_INTERPRET=1 on CPU tensors"
+        return True, "backend='kernel'"
     if not x.is_cuda:
         return False, f"{name} on {x.device} (no CUDA): reference path"
     if not_worth:

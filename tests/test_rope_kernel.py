@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 from attention_testing import check_close
-from fusedlayers.kernels import _rope
+from fusedlayers.kernels import _compat, _rope
 
 import fusedlayers.layers.rope as rope_front
 from fusedlayers.layers.multihead_attention import MultiheadAttention
@@ -401,6 +401,7 @@ def test_kernel_refusals_name_argument_and_value(args, kwargs, message):
 
 
 def test_kernel_on_cpu_needs_the_interpreter(monkeypatch):
+    monkeypatch.setattr(_compat, "INTERPRETER", False)  # kernels defined for a GPU
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
         apply_rotary_pos_emb(
