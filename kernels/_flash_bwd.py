@@ -39,6 +39,7 @@ from . import _common
 from . import _flash_bwd_sm90 as sm90
 from ._backward_paths import backward_path, sm90_backward_plan
 from ._common import (
+    MAX_PLANS,
     LaunchGeometry,
     attention_signature,
     causal_order_heads,
@@ -282,7 +283,6 @@ class BackwardPlan(NamedTuple):
 
 # Plans by (signature, settings); bounded by `remember`.
 _PLANS: dict[tuple, BackwardPlan] = {}
-_MAX_PLANS = 1024
 
 
 def flash_attention_backward(
@@ -375,7 +375,7 @@ def flash_attention_backward(
             window_left=window_left, window_right=window_right, bias=bias,
             alibi_slopes=alibi_slopes, softcap=softcap, dropout_p=dropout_p,
         )  # fmt: skip
-        remember(_PLANS, key, plan, _MAX_PLANS)
+        remember(_PLANS, key, plan, MAX_PLANS)
     dk = _new_grad(k, plan.owns_k, dk)
     dv = _new_grad(v, plan.owns_k, dv)
     seq_ptrs = plan.pointers(

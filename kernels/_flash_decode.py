@@ -52,6 +52,7 @@ import triton.language as tl
 from . import _compat, _decode_merge
 from ._common import (
     LN2,
+    MAX_PLANS,
     cdiv,
     diagonal_offset,
     empty,
@@ -448,7 +449,6 @@ class DecodePlan(NamedTuple):
 
 # Plans by (signature, MAX_BLOCK_M, PAGE_PREFETCH); bounded by `remember`.
 _PLANS: dict[tuple, DecodePlan] = {}
-_MAX_PLANS = 1024
 
 
 def decode_attention(
@@ -518,7 +518,7 @@ def decode_attention(
             alibi_slopes, softmax_scale=softmax_scale, window_left=window_left,
             window_right=window_right, softcap=softcap, num_splits=num_splits,
         )  # fmt: skip
-        remember(_PLANS, key, plan, _MAX_PLANS)
+        remember(_PLANS, key, plan, MAX_PLANS)
     out = empty(plan.out_shape, q.dtype, q.device)
     if out.numel() == 0:
         lse = torch.full(plan.lse_shape, float("-inf"), device=q.device) if return_lse else None

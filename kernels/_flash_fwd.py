@@ -33,6 +33,7 @@ from . import _common, _compat
 from ._common import (
     LN2,
     LOG2E,
+    MAX_PLANS,
     LaunchGeometry,
     attention_signature,
     causal_order_heads,
@@ -361,7 +362,6 @@ class ForwardPlan(NamedTuple):
 
 # Plans by (signature, forward path, causal order budget); bounded by `remember`.
 _PLANS: dict[tuple, ForwardPlan] = {}
-_MAX_PLANS = 1024
 
 
 def _make_plan(
@@ -441,7 +441,7 @@ def _plan(call: dict) -> ForwardPlan:
     key = (call["signature"], forward_path(), _common.CAUSAL_ORDER_L2_BYTES)
     plan = _PLANS.get(key)
     if plan is None:
-        plan = remember(_PLANS, key, _make_plan(**call), _MAX_PLANS)
+        plan = remember(_PLANS, key, _make_plan(**call), MAX_PLANS)
     return plan
 
 
