@@ -29,9 +29,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from .._backend import choose_backend
 from ..errors import ArgumentError, ArgumentTypeError
 from . import masks, validation
-from .ring_attention import KERNELS_AVAILABLE, Ring, RingAttention
+from .ring_attention import Ring, RingAttention
 
 CP_COMM_TYPES = ("p2p",)
 _DENSE_MASKS = ("no_mask", "causal", "causal_bottom_right")
@@ -217,19 +218,16 @@ def _thd_geometry(q, k, cu_q, cu_kv, cu_q_pad, cu_kv_pad, causal, cp_size) -> di
 
 
 def _use_kernel(backend: str, q: torch.Tensor, v: torch.Tensor) -> bool:
-    """Kernels for CUDA tensors they take (`auto`), always (`kernel`), never (`reference`)."""
-    if backend == "reference":
-        return False
-    if backend == "kernel":
-        if not KERNELS_AVAILABLE:
-            raise RuntimeError("backend='kernel': the Triton kernels cannot be imported")
-        return True
-    return (
-        KERNELS_AVAILABLE
-        and q.is_cuda
-        and q.dtype in validation.KERNEL_DTYPES
+    """`choose_backend`'s rule: the kernels for CUDA tensors they take (`auto`), always
+    (`kernel`: `check_qkv` then names what they cannot take), never (`reference`)."""
+    supported = (
+        q.dtype in validation.KERNEL_DTYPES
         and max(q.shape[-1], v.shape[-1]) <= validation.MAX_KERNEL_HEAD_DIM
     )
+    blocker = "" if supported or backend == "kernel" else (
+        f"dtype {q.dtype}, head dims ({q.shape[-1]}, {v.shape[-1]}) not supported by the kernels"
+    )  # fmt: skip
+    return choose_backend(backend, q, "query_layer", blocker)[0]
 
 
 def context_parallel_attention(
