@@ -220,13 +220,7 @@ def _thd_geometry(q, k, cu_q, cu_kv, cu_q_pad, cu_kv_pad, causal, cp_size) -> di
 def _use_kernel(backend: str, q: torch.Tensor, v: torch.Tensor) -> bool:
     """`choose_backend`'s rule: the kernels for CUDA tensors they take (`auto`), always
     (`kernel`: `check_qkv` then names what they cannot take), never (`reference`)."""
-    supported = (
-        q.dtype in validation.KERNEL_DTYPES
-        and max(q.shape[-1], v.shape[-1]) <= validation.MAX_KERNEL_HEAD_DIM
-    )
-    blocker = "" if supported or backend == "kernel" else (
-        f"dtype {q.dtype}, head dims ({q.shape[-1]}, {v.shape[-1]}) not supported by the kernels"
-    )  # fmt: skip
+    blocker = "" if backend == "kernel" else validation.kernel_blocker(q, v)
     return choose_backend(backend, q, "query_layer", blocker)[0]
 
 

@@ -407,22 +407,9 @@ def attention(
     `expected_heads = (h, hg, d_qk, d_v)` checks the inputs against a module's configuration.
     `names`: what the caller calls the arguments, for error messages (TE's by default).
     """
-    kernel_path, why = choose_backend(backend, q, names.q)
-    if (
-        kernel_path
-        and (
-            q.dtype not in validation.KERNEL_DTYPES
-            or max(q.shape[-1], v.shape[-1]) > validation.MAX_KERNEL_HEAD_DIM
-        )
-        and backend == "auto"
-    ):
-        kernel_path, why = (
-            False,
-            (
-                f"dtype {q.dtype}, head dims ({q.shape[-1]}, {v.shape[-1]}) "
-                "not supported by the kernels: reference path"
-            ),
-        )
+    # `kernel` takes every call (`check_qkv` then names what the kernels cannot take).
+    blocker = "" if backend == "kernel" else validation.kernel_blocker(q, v)
+    kernel_path, why = choose_backend(backend, q, names.q, blocker)
     signature = None
     if (
         attention_mask is None

@@ -65,6 +65,14 @@ def check_head_counts(num_heads: int, num_kv_heads: int, where: str = "") -> Non
         )
 
 
+def kernel_blocker(q: torch.Tensor, v: torch.Tensor) -> str:
+    """Why the kernels cannot take q and v's dtype and head dims ("" when they can): where
+    `backend="auto"` takes the reference path instead."""
+    if q.dtype in KERNEL_DTYPES and max(q.shape[-1], v.shape[-1]) <= MAX_KERNEL_HEAD_DIM:
+        return ""
+    return f"dtype {q.dtype}, head dims ({q.shape[-1]}, {v.shape[-1]}) not supported by the kernels"
+
+
 def check_qkv(q, k, v, qkv_format: str, kernel_path: bool, names: ArgNames = TE_NAMES) -> None:
     """Ranks, dtypes, devices, head counts and dims of query/key/value in `qkv_format`."""
     check_qkv_format(qkv_format)
