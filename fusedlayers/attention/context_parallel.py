@@ -3,8 +3,9 @@
 Each rank of `cp_group` holds a slice of every sequence. Queries stay put; K/V blocks travel
 around the ring (rank r sends to r + 1 and receives from r - 1, posted before the step's compute
 so the transfer overlaps it), and each rank merges the partial outputs by their log-sum-exp. The
-backward sends K/V around again, and the dK/dV of each block travels with it, accumulating every
-rank's contribution, until one last hop hands it to its owner.
+forward keeps the K/V blocks it received; the backward computes the other ranks' blocks first
+and sends each one's dK/dV partial straight to its owner, then its own block, which covers the
+transfers (`ring_attention`).
 
 Load balancing for causal masks (TE's): the sequence is cut into `2 * cp` chunks of `c` tokens and
 rank r holds chunks r and 2cp-1-r, in that order (`context_parallel_indices`). At ring step i,
