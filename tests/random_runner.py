@@ -436,6 +436,18 @@ def _make_module(case: Case, device):
     )  # fmt: skip
 
 
+@contextlib.contextmanager
+def _rejected_if(first: bool):
+    """An entry's refusal (ValueError/TypeError) of a configuration's first call makes the draw
+    `Rejected`, not a failure; a later call of the same configuration must not raise."""
+    try:
+        yield
+    except (ValueError, TypeError) as error:
+        if first:
+            raise Rejected(f"{type(error).__name__}: {error}") from error
+        raise
+
+
 def _run_training_calls(case: Case, device, label: str) -> list[str]:
     state, module = _Training(case, device), _make_module(case, device)
     high_dtype, problems, first = _high_dtype(case.dtype, device), [], True
@@ -444,12 +456,8 @@ def _run_training_calls(case: Case, device, label: str) -> list[str]:
             problems += _run_calls(case.other, device, f"{label}call {i + 1} (other) ")
             continue
         state.refill(i)
-        try:
+        with _rejected_if(first):
             result = state.kernel(module, mode)
-        except (ValueError, TypeError) as error:
-            if first:
-                raise Rejected(f"{type(error).__name__}: {error}") from error
-            raise
         first = False
         where = f"{label}call {i + 1} ({mode}): "
         high, low = state.reference(high_dtype), state.reference(case.dtype)
@@ -503,16 +511,12 @@ def _run_decode_calls(case: Case, device, label: str) -> list[str]:
         kv = dataclasses.replace(case.kv, seed=case.kv.seed + i)  # new values, one signature
         inputs = make_kv_inputs(kv, device)
         before = (inputs["k_cache"].cpu().clone(), inputs["v_cache"].cpu().clone())
-        try:
+        with _rejected_if(first):
             with torch.no_grad() if mode == "no_grad" else contextlib.nullcontext():
                 if case.entry == "decode_attention":
                     out, lse = _decode_kernel(kv, inputs)
                 else:
                     out, lse = call_kernel(kv, inputs)
-        except (ValueError, TypeError) as error:
-            if first:
-                raise Rejected(f"{type(error).__name__}: {error}") from error
-            raise
         first = False
         where = f"{label}call {i + 1} ({mode}): "
         past = _rotary_past_table(kv, inputs)
