@@ -570,10 +570,12 @@ class Summary:
     route: str
     seed: int
     device: str
+    shard: str = ""  # "k/n" when the cases were split over n tests, else ""
     counts: dict = dataclasses.field(default_factory=lambda: dict(passed=0, failed=0, rejected=0))
     failures: list = dataclasses.field(default_factory=list)
     rejections: list = dataclasses.field(default_factory=list)
     seconds: float = 0.0
+    not_run: int = 0  # cases left when the run reached its stop time
 
     @property
     def cases(self) -> int:
@@ -581,10 +583,12 @@ class Summary:
 
     def line(self) -> str:
         c = self.counts
+        shard = f", shard {self.shard}" if self.shard else ""
+        stopped = f", {self.not_run} not run (stop time)" if self.not_run else ""
         return (
-            f"random differential [route {self.route}, seed {self.seed}, {self.device}]: "
+            f"random differential [route {self.route}, seed {self.seed}{shard}, {self.device}]: "
             f"{self.cases} cases, {c['passed']} passed, {c['failed']} failed, "
-            f"{c['rejected']} rejected ({self.seconds:.1f} s)"
+            f"{c['rejected']} rejected{stopped} ({self.seconds:.1f} s)"
         )
 
     def report(self) -> str:
@@ -604,17 +608,28 @@ def run_route(
     device,
     *,
     only: list[int] | None = None,
+    shard: tuple[int, int] = (0, 1),
+    stop_at: float | None = None,
     rerun: Callable[[int], str] = str,
     log: Callable[[str], None] = print,
 ) -> Summary:
     """Run cases 0..count-1 of `route` (or the indices in `only`); log the seed first and each
-    failure with its case, errors and `rerun(index)` command as it happens."""
-    limits, summary = limits_for(device), Summary(route, seed, torch.device(device).type)
-    indices = list(range(count)) if only is None else only
+    failure with its case, errors and `rerun(index)` command as it happens.
+
+    shard (k, n): only the indices i with i % n == k, so that n tests (xdist workers, GPUs)
+    share one route's cases. stop_at: a `time.time()` after which no new case starts; the
+    cases left are counted in `Summary.not_run`, so a time-boxed run reports what it covered."""
+    k, n = shard
+    summary = Summary(route, seed, torch.device(device).type, f"{k}/{n}" if n > 1 else "")
+    limits = limits_for(device)
+    indices = [i for i in (range(count) if only is None else only) if i % n == k]
     log(f"random differential: route {route}, seed {seed}, {len(indices)} cases on {device}; "
         f"rerun one with: {rerun('<index>')}")  # fmt: skip
     start, every = time.perf_counter(), max(10, len(indices) // 10)
     for done, index in enumerate(indices):
+        if stop_at is not None and time.time() >= stop_at:
+            summary.not_run = len(indices) - done
+            break
         if done and done % every == 0:
             log(f"  {done}/{len(indices)} cases, {summary.counts['failed']} failed "
                 f"({time.perf_counter() - start:.0f} s)")  # fmt: skip
@@ -648,22 +663,34 @@ def write_report(path: str, summary: Summary) -> None:
         data = json.loads(text) if text.strip() else {}
         if data.get("run") != run_id:
             data = dict(run=run_id, runs=[])
-        entry = dict(route=summary.route, seed=summary.seed, device=summary.device,
-                     cases=summary.cases, **summary.counts, seconds=round(summary.seconds, 1),
+        entry = dict(route=summary.route, seed=summary.seed, shard=summary.shard,
+                     device=summary.device, cases=summary.cases, **summary.counts,
+                     not_run=summary.not_run, seconds=round(summary.seconds, 1),
                      failures=summary.failures, rejections=summary.rejections)  # fmt: skip
-        runs = [r for r in data["runs"] if (r["route"], r["seed"]) != (summary.route, summary.seed)]
-        data["runs"] = sorted([*runs, entry], key=lambda r: (r["route"], r["seed"]))
-        totals = {}
-        for r in data["runs"]:
-            t = totals.setdefault(r["route"], dict(seeds=0, cases=0, passed=0, failed=0,
-                                                   rejected=0))  # fmt: skip
-            t["seeds"] += 1
-            for key in ("cases", "passed", "failed", "rejected"):
-                t[key] += r[key]
-        data["routes"] = totals
+
+        def key(r):
+            return r["route"], r["seed"], r.get("shard", "")
+
+        runs = [r for r in data["runs"] if key(r) != key(entry)]
+        data["runs"] = sorted([*runs, entry], key=key)
+        data["routes"] = route_totals(data["runs"])
         handle.seek(0)
         handle.truncate()
         json.dump(data, handle, indent=1)
+
+
+def route_totals(runs: list[dict]) -> dict:
+    """{route: {seeds, cases, passed, failed, rejected, not_run}} summed over a report's runs
+    (one per route, seed and shard)."""
+    totals, seeds = {}, {}
+    for r in runs:
+        t = totals.setdefault(r["route"], dict(seeds=0, cases=0, passed=0, failed=0, rejected=0,
+                                               not_run=0))  # fmt: skip
+        seeds.setdefault(r["route"], set()).add(r["seed"])
+        t["seeds"] = len(seeds[r["route"]])
+        for name in ("cases", "passed", "failed", "rejected", "not_run"):
+            t[name] += r.get(name, 0)
+    return totals
 
 
 def env_int(name: str, default: int) -> int:
