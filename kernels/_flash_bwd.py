@@ -203,29 +203,47 @@ def bwd_table(max_len: int, causal: bool) -> dict[int, tuple[int, ...]]:
 
 def bwd_config(
     head_dim: int, on_cuda: bool, max_len: int, causal: bool, elem_size: int = 2,
-    smem_bytes: int | None = None,
+    smem_bytes: int | None = None, bias_elem_size: int = 0,
 ) -> dict[str, int]:  # fmt: skip
     """Block sizes, warps and pipeline stages of both passes for a head dim (max of d_qk, d_v),
     the longest query or key sequence and a causal-like mask or not. The tables are tuned for
-    16-bit inputs; with `elem_size` 4 (fp32) the tiles shrink to `smem_bytes` (the device's
-    shared memory per block), which the 16-bit tiles overrun from d = 72 on (fp32 needed
-    288 KiB at d = 96 on an H200, which has 227)."""
+    16-bit inputs without a bias; with `smem_bytes` (the device's shared memory per block) the
+    tiles shrink to fit it where fp32 inputs (`elem_size` 4: 288 KiB at d = 96 on an H200, which
+    has 227) or a bias (`bias_elem_size`, one score tile per stage: an fp32 bias took bf16 at
+    d = 96 to 256 KiB) overrun it."""
     cfg = _table_entry(bwd_table(max_len, causal), CONFIG_FIELDS, head_dim, on_cuda)
-    if elem_size > 2 and smem_bytes is not None:
-        cfg = fit_shared_memory(cfg, next_pow2_dim(head_dim), elem_size, smem_bytes)
+    if smem_bytes is not None:
+        cfg = fit_shared_memory(cfg, next_pow2_dim(head_dim), elem_size, smem_bytes,
+                                bias_elem_size)  # fmt: skip
     return cfg
 
 
-def fit_shared_memory(cfg: dict, head_dim: int, elem_size: int, limit: int) -> dict[str, int]:
-    """`cfg` with each pass's tiles shrunk until a rough bound of its shared memory fits
-    `limit`: a pass keeps two resident [rows, head_dim] tiles (k and v, or q and dO) and streams
-    two more per pipeline stage. Fewer stages first, then the resident tile, then the streamed
-    one, never below 16 rows (the smallest tile `tl.dot` takes)."""
+# Each pass of the two-pass backward: (the resident tile's rows, the streamed tile's rows, its
+# pipeline stages).
+_PASS_TILES = (("BLOCK_N1", "BLOCK_M1", "STAGES1"), ("BLOCK_M2", "BLOCK_N2", "STAGES2"))
+
+
+def pass_shared_memory(
+    cfg: dict, tiles: tuple, head_dim: int, elem_size: int, bias_elem_size: int = 0
+) -> int:
+    """A rough bound of one pass's shared memory: two resident [rows, head_dim] tiles (k and v,
+    or q and dO), two streamed ones per pipeline stage and, with a bias, its [rows, rows] score
+    tile per stage."""
+    resident, streamed, stages = (cfg[name] for name in tiles)
+    operands = 2 * head_dim * elem_size * (resident + stages * streamed)
+    return operands + stages * resident * streamed * bias_elem_size
+
+
+def fit_shared_memory(
+    cfg: dict, head_dim: int, elem_size: int, limit: int, bias_elem_size: int = 0
+) -> dict[str, int]:
+    """`cfg` with each pass's tiles shrunk until `pass_shared_memory` fits `limit`: fewer stages
+    first, then the resident tile, then the streamed one, never below 16 rows (the smallest tile
+    `tl.dot` takes)."""
     cfg = dict(cfg)
-    for resident, streamed, stages in (
-        ("BLOCK_N1", "BLOCK_M1", "STAGES1"), ("BLOCK_M2", "BLOCK_N2", "STAGES2"),
-    ):  # fmt: skip
-        while 2 * head_dim * elem_size * (cfg[resident] + cfg[stages] * cfg[streamed]) > limit:
+    for tiles in _PASS_TILES:
+        resident, streamed, stages = tiles
+        while pass_shared_memory(cfg, tiles, head_dim, elem_size, bias_elem_size) > limit:
             if cfg[stages] > 1:
                 cfg[stages] -= 1
             elif cfg[resident] > 16:
@@ -533,6 +551,7 @@ def _make_plan(
         cfg = bwd_config(
             head_dim, q.is_cuda, max(max_q, max_k), causal=opts["HAS_RIGHT"],
             elem_size=q.element_size(), smem_bytes=smem_per_block(q.device) if q.is_cuda else None,
+            bias_elem_size=bias.element_size() if bias is not None else 0,
         )  # fmt: skip
     programs = cdiv(max_k, cfg["BLOCK_N1"]) * geo.batch * h_kv
     splits = group_splits(programs, h_q // h_kv, q.device, causal=opts["HAS_RIGHT"])

@@ -4,7 +4,7 @@ one each, in the shapes it found them."""
 import pytest
 import torch
 from attention_testing import Case, check_case, check_close
-from fusedlayers.kernels._flash_bwd import bwd_config, fit_shared_memory
+from fusedlayers.kernels._flash_bwd import bwd_config, fit_shared_memory, pass_shared_memory
 from kvcache_testing import KVCase, call_kernel, make_kv_inputs, reference
 
 from fusedlayers import flash_attn_with_kvcache
@@ -51,6 +51,9 @@ def test_rotary_tables_must_cover_the_queries(page_size):
     check_close("out", out, high, low, factor=2.0)
 
 
+PASSES = (("BLOCK_N1", "BLOCK_M1", "STAGES1"), ("BLOCK_M2", "BLOCK_N2", "STAGES2"))
+
+
 @pytest.mark.parametrize("head_dim", [72, 96, 128, 160, 192, 256])
 @pytest.mark.parametrize("causal", [False, True])
 def test_fp32_backward_tiles_fit_shared_memory(head_dim, causal):
@@ -59,11 +62,35 @@ def test_fp32_backward_tiles_fit_shared_memory(head_dim, causal):
     limit = 227 * 1024
     cfg = bwd_config(head_dim, True, 4096, causal, elem_size=4, smem_bytes=limit)
     pow2 = 1 << (head_dim - 1).bit_length()
-    for resident, streamed, stages in (("BLOCK_N1", "BLOCK_M1", "STAGES1"),
-                                       ("BLOCK_M2", "BLOCK_N2", "STAGES2")):  # fmt: skip
+    for resident, streamed, stages in PASSES:
         assert 2 * pow2 * 4 * (cfg[resident] + cfg[stages] * cfg[streamed]) <= limit, cfg
         assert cfg[resident] >= 16 and cfg[streamed] >= 16 and cfg[stages] >= 1
     assert bwd_config(head_dim, True, 4096, causal, elem_size=2, smem_bytes=limit) == bwd_config(
         head_dim, True, 4096, causal
     )
     assert fit_shared_memory(cfg, pow2, 4, limit) == cfg  # a fitting config stays as it is
+
+
+@pytest.mark.parametrize("head_dim", [64, 80, 96, 128, 192, 256])
+@pytest.mark.parametrize("elem_size, bias_elem_size", [(2, 2), (2, 4), (4, 4)])
+@pytest.mark.parametrize("max_len", [97, 4096])
+def test_backward_tiles_with_a_bias_fit_shared_memory(head_dim, elem_size, bias_elem_size,
+                                                      max_len):  # fmt: skip
+    """A bias adds one [rows, rows] score tile per pipeline stage to each backward pass: bf16 at
+    d = 80 and 96 with an fp32 bias (or a mask with a bias) asked 256 KiB of an H200's 227 in the
+    dQ pass (OutOfResources). Both passes now fit; without a bias the tuned tiles stay."""
+    limit = 227 * 1024
+    pow2 = 1 << (head_dim - 1).bit_length()
+    for causal in (False, True):
+        cfg = bwd_config(head_dim, True, max_len, causal, elem_size=elem_size, smem_bytes=limit,
+                         bias_elem_size=bias_elem_size)  # fmt: skip
+        for tiles in PASSES:
+            assert pass_shared_memory(cfg, tiles, pow2, elem_size, bias_elem_size) <= limit, cfg
+            assert min(cfg[name] for name in tiles[:2]) >= 16 and cfg[tiles[2]] >= 1
+    tuned = bwd_config(head_dim, True, max_len, False)
+    # The case the random test found: the tuned dQ tiles at d = 96 with an fp32 bias overflow.
+    if head_dim == 96 and (elem_size, bias_elem_size) == (2, 4):
+        assert pass_shared_memory(tuned, PASSES[1], pow2, 2, 4) > limit
+        assert bwd_config(head_dim, True, max_len, False, smem_bytes=limit,
+                          bias_elem_size=4) != tuned  # fmt: skip
+    assert bwd_config(head_dim, True, max_len, False, smem_bytes=limit) == tuned
