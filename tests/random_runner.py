@@ -347,6 +347,16 @@ def _zero_grad_atol(state: _Training) -> float:
     return torch.finfo(F32).eps * state.scale * state.case.d_v * magnitude
 
 
+def _score_atol(state: _Training) -> float:
+    """What the scores' dot products may carry beyond PyTorch's fp32 matmul: the kernels'
+    `tl.dot` accumulates on tensor cores, whose fp32 sums are not rounded to nearest after every
+    add, about sqrt(d) fp32 units of |q| |k| per score (scaled). With few keys the LSE is a score
+    (one key: exactly), so it bounds the LSE's error there: measured on an H200, 5-6 units at
+    d = 160-192 where `lse_atol` allowed 3 (tests/gpu/test_random_differential_gpu.py)."""
+    q, k, _ = state.views([t.detach() for t in state.buffers])
+    return torch.finfo(F32).eps * state.scale * math.sqrt(state.case.d) * _largest(q) * _largest(k)
+
+
 def _largest(t: torch.Tensor) -> float:
     finite = t[torch.isfinite(t)]
     return finite.abs().max().item() if finite.numel() else 0.0
@@ -359,13 +369,15 @@ def _grad_atol(actual, want, lse_size: float, shift: torch.Tensor | None, zero_a
     fp32) does not share:
     - P = exp2((s - LSE) log2 e) recomputed in fp32 from the stored LSE: a relative error of
       about 2 eps32 |LSE| on every P, which PyTorch's softmax (normalized by its sum) does not
-      have; it shows in fp32 with large scores. tests/test_kernels_backward_unit.py allows four
-      fp32 units for it.
+      have; it shows in fp32 with large scores. The gradients sum dS = P (dP - D) over keys
+      with cancellation (each row of dS sums to 0), so their error is relative to the sum of
+      magnitudes, not to the result: four units, as tests/test_kernels_backward_unit.py allows
+      (two let fp32 dQ/dK through at 1.2-1.3x the bound in 4 of 160 fp32 GPU cases).
     - D = rowsum(dO * O) from the output rounded to the input dtype: twice its first-order
       effect `shift` (`_Training._delta_rounding`), largest for fp16/bf16 with peaked rows.
     A gradient that is exactly 0 in the reference gets at least `zero_atol` (`_zero_grad_atol`)."""
     magnitude = max(_largest(want), 1.0)
-    atol = (torch.finfo(actual.dtype).eps + 2 * torch.finfo(F32).eps * lse_size) * magnitude
+    atol = (torch.finfo(actual.dtype).eps + 4 * torch.finfo(F32).eps * lse_size) * magnitude
     if shift is not None:
         atol += 2 * _largest(shift)
     if zero_atol and _largest(want) == 0.0:
@@ -373,8 +385,12 @@ def _grad_atol(actual, want, lse_size: float, shift: torch.Tensor | None, zero_a
     return atol
 
 
-def compare(kernel: dict, high: dict, low: dict, s_kv: int, zero_atol: float = 0.0) -> list[str]:
-    """The pass rule on every result the kernel produced; one line per failure."""
+def compare(
+    kernel: dict, high: dict, low: dict, s_kv: int, zero_atol: float = 0.0, score_atol: float = 0.0
+) -> list[str]:
+    """The pass rule on every result the kernel produced; one line per failure. The output
+    shares the gradients' exp2-domain term (2 fp32 units of |LSE| on every P, in the forward
+    too: 1.1-4x PyTorch's fp32 error with ALiBi's large scores); the LSE adds `score_atol`."""
     problems, lse_size = [], _largest(high["lse"]) if "lse" in high else 0.0
     shifts = high.get("delta_shift", {})
     for name in ("out", "lse", "dq", "dk", "dv", "dbias"):
@@ -383,7 +399,10 @@ def compare(kernel: dict, high: dict, low: dict, s_kv: int, zero_atol: float = 0
         actual, want, pytorch = kernel[name], high[name], low[name]
         factor, atol = (3.0, None) if name.startswith("d") else (2.0, None)
         if name == "lse":
-            atol = lse_atol(want, s_kv)
+            atol = lse_atol(want, s_kv) + score_atol
+        elif name == "out":
+            magnitude = max(_largest(want), 1.0)
+            atol = (torch.finfo(actual.dtype).eps + 2 * torch.finfo(F32).eps * lse_size) * magnitude
         elif name.startswith("d"):
             atol = _grad_atol(actual, want, lse_size, shifts.get(name), zero_atol)
         try:
@@ -461,8 +480,9 @@ def _run_training_calls(case: Case, device, label: str) -> list[str]:
         first = False
         where = f"{label}call {i + 1} ({mode}): "
         high, low = state.reference(high_dtype), state.reference(case.dtype)
-        zero_atol = _zero_grad_atol(state)
-        problems += [where + p for p in compare(result, high, low, case.s_kv, zero_atol)]
+        zero_atol, score_atol = _zero_grad_atol(state), _score_atol(state)
+        problems += [where + p for p in compare(result, high, low, case.s_kv, zero_atol,
+                                                score_atol)]  # fmt: skip
         if case.deterministic and mode != "no_grad":  # bitwise the same on the same inputs
             again = state.kernel(module, mode)
             for name in ("out", "dq", "dk", "dv", "dbias"):
