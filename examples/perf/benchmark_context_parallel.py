@@ -151,8 +151,10 @@ def main() -> None:
                 f"{tf_cp / tf_one:.2f} |"
             )
             rows.append(
-                {"pass": name, "cp_ms": t_cp, "cp_tflops_per_gpu": tf_cp, "single_ms": t_one,
-                 "single_tflops": tf_one, "flops_per_gpu": per_gpu}
+                {"pass": name, "seqlen": args.seqlen, "batch": args.batch, "heads": args.heads,
+                 "kv_heads": args.kv_heads, "head_dim": args.head_dim, "world": world,
+                 "fresh_inputs": args.fresh_inputs, "cp_ms": t_cp, "cp_tflops_per_gpu": tf_cp,
+                 "single_ms": t_one, "single_tflops": tf_one, "flops_per_gpu": per_gpu}
             )  # fmt: skip
         if args.json:
             config = {k: v for k, v in vars(args).items() if k != "json"} | {"world": world}

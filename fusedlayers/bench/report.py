@@ -36,7 +36,7 @@ ROW_KEYS: dict[str, Callable[[dict], tuple]] = {
     "decode": lambda r: (r.get("mode", "eager"), r["b"], r["s"]),
     "generate": lambda r: (r["batch"], r["provider"]),
     "gpt": lambda r: (r["model"], *tables.gpt_group(r)),
-    "context_parallel": lambda r: (r["pass"],),
+    "context_parallel": lambda r: (r.get("seqlen"), bool(r.get("fresh_inputs")), r["pass"]),
 }
 COMMANDS = {
     "attention": "python -m fusedlayers.bench attention --out bench",

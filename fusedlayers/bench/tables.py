@@ -344,13 +344,20 @@ def decode_table(rows: list[dict], mode: str) -> list[str]:
 
 
 def context_parallel_table(rows: list[dict]) -> list[str]:
-    """CP over the GPUs against one GPU with the same attention work per GPU."""
-    head = ["pass", "CP ms", "CP TFLOP/s per GPU", "one GPU ms", "one GPU TFLOP/s"]
+    """CP over the GPUs against one GPU with the same attention work per GPU, per sequence
+    length and input policy (the same tensors every call, or new ones)."""
+    head = ["tokens", "batch", "heads (KV)", "inputs", "pass", "CP ms", "CP TFLOP/s per GPU",
+            "one GPU ms", "one GPU TFLOP/s", "CP / one GPU"]  # fmt: skip
     body = []
-    for row in sorted(rows, key=lambda r: r["pass"] != "fwd"):
+    order = lambda r: (r.get("seqlen") or 0, bool(r.get("fresh_inputs")), r["pass"] != "fwd")
+    for row in sorted(rows, key=order):
         cp, one = row["cp_tflops_per_gpu"], row["single_tflops"]
-        body.append(
-            [row["pass"], f"{row['cp_ms']:.2f}", f"{cp:.1f}", f"{row['single_ms']:.2f}"]
-            + [f"{one:.1f}", f"{cp / one:.2f}"]
-        )
-    return table(head + ["CP / one GPU"], body)
+        seqlen = row.get("seqlen")
+        body.append([
+            f"{seqlen // 1024}k" if seqlen else "-", str(row.get("batch", "-")),
+            f"{row['heads']} ({row['kv_heads']})" if "heads" in row else "-",
+            "new" if row.get("fresh_inputs") else "same", row["pass"],
+            f"{row['cp_ms']:.2f}", f"{cp:.1f}", f"{row['single_ms']:.2f}", f"{one:.1f}",
+            f"{cp / one:.2f}",
+        ])  # fmt: skip
+    return table(head, body)
