@@ -6,16 +6,16 @@ kernel (`_flash_bwd_sm90.py`, one launch for dQ, dK and dV) can take the calls i
 measured faster (`SM90_BWD_MIN_KEYS`); every other call falls back, silently and correctly.
 
 `set_backward_path("portable" | "sm90" | "auto")` pins the choice for tests and benchmarks, as
-`set_forward_path` does for the forward; the two settings are independent.
+`set_forward_path` does for the forward; the two settings are independent. Like the forward's,
+the sm_90 module loads on the first call that reaches an sm_90 GPU.
 """
 
 from __future__ import annotations
 
 import torch
 
-from . import _flash_bwd_sm90 as sm90
 from ._common import cdiv, multiprocessors
-from ._forward_paths import _on_sm90
+from ._forward_paths import _on_sm90, sm90_kernels
 
 _PATHS = ("auto", "portable", "sm90")
 _path = "auto"
@@ -65,7 +65,10 @@ def sm90_backward_plan(
     read in place, and `deterministic=False`: its dQ is summed with fp32 atomics, so it is not
     bitwise reproducible (dK and dV are). The rest takes the portable backward.
     """
-    if _path == "portable" or deterministic or not sm90.GLUON_AVAILABLE or not _on_sm90(q):
+    if _path == "portable" or deterministic or not _on_sm90(q):
+        return None
+    sm90 = sm90_kernels("_flash_bwd_sm90")
+    if not sm90.GLUON_AVAILABLE:
         return None
     if q.dtype not in (torch.float16, torch.bfloat16) or not (q.dtype == k.dtype == v.dtype):
         return None

@@ -36,7 +36,6 @@ import triton
 import triton.language as tl
 
 from . import _common
-from . import _flash_bwd_sm90 as sm90
 from ._backward_paths import backward_path, sm90_backward_plan
 from ._common import (
     MAX_PLANS,
@@ -61,6 +60,7 @@ from ._common import (
 )
 from ._flash_bwd_dkdv import _flash_bwd_dkdv_kernel
 from ._flash_bwd_dq import _flash_bwd_dq_kernel
+from ._forward_paths import sm90_kernels
 from ._launch import PlannedLaunch, call_signature, launch_planned, launch_slot
 
 
@@ -423,6 +423,7 @@ def flash_attention_backward(
     # where the plan says so. Where it does not, q stands in (the kernel never reads it), so the
     # preprocess's tensor arguments follow from the signature and that switch.
     zero_dq = plan.preprocess.kwargs["ZERO_DQ"]
+    sm90 = sm90_kernels("_flash_bwd_sm90")  # loaded on first use (`_forward_paths`)
     dq_acc = sm90.dq_accumulator(q, zeroed=not zero_dq)
     delta = _preprocess(
         plan.preprocess, out, dout, lse, dq_acc if zero_dq else q, seq_ptrs, signature

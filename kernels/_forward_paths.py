@@ -7,16 +7,20 @@ falls back, silently and correctly. Callers never choose: `flash_attention` beha
 either path.
 
 `set_forward_path("portable" | "sm90" | "auto")` pins the choice for tests and benchmarks.
+
+The Gluon modules load on the first call that reaches an sm_90 GPU (`sm90_kernels`): Gluon's
+import takes about 0.1 s, which a CPU or an older GPU would pay in `import fusedlayers` for
+kernels it cannot run.
 """
 
 from __future__ import annotations
 
 import functools
+import importlib
 
 import torch
 
 from . import _compat
-from . import _flash_fwd_sm90 as sm90
 from ._common import empty, zeros
 
 _PATHS = ("auto", "portable", "sm90")
@@ -58,6 +62,13 @@ def forward_path() -> str:
 
 
 @functools.cache
+def sm90_kernels(name: str):
+    """The sm_90 kernel module `name` ("_flash_fwd_sm90" or "_flash_bwd_sm90"), imported on
+    first use."""
+    return importlib.import_module(f"{__package__}.{name}")
+
+
+@functools.cache
 def _is_sm90(index: int) -> bool:
     return torch.cuda.get_device_capability(index) == (9, 0)
 
@@ -78,7 +89,10 @@ def sm90_plan(
     causal one (window (-1, -1) or (-1, 0)), no bias, ALiBi, softcap or dropout, and storage TMA
     can read in place (`sm90.tma_view`). Sliding windows and the score modifiers fall back.
     """
-    if _path == "portable" or not sm90.GLUON_AVAILABLE or not _on_sm90(q):
+    if _path == "portable" or not _on_sm90(q):
+        return None
+    sm90 = sm90_kernels("_flash_fwd_sm90")
+    if not sm90.GLUON_AVAILABLE:
         return None
     if q.dtype not in (torch.float16, torch.bfloat16) or not (q.dtype == k.dtype == v.dtype):
         return None
@@ -115,7 +129,7 @@ def run_sm90(q, k, v, geom, *, causal, softmax_scale, bottom_right, signature=No
     else:
         out = zeros(out_shape, q.dtype, q.device)
         lse = torch.full(lse_shape, float("-inf"), dtype=torch.float32, device=q.device)
-    sm90.forward_sm90(
+    sm90_kernels("_flash_fwd_sm90").forward_sm90(
         q, k, v, out, lse, geom,
         softmax_scale=softmax_scale, causal=causal, bottom_right=bottom_right, signature=signature,
     )  # fmt: skip

@@ -57,3 +57,24 @@ def test_the_reason_is_logged_at_import():
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert "outside the releases the GPU suite passed on" in done.stdout, done.stdout
+
+
+def test_import_leaves_the_hopper_kernels_unloaded():
+    """`import fusedlayers` loads no Gluon module (about 0.1 s of import time a CPU or an older GPU
+    cannot use): the sm_90 kernels load on the first call that reaches an sm_90 GPU. With the
+    fast paths allowed, so that the sm_90 modules would be importable."""
+    code = (
+        "import sys, fusedlayers, fusedlayers.kernels\n"
+        "from fusedlayers.kernels import _forward_paths\n"
+        "loaded = sorted(m for m in sys.modules\n"
+        "                if m.startswith('triton.experimental.gluon') or m.endswith('_sm90'))\n"
+        "print(loaded)\n"
+        "_forward_paths.sm90_kernels('_flash_fwd_sm90')\n"
+        "print('fusedlayers.kernels._flash_fwd_sm90' in sys.modules)"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+        env={"PATH": "", "FUSEDLAYERS_UNTESTED_TRITON": "1"},
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split("\n")[:2] == ["[]", "True"], done.stdout

@@ -169,7 +169,8 @@ def test_preprocess_zeroes_the_dq_accumulator(case, fills, atomic, monkeypatch):
     """The atomic schemes sum dQ into an fp32 accumulator that must start at 0. Where the plan
     leaves that to the preprocess, the accumulator arrives NaN-filled here, so any row it
     missed makes dq NaN and fails the comparison with fp64 autograd."""
-    real = _flash_bwd.sm90.dq_accumulator
+    sm90 = _flash_bwd.sm90_kernels("_flash_bwd_sm90")
+    real = sm90.dq_accumulator
     asked = []
 
     def nan_unless_zeroed(q, zeroed=True):
@@ -177,7 +178,7 @@ def test_preprocess_zeroes_the_dq_accumulator(case, fills, atomic, monkeypatch):
         acc = real(q, zeroed=zeroed)
         return acc if zeroed else acc.fill_(float("nan"))
 
-    monkeypatch.setattr(_flash_bwd.sm90, "dq_accumulator", nan_unless_zeroed)
+    monkeypatch.setattr(sm90, "dq_accumulator", nan_unless_zeroed)
     check_case(case, "cpu")
     assert _ran_atomic(atomic)
     assert asked and all(zeroed == fills for zeroed in asked)
