@@ -11,12 +11,12 @@ Offers:
         full contract.
     set_forward_path("auto" | "portable" | "sm90") -> previous setting; forward_path()
         Which forward kernel `flash_attention` runs: on sm_90 GPUs a warp-specialized Gluon
-        kernel takes the calls it covers (kernels/_forward_paths.py), the portable Triton kernel
-        everything else. "auto" (the default) follows the measured table; the others pin a path
-        for tests and benchmarks.
+        kernel takes the calls it covers (kernels/dispatch.py), the portable Triton kernel
+        everything else. "auto" (the default, or FUSEDLAYERS_ATTENTION_PATH at import) follows
+        the measured table; the others pin a path for tests and benchmarks.
     set_backward_path("auto" | "portable" | "sm90") -> previous setting; backward_path()
         The same for the backward: on sm_90 GPUs a warp-specialized Gluon kernel (one launch for
-        dQ, dK and dV) can take the non-deterministic calls it covers (kernels/_backward_paths.py).
+        dQ, dK and dV) can take the non-deterministic calls it covers (kernels/dispatch.py).
     decode_attention(q, k_cache, v_cache, seqlens_k, *, ...) -> (out, lse)
         Split-KV ("flash-decoding") inference forward for few queries over a contiguous or paged
         KV cache (kernels/_flash_decode.py); `check_page_size` states its page-size rule;
@@ -56,16 +56,15 @@ The kernels assume validated input; `fusedlayers` checks and normalizes everythi
 
 from ._activation import ACTIVATIONS as _ACTIVATIONS
 from ._activation import SUPPORTED_DTYPES as ACTIVATION_DTYPES
-from ._backward_paths import backward_path, set_backward_path
 from ._cache_append import rotate_and_append
 from ._dropout import dropout_keep_mask
 from ._flash_decode import check_page_size, decode_attention
-from ._forward_paths import forward_path, set_forward_path
 from ._norm import MAX_HIDDEN as MAX_NORM_HIDDEN
 from ._norm import SUPPORTED_DTYPES as NORM_DTYPES
 from ._rope import SUPPORTED_DTYPES as ROPE_DTYPES
 from .activation_ops import fused_activation
 from .attention_ops import flash_attention
+from .dispatch import backward_path, forward_path, set_backward_path, set_forward_path
 from .norm_ops import add_layer_norm, layer_norm
 from .rope_ops import rope, rope_pair
 

@@ -22,7 +22,7 @@ Two schemes, both reading delta = rowsum(dO * O) (fp32):
   dK/dV stay bitwise reproducible; dQ does not, as the order of the fp32 adds varies.
 
 On an sm_90 GPU, non-deterministic calls the Hopper kernel covers can instead take it
-(`_backward_paths`, `_flash_bwd_sm90.py`): one warp-specialized launch (TMA, wgmma) for dQ, dK
+(`dispatch`, `_flash_bwd_sm90.py`): one warp-specialized launch (TMA, wgmma) for dQ, dK
 and dV after the same preprocess, dQ summed with atomics as in the atomic-dQ scheme.
 """
 
@@ -36,7 +36,6 @@ import triton
 import triton.language as tl
 
 from . import _common
-from ._backward_paths import backward_path, sm90_backward_plan
 from ._common import (
     MAX_PLANS,
     LaunchGeometry,
@@ -60,8 +59,8 @@ from ._common import (
 )
 from ._flash_bwd_dkdv import _flash_bwd_dkdv_kernel
 from ._flash_bwd_dq import _flash_bwd_dq_kernel
-from ._forward_paths import sm90_kernels
 from ._launch import PlannedLaunch, call_signature, launch_planned, launch_slot
+from .dispatch import backward_path, sm90_backward_plan, sm90_kernels
 
 
 @triton.jit
@@ -285,7 +284,7 @@ class BackwardPlan(NamedTuple):
     plus the settings below), computed once per signature by `_make_plan`. Per call there is
     left: allocating, and handing the tensors, seed and offset to the launches."""
 
-    sm90: bool  # the sm_90 kernel takes the call (`_backward_paths.sm90_backward_plan`)
+    sm90: bool  # the sm_90 kernel takes the call (`dispatch.sm90_backward_plan`)
     pointers: operator.itemgetter  # (cu_q, cu_k, off_q, off_k, lens_q, lens_k, stand-in) -> 6
     geometry: LaunchGeometry | None  # `shape_only_geometry`: the sm_90 launch's, where it holds
     owns_q: bool  # every row of q / k belongs to a sequence (else gradients start at 0)
@@ -351,7 +350,7 @@ def flash_attention_backward(
     bitwise reproducible, dq equal up to fp32 summation order (not bitwise) from run to run.
 
     On an sm_90 GPU the Hopper kernel may take a non-deterministic call instead
-    (`_backward_paths.sm90_backward_plan`): same outputs, dq up to fp32 summation order.
+    (`dispatch.sm90_backward_plan`): same outputs, dq up to fp32 summation order.
 
     `dq`, `dk`, `dv`: optional preallocated outputs with the shapes and dtypes of q/k/v and any
     strides with stride(-1) == 1 (e.g. views of one packed gradient buffer); the kernels write
@@ -423,13 +422,13 @@ def flash_attention_backward(
     # where the plan says so. Where it does not, q stands in (the kernel never reads it), so the
     # preprocess's tensor arguments follow from the signature and that switch.
     zero_dq = plan.preprocess.kwargs["ZERO_DQ"]
-    sm90 = sm90_kernels("_flash_bwd_sm90")  # loaded on first use (`_forward_paths`)
+    sm90 = sm90_kernels("_flash_bwd_sm90")  # loaded on first use (`dispatch`)
     dq_acc = sm90.dq_accumulator(q, zeroed=not zero_dq)
     delta = _preprocess(
         plan.preprocess, out, dout, lse, dq_acc if zero_dq else q, seq_ptrs, signature
     )
     if plan.sm90:
-        # One launch for dQ, dK and dV on Hopper (`_backward_paths`); dQ sums by TMA reduce-adds.
+        # One launch for dQ, dK and dV on Hopper (`dispatch`); dQ sums by TMA reduce-adds.
         geom = plan.geometry if plan.geometry is not None else _geometry(q, k, seq_args)
         sm90.backward_sm90(
             q, k, v, dout, lse, delta, dq_acc, dk, dv, geom,

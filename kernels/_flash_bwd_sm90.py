@@ -49,7 +49,7 @@ masked out of P; their dQ/dK/dV rows are never written.
 Covered: fp16/bf16, d = d_v in {64, 128}, MHA/GQA/MQA, no mask / causal (both alignments),
 dense, right-padded and varlen. dQ is not bitwise reproducible (the order of the fp32 atomic
 adds varies), so `deterministic=True` takes the portable two-pass backward, as does everything
-else not covered (`_backward_paths.sm90_backward_plan`).
+else not covered (`dispatch.sm90_backward_plan`).
 
 Precision: as the portable backward. Products accumulate in fp32; P^T and dS^T are rounded to
 the input dtype for the dV, dK and dQ products; dK leaves multiplied by the softmax scale, dQ
@@ -581,7 +581,7 @@ def backward_sm90(
     signature=None,
 ):  # fmt: skip
     """Launch `_attn_bwd_sm90` on input TMA can read in place (`plan_views` says so:
-    `_backward_paths.sm90_backward_plan`): writes dk / dv (any strides with stride(-1) == 1;
+    `dispatch.sm90_backward_plan`): writes dk / dv (any strides with stride(-1) == 1;
     rows past a sequence's end are left alone) and adds the unscaled dQ into `dq_acc` (fp32,
     from `dq_accumulator`, zeroed). `lse`, `delta`: contiguous fp32 as the portable backward
     has them. `signature`: the backward's launch signature (`_flash_bwd`); with it everything
@@ -659,7 +659,7 @@ def _launch_plan(
         P_IN_REGS=P_FROM_REGISTERS[d], num_warps=CONSUMER_WARPS, maxnreg=MAX_REGISTERS,
     )  # fmt: skip
     views = plan_views(q, k, v, dout, geom.varlen)
-    if views is None:  # `_backward_paths.sm90_backward_plan` sends these elsewhere
+    if views is None:  # `dispatch.sm90_backward_plan` sends these elsewhere
         raise ValueError(
             f"sm_90 backward: TMA cannot read q {q.stride()}, k {k.stride()}, v {v.stride()} "
             f"or dout {dout.stride()} in place"

@@ -61,8 +61,8 @@ from ._common import (
     visible_tile,
     zeros,
 )
-from ._forward_paths import forward_path, run_sm90, sm90_plan
 from ._launch import config_slot, launch, launch_bound, launch_slot
+from .dispatch import forward_path, run_sm90_forward, sm90_forward_plan
 
 # --------------------------------------------------------------------------------------------------
 # Autotune configs and their prune predicate
@@ -346,7 +346,7 @@ class ForwardPlan(NamedTuple):
     (`_common.attention_signature`, and the forward path setting), made once per signature by
     `_make_plan`. Per call there is left: allocating out and lse, and the argument tuple."""
 
-    sm90: bool  # the sm_90 kernel takes the call (`_forward_paths.sm90_plan`)
+    sm90: bool  # the sm_90 kernel takes the call (`dispatch.sm90_forward_plan`)
     geometry: LaunchGeometry | None  # `shape_only_geometry`: the sm_90 launch's, where it holds
     pointers: operator.itemgetter  # `seq_pointers` in the kernel's order, None for absent ones
     out_shape: tuple[int, ...]
@@ -376,7 +376,7 @@ def _make_plan(
         seq_offsets_k=seq_offsets_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
         seqlens_q=seqlens_q, seqlens_k=seqlens_k,
     )  # fmt: skip
-    sm90 = sm90_plan(
+    sm90 = sm90_forward_plan(
         q, k, v, geom, window_left=window_left, window_right=window_right, bias=bias,
         alibi_slopes=alibi_slopes, softcap=softcap, dropout_p=dropout_p,
     ) is not None  # fmt: skip
@@ -500,7 +500,7 @@ def flash_attention_forward(
     `signature`: the call's `_common.attention_signature` when the caller has it already.
 
     On an sm_90 GPU the calls the warp-specialized Gluon kernel covers run there instead
-    (`_forward_paths`); the outputs are the same either way. Everything the launch derives from
+    (`dispatch`); the outputs are the same either way. Everything the launch derives from
     the call's signature is planned once per signature (`ForwardPlan`).
     """
     call = locals()  # every parameter by name
@@ -514,7 +514,7 @@ def flash_attention_forward(
                 max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, seqlens_q=seqlens_q,
                 seqlens_k=seqlens_k,
             )  # fmt: skip
-        return run_sm90(
+        return run_sm90_forward(
             q, k, v, geom, causal=window_right == 0, softmax_scale=softmax_scale,
             bottom_right=bottom_right, signature=call["signature"],
         )  # fmt: skip

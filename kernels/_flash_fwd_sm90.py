@@ -43,7 +43,7 @@ Query rows past the end are computed but never stored.
 
 Covered: fp16/bf16, d = d_v in {64, 128}, MHA/GQA/MQA, no mask / causal (top-left or
 bottom-right), dense, right-padded (seqlens) and varlen (cu_seqlens, seq_offsets). Everything
-else takes the portable kernel (`_forward_paths.sm90_plan`).
+else takes the portable kernel (`dispatch.sm90_forward_plan`).
 
 Precision: as the portable kernel. Scores, softmax statistics and the accumulator are fp32; P is
 rounded to the input dtype for the P V product; LSE is in natural log.
@@ -361,7 +361,7 @@ def forward_sm90(
     q, k, v, out, lse, geom, *, softmax_scale, causal, bottom_right, signature=None
 ):  # fmt: skip
     """Launch `_attn_fwd_sm90` on validated input that TMA can read in place (`plan_views`
-    says so: `_forward_paths.sm90_plan`); out / lse are allocated by the caller, contiguous
+    says so: `dispatch.sm90_forward_plan`); out / lse are allocated by the caller, contiguous
     (zero / -inf filled wherever a row may see no key). `signature`: the call's
     `_common.attention_signature`; with it everything but the TMA descriptors' tensors and the
     pointers is planned once per signature (`_launch_plan`: the TMA grids depend on shapes,
@@ -429,7 +429,7 @@ def _launch_plan(q, k, v, out, lse, geom, causal, bottom_right, signature) -> _L
     dynamic = persistent and causal
     views = plan_views(q, k, v, geom.varlen)
     out_view = tma_view(out, geom.varlen, WARPGROUP_ROWS)
-    if views is None or out_view is None:  # `_forward_paths.sm90_plan` sends these elsewhere
+    if views is None or out_view is None:  # `dispatch.sm90_forward_plan` sends these elsewhere
         raise ValueError(
             f"sm_90 forward: TMA cannot read q {q.stride()}, k {k.stride()}, v {v.stride()} "
             f"or write out {out.stride()} in place"

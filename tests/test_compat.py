@@ -65,11 +65,11 @@ def test_import_leaves_the_hopper_kernels_unloaded():
     fast paths allowed, so that the sm_90 modules would be importable."""
     code = (
         "import sys, fusedlayers, fusedlayers.kernels\n"
-        "from fusedlayers.kernels import _forward_paths\n"
+        "from fusedlayers.kernels import dispatch\n"
         "loaded = sorted(m for m in sys.modules\n"
         "                if m.startswith('triton.experimental.gluon') or m.endswith('_sm90'))\n"
         "print(loaded)\n"
-        "_forward_paths.sm90_kernels('_flash_fwd_sm90')\n"
+        "dispatch.sm90_kernels('_flash_fwd_sm90')\n"
         "print('fusedlayers.kernels._flash_fwd_sm90' in sys.modules)"
     )
     done = subprocess.run(

@@ -359,18 +359,16 @@ def test_every_argument_of_the_sm90_launches_has_a_key(causal, monkeypatch):
     argument without one sends every call through `kernel[grid]`. Built here as on an sm_90
     GPU (the launch itself replaced: this machine cannot run Gluon), forward and backward."""
     from fusedlayers.kernels import (
-        _backward_paths,
         _flash_bwd_sm90,
         _flash_fwd_sm90,
-        _forward_paths,
+        dispatch,
         set_backward_path,
         set_forward_path,
     )
 
     if not _flash_fwd_sm90.GLUON_AVAILABLE:
         pytest.skip("this Triton has no Gluon")
-    monkeypatch.setattr(_forward_paths, "_on_sm90", lambda t: True)
-    monkeypatch.setattr(_backward_paths, "_on_sm90", lambda t: True)
+    monkeypatch.setattr(dispatch, "_on_sm90", lambda t: True)
     keyed = []
 
     def key_only(kernel, grid, *args, signature=None, slot=None, **kwargs):

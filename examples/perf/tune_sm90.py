@@ -9,7 +9,7 @@ backend (relative error under 1e-2) and timed with `triton.testing.do_bench` (me
 included). The same problem through SDPA's cuDNN backend and through the portable Triton kernel
 gives the ratios.
 The best candidate per head dim, and the lengths where the portable kernel wins, are what
-`TILES` and `_forward_paths.SM90_MIN_KEYS` (`SM90_MIN_KEYS_CAUSAL` for causal calls) hold.
+`TILES` and `dispatch.SM90_MIN_KEYS` (`SM90_MIN_KEYS_CAUSAL` for causal calls) hold.
 """
 
 from __future__ import annotations

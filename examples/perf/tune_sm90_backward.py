@@ -10,7 +10,7 @@ backward alone (autograd.grad of a retained graph, dout fixed) and forward+backw
 the forward (`set_forward_path` left at "auto") and differ in `set_backward_path`. Before timing,
 each of ours is checked against SDPA-flash's gradients (relative error under 1e-2), and each
 sm_90 variant against ours-portable's too (`rel_err_portable`, same bound). The rows where
-ours-sm90 beats ours-portable are what `_backward_paths.SM90_BWD_MIN_KEYS` holds.
+ours-sm90 beats ours-portable are what `dispatch.SM90_BWD_MIN_KEYS` holds.
 
 `--block-m 64,128` times, at the head dims that have both (`_flash_bwd_sm90.TILES_M128`: d = 64),
 the sm_90 backward with 64- and 128-row query steps in the same process beside the portable

@@ -19,7 +19,7 @@ from __future__ import annotations
 import pytest
 import torch
 from attention_testing import Case, check_case, make_inputs, poison_unowned_rows, run_kernel
-from fusedlayers.kernels import _backward_paths, _common, _flash_bwd_sm90, flash_attention
+from fusedlayers.kernels import _common, _flash_bwd_sm90, dispatch, flash_attention
 from test_kernels_gpu import recorded
 
 pytestmark = pytest.mark.gpu
@@ -48,9 +48,9 @@ def sm90_spy(monkeypatch):
         return launch(*args, **kwargs)
 
     monkeypatch.setattr(_flash_bwd_sm90, "backward_sm90", spy)
-    previous = _backward_paths.set_backward_path("sm90")
+    previous = dispatch.set_backward_path("sm90")
     yield calls
-    _backward_paths.set_backward_path(previous)
+    dispatch.set_backward_path(previous)
 
 
 CASES = [
@@ -125,7 +125,7 @@ def test_sm90_backward_ignores_nan_padding(layout, sm90_spy):
     poison_unowned_rows(inputs, layout, ("q", "k", "v", "dout"))
     fast = run_kernel(case, inputs)
     assert sm90_spy
-    _backward_paths.set_backward_path("portable")
+    dispatch.set_backward_path("portable")
     portable = run_kernel(case, inputs)
     for name in ("dq", "dk", "dv"):
         # NaN only where the inputs had it; the portable kernel leaves those rows 0.
@@ -155,7 +155,7 @@ def test_sm90_backward_agrees_with_portable_and_itself(d, causal, sm90_spy):
     second = _grads(q, k, v, dout, causal)
     assert len(sm90_spy) == 2
     assert torch.equal(first[1], second[1]) and torch.equal(first[2], second[2])
-    _backward_paths.set_backward_path("portable")
+    dispatch.set_backward_path("portable")
     portable = _grads(q, k, v, dout, causal)
     for fast, again, ref in zip(first, second, portable):
         for got in (fast, again):

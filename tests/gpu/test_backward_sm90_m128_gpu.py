@@ -18,7 +18,7 @@ from __future__ import annotations
 import pytest
 import torch
 from attention_testing import Case, check_case, make_inputs, poison_unowned_rows, run_kernel
-from fusedlayers.kernels import _backward_paths, _flash_bwd_sm90
+from fusedlayers.kernels import _flash_bwd_sm90, dispatch
 from test_backward_sm90_gpu import _grads, needs_sm90
 from test_kernels_gpu import recorded
 
@@ -40,9 +40,9 @@ def m128_spy(monkeypatch):
 
     monkeypatch.setattr(_flash_bwd_sm90, "backward_sm90", spy)
     monkeypatch.setitem(_flash_bwd_sm90.TILES, D, _flash_bwd_sm90.TILES_M128[D])
-    previous = _backward_paths.set_backward_path("sm90")
+    previous = dispatch.set_backward_path("sm90")
     yield block_ms
-    _backward_paths.set_backward_path(previous)
+    dispatch.set_backward_path(previous)
 
 
 CASES = [
@@ -95,7 +95,7 @@ def test_sm90_m128_backward_ignores_nan_padding(layout, m128_spy):
     poison_unowned_rows(inputs, layout, ("q", "k", "v", "dout"))
     fast = run_kernel(case, inputs)
     assert set(m128_spy) == {128}
-    _backward_paths.set_backward_path("portable")
+    dispatch.set_backward_path("portable")
     portable = run_kernel(case, inputs)
     for name in ("dq", "dk", "dv"):
         assert not fast[name].isnan().any(), name
@@ -116,7 +116,7 @@ def test_sm90_m128_backward_agrees_with_portable_and_itself(causal, m128_spy):
     second = _grads(q, k, v, dout, causal)
     assert m128_spy == [128, 128]
     assert torch.equal(first[1], second[1]) and torch.equal(first[2], second[2])
-    _backward_paths.set_backward_path("portable")
+    dispatch.set_backward_path("portable")
     portable = _grads(q, k, v, dout, causal)
     for fast, again, ref in zip(first, second, portable):
         for got in (fast, again):

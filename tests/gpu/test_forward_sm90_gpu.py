@@ -24,7 +24,7 @@ from attention_testing import (
     poison_unowned_rows,
     run_kernel,
 )
-from fusedlayers.kernels import _common, _flash_fwd_sm90, _forward_paths, flash_attention
+from fusedlayers.kernels import _common, _flash_fwd_sm90, dispatch, flash_attention
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
@@ -52,9 +52,9 @@ def sm90_spy(monkeypatch):
         return launch(*args, **kwargs)
 
     monkeypatch.setattr(_flash_fwd_sm90, "forward_sm90", spy)
-    previous = _forward_paths.set_forward_path("sm90")
+    previous = dispatch.set_forward_path("sm90")
     yield calls
-    _forward_paths.set_forward_path(previous)
+    dispatch.set_forward_path(previous)
 
 
 CASES = [
@@ -117,7 +117,7 @@ def test_sm90_empty_key_sequence(sm90_spy):
     inputs = make_inputs(case, DEV)
     fast = run_kernel(case, inputs, backward=False)
     assert sm90_spy
-    _forward_paths.set_forward_path("portable")
+    dispatch.set_forward_path("portable")
     portable = run_kernel(case, inputs, backward=False)
     lo = inputs["seq_offsets_q"][-2].item()
     hi = lo + inputs["cu_seqlens_q"].diff()[-1].item()
@@ -151,7 +151,7 @@ def test_sm90_ignores_nan_padding(layout, window, persistent, sm90_spy, monkeypa
     poison_unowned_rows(inputs, layout, ("q", "k", "v"))
     fast = run_kernel(case, inputs, backward=False)
     assert sm90_spy
-    _forward_paths.set_forward_path("portable")
+    dispatch.set_forward_path("portable")
     portable = run_kernel(case, inputs, backward=False)
     assert not fast["out"].isnan().any() and not portable["out"].isnan().any()
     torch.testing.assert_close(fast["out"], portable["out"], atol=2e-2, rtol=0)
@@ -180,7 +180,7 @@ def test_sm90_epilogue_writes_only_owned_rows(d, persistent, tma_epilogue, sm90_
     owned = owned_rows(inputs, "q")
     assert (~owned).sum() >= case.b and (inputs["cu_seqlens_q"].diff() % 64 != 0).any()
     assert (fast["out"][~owned] == 0).all(), "a store reached rows no sequence owns"
-    _forward_paths.set_forward_path("portable")
+    dispatch.set_forward_path("portable")
     portable = run_kernel(case, inputs, backward=False)
     torch.testing.assert_close(fast["out"], portable["out"], atol=2e-2, rtol=0)
     torch.testing.assert_close(fast["lse"], portable["lse"], atol=1e-4, rtol=0)
@@ -270,11 +270,11 @@ def test_sm90_matches_portable_kernel():
     v = torch.randn(2, 2048, 4, 128, device=DEV, generator=g).to(torch.bfloat16)
     results = {}
     for path in ("sm90", "portable"):
-        previous = _forward_paths.set_forward_path(path)
+        previous = dispatch.set_forward_path(path)
         try:
             results[path] = flash_attention(q, k, v, softmax_scale=0.088, window_size=(-1, 0))
         finally:
-            _forward_paths.set_forward_path(previous)
+            dispatch.set_forward_path(previous)
     torch.testing.assert_close(results["sm90"][0], results["portable"][0], atol=2e-2, rtol=0)
     torch.testing.assert_close(results["sm90"][1], results["portable"][1], atol=1e-4, rtol=0)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 from fusedlayers.kernels import _flash_fwd_sm90 as sm90
-from fusedlayers.kernels import _forward_paths, set_forward_path
+from fusedlayers.kernels import dispatch, set_forward_path
 from fusedlayers.kernels._common import launch_geometry
 
 
@@ -81,7 +81,7 @@ def test_dispatcher_never_picks_sm90_off_the_gpu():
     geom = launch_geometry(q, q)
     previous = set_forward_path("sm90")
     try:
-        plan = _forward_paths.sm90_plan(
+        plan = dispatch.sm90_forward_plan(
             q, q, q, geom, window_left=-1, window_right=-1, bias=None, alibi_slopes=None,
             softcap=0.0, dropout_p=0.0,
         )  # fmt: skip
@@ -93,7 +93,7 @@ def test_dispatcher_never_picks_sm90_off_the_gpu():
 def test_set_forward_path_names_bad_values():
     with pytest.raises(ValueError, match="forward path must be one of .* got 'fast'"):
         set_forward_path("fast")
-    assert _forward_paths.forward_path() == "auto"
+    assert dispatch.forward_path() == "auto"
 
 
 @pytest.mark.parametrize(
@@ -116,11 +116,11 @@ def test_auto_takes_sm90_from_the_measured_lengths(d, keys, causal, taken, monke
     1k); the rest fall back."""
     if not sm90.GLUON_AVAILABLE:
         pytest.skip("this Triton has no Gluon")
-    monkeypatch.setattr(_forward_paths, "_on_sm90", lambda t: True)
+    monkeypatch.setattr(dispatch, "_on_sm90", lambda t: True)
     q = torch.randn(1, 64, 2, d, dtype=torch.float16)
     k = torch.randn(1, keys, 2, d, dtype=torch.float16)
     geom = launch_geometry(q, k)
-    plan = _forward_paths.sm90_plan(
+    plan = dispatch.sm90_forward_plan(
         q, k, k, geom, window_left=-1, window_right=0 if causal else -1, bias=None,
         alibi_slopes=None, softcap=0.0, dropout_p=0.0,
     )  # fmt: skip

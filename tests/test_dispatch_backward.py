@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from fusedlayers.kernels import _backward_paths, _flash_bwd_sm90, _flash_fwd_sm90, set_backward_path
+from fusedlayers.kernels import _flash_bwd_sm90, _flash_fwd_sm90, dispatch, set_backward_path
 from fusedlayers.kernels._common import launch_geometry, shape_only_geometry
 
 
@@ -19,7 +19,7 @@ def _plan(q, k, v, dout, **overrides):
     options = dict(window_left=-1, window_right=-1, bias=None, alibi_slopes=None, softcap=0.0,
                    dropout_p=0.0, deterministic=False)  # fmt: skip
     options.update(overrides)
-    return _backward_paths.sm90_backward_plan(q, k, v, dout, lse, geom, **options)
+    return dispatch.sm90_backward_plan(q, k, v, dout, lse, geom, **options)
 
 
 def test_dispatcher_never_picks_sm90_off_the_gpu():
@@ -33,7 +33,7 @@ def test_dispatcher_never_picks_sm90_off_the_gpu():
 
 def test_plan_covers_what_the_kernel_does(monkeypatch):
     """With the GPU check stubbed to pass, the plan takes exactly the covered calls."""
-    monkeypatch.setattr(_backward_paths, "_on_sm90", lambda t: True)
+    monkeypatch.setattr(dispatch, "_on_sm90", lambda t: True)
     monkeypatch.setattr(_flash_bwd_sm90, "GLUON_AVAILABLE", True)
     previous = set_backward_path("sm90")
     try:
@@ -53,14 +53,14 @@ def test_plan_covers_what_the_kernel_does(monkeypatch):
         assert _plan(q96, q96, q96, q96) is None
         # auto follows the table (None entries mean never) and wants enough programs.
         set_backward_path("auto")
-        monkeypatch.setitem(_backward_paths.SM90_BWD_MIN_KEYS, 128, None)
+        monkeypatch.setitem(dispatch.SM90_BWD_MIN_KEYS, 128, None)
         assert _plan(q, kv, kv, q) is None
-        monkeypatch.setitem(_backward_paths.SM90_BWD_MIN_KEYS, 128, 256)
-        monkeypatch.setattr(_backward_paths, "SM90_BWD_MIN_WAVES", 0)
+        monkeypatch.setitem(dispatch.SM90_BWD_MIN_KEYS, 128, 256)
+        monkeypatch.setattr(dispatch, "SM90_BWD_MIN_WAVES", 0)
         assert _plan(q, kv, kv, q) is not None
         assert _plan(q[:, :200], kv[:, :200], kv[:, :200], q[:, :200]) is None  # 200 < 256 keys
         # 3 key blocks x 2 sequences x 2 KV heads = 12 programs: under one wave of the H100.
-        monkeypatch.setattr(_backward_paths, "SM90_BWD_MIN_WAVES", 1)
+        monkeypatch.setattr(dispatch, "SM90_BWD_MIN_WAVES", 1)
         assert _plan(q, kv, kv, q) is None
     finally:
         set_backward_path(previous)
@@ -69,7 +69,7 @@ def test_plan_covers_what_the_kernel_does(monkeypatch):
 def test_set_backward_path_names_bad_values():
     with pytest.raises(ValueError, match="backward path must be one of .* got 'fast'"):
         set_backward_path("fast")
-    assert _backward_paths.backward_path() == "auto"
+    assert dispatch.backward_path() == "auto"
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,222 @@
+"""Which kernels run an attention call: the Hopper (sm_90) Gluon kernels or the portable ones.
+
+The portable Triton kernels (`_flash_fwd.py`, `_flash_bwd.py`) run everything, on any CUDA GPU and
+under the CPU interpreter. On an sm_90 GPU the warp-specialized kernels (`_flash_fwd_sm90.py`;
+`_flash_bwd_sm90.py`, one launch for dQ, dK and dV) take the calls they cover where they
+measured faster; every other call falls back. Callers never choose: results are the same on
+either path.
+
+Choosing by hand:
+- `FUSEDLAYERS_ATTENTION_PATH` (read at import) sets both passes: "auto" (the default),
+  "portable" or "sm90"; "forward=sm90,backward=portable" sets them apart.
+- `set_forward_path` / `set_backward_path` change them within a process (tests, benchmarks).
+"sm90" still falls back where the sm_90 kernels do not cover a call; it only skips the length
+tables below.
+
+Every call the sm_90 kernels could run on this GPU but do not take logs why, once per launch
+plan, on the `fusedlayers.kernels` logger at DEBUG level.
+
+The Gluon modules load on the first call that reaches an sm_90 GPU (`sm90_kernels`): Gluon's
+import takes about 0.1 s, which a CPU or an older GPU would pay in `import fusedlayers` for
+kernels it cannot run.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import logging
+import os
+
+import torch
+
+from . import _compat
+from ._common import cdiv, empty, multiprocessors, zeros
+
+PATHS = ("auto", "portable", "sm90")
+ENV = "FUSEDLAYERS_ATTENTION_PATH"
+_log = logging.getLogger("fusedlayers.kernels")
+
+# The shortest key length (per sequence) at which "auto" takes an sm_90 kernel, per head dim;
+# None: "auto" never does. Below it the portable kernels measured as fast or faster on the H100
+# (bf16, b*s = 16k tokens; docs/performance.md, "When each path runs").
+SM90_MIN_KEYS: dict[int, int | None] = {128: 1024, 64: 2048}
+SM90_MIN_KEYS_CAUSAL: dict[int, int | None] = {128: 1024, 64: 1024}
+SM90_BWD_MIN_KEYS: dict[int, int | None] = {128: 1024, 64: 4096}
+# "auto" also wants this many waves of sm_90 backward programs (one per 128 keys of each sequence
+# and KV head, one per SM): unlike the portable dK/dV pass, which deals a GQA group over several
+# programs when there are few, it keeps one program per key block, so MQA at a small batch would
+# leave SMs idle.
+SM90_BWD_MIN_WAVES = 4
+
+
+def _parse(value: str) -> dict[str, str]:
+    """{"forward": path, "backward": path} from the environment variable's value."""
+    value = value.strip() or "auto"
+    if value in PATHS:
+        return {"forward": value, "backward": value}
+    paths = {"forward": "auto", "backward": "auto"}
+    for part in value.split(","):
+        name, _, path = part.partition("=")
+        if name.strip() not in paths or path.strip() not in PATHS:
+            raise ValueError(
+                f"{ENV}={value!r}: expected one of {PATHS}, or forward=<path>,backward=<path>"
+            )
+        paths[name.strip()] = path.strip()
+    return paths
+
+
+_paths = _parse(os.environ.get(ENV, ""))
+
+
+def _set(which: str, path: str) -> str:
+    if path not in PATHS:
+        raise ValueError(f"{which} path must be one of {PATHS}, got {path!r}")
+    previous, _paths[which] = _paths[which], path
+    return previous
+
+
+def set_forward_path(path: str) -> str:
+    """Pin the forward kernel ("auto", "portable" or "sm90"); returns the previous setting."""
+    return _set("forward", path)
+
+
+def set_backward_path(path: str) -> str:
+    """Pin the backward kernels ("auto", "portable" or "sm90"); returns the previous setting."""
+    return _set("backward", path)
+
+
+def forward_path() -> str:
+    return _paths["forward"]
+
+
+def backward_path() -> str:
+    return _paths["backward"]
+
+
+@functools.cache
+def sm90_kernels(name: str):
+    """The sm_90 kernel module `name` ("_flash_fwd_sm90" or "_flash_bwd_sm90"), imported on
+    first use."""
+    return importlib.import_module(f"{__package__}.{name}")
+
+
+@functools.cache
+def _is_sm90(index: int) -> bool:
+    return torch.cuda.get_device_capability(index) == (9, 0)
+
+
+def _on_sm90(t: torch.Tensor) -> bool:
+    if t.device.type != "cuda" or _compat.INTERPRETER:
+        return False
+    index = t.device.index if t.device.index is not None else torch.cuda.current_device()
+    return _is_sm90(index)
+
+
+def _not_covered(module, q, k, v, *, window_left, window_right, bias, alibi_slopes, softcap,
+                 dropout_p) -> str | None:  # fmt: skip
+    """Why the sm_90 kernels of `module` cannot run this call, or None when they can: fp16/bf16,
+    d_qk = d_v in `module.SUPPORTED_HEAD_DIMS`, no mask or a causal one (window (-1, -1) or
+    (-1, 0)), and no bias, ALiBi, softcap or dropout."""
+    if not module.GLUON_AVAILABLE:
+        return "Triton's Gluon is not available"
+    if q.dtype not in (torch.float16, torch.bfloat16) or not (q.dtype == k.dtype == v.dtype):
+        return f"dtypes {q.dtype}, {k.dtype}, {v.dtype} (fp16 or bf16, all alike)"
+    if q.shape[-1] != v.shape[-1] or q.shape[-1] not in module.SUPPORTED_HEAD_DIMS:
+        dims = module.SUPPORTED_HEAD_DIMS
+        return f"head dims {q.shape[-1]}, {v.shape[-1]} (d_qk = d_v in {dims})"
+    for name, present in (("a bias", bias is not None), ("ALiBi", alibi_slopes is not None),
+                          ("softcap", softcap > 0), ("dropout", dropout_p > 0)):  # fmt: skip
+        if present:
+            return name
+    if window_left != -1 or window_right not in (-1, 0):
+        return f"window ({window_left}, {window_right}) (no mask or causal only)"
+    return None
+
+
+def _declined(which: str, why: str) -> None:
+    if _log.isEnabledFor(logging.DEBUG):
+        _log.debug("the sm_90 %s does not take this call: %s", which, why)
+
+
+def sm90_forward_plan(
+    q, k, v, geom, *, window_left, window_right, bias, alibi_slopes, softcap, dropout_p
+):  # fmt: skip
+    """(TMA views, causal) when the sm_90 forward should run this call, else None: a call
+    `_not_covered` accepts, at least `SM90_MIN_KEYS` keys under "auto", in storage TMA can read
+    in place (`plan_views`)."""
+    if _paths["forward"] == "portable" or not _on_sm90(q):
+        return None
+    sm90 = sm90_kernels("_flash_fwd_sm90")
+    why = _not_covered(sm90, q, k, v, window_left=window_left, window_right=window_right,
+                       bias=bias, alibi_slopes=alibi_slopes, softcap=softcap,
+                       dropout_p=dropout_p)  # fmt: skip
+    if why is None and _paths["forward"] == "auto":
+        min_keys = (SM90_MIN_KEYS_CAUSAL if window_right == 0 else SM90_MIN_KEYS)[q.shape[-1]]
+        if min_keys is None or geom.k.max_len < min_keys:
+            why = f"{geom.k.max_len} keys, fewer than the {min_keys} it measured faster from"
+    views = sm90.plan_views(q, k, v, geom.varlen) if why is None else None
+    if why is None and views is None:
+        why = "TMA cannot read q, k or v in place (strides or alignment)"
+    if why is not None:
+        _declined("forward", why)
+        return None
+    return views, window_right == 0
+
+
+def run_sm90_forward(q, k, v, geom, *, causal, softmax_scale, bottom_right, signature=None):
+    """The sm_90 forward of a call `sm90_forward_plan` sends there: (out, lse), allocated here.
+    `signature`: the call's `_common.attention_signature`, for the launch.
+
+    Rows that may see no key (padding, varlen, or a bottom-right causal diagonal with more
+    queries than keys) are never written by the kernel, so out / lse start as 0 / -inf there.
+    """
+    out_shape = (*q.shape[:-1], v.shape[-1])
+    lse_shape = (q.shape[1], q.shape[0]) if geom.varlen else (q.shape[0], q.shape[2], q.shape[1])
+    empty_rows = causal and bottom_right and geom.q.max_len > geom.k.max_len
+    if geom.dense and not empty_rows:
+        out = empty(out_shape, q.dtype, q.device)
+        lse = empty(lse_shape, torch.float32, q.device)
+    else:
+        out = zeros(out_shape, q.dtype, q.device)
+        lse = torch.full(lse_shape, float("-inf"), dtype=torch.float32, device=q.device)
+    sm90_kernels("_flash_fwd_sm90").forward_sm90(
+        q, k, v, out, lse, geom,
+        softmax_scale=softmax_scale, causal=causal, bottom_right=bottom_right, signature=signature,
+    )  # fmt: skip
+    return out, lse
+
+
+def sm90_backward_plan(
+    q, k, v, dout, lse, geom, *, window_left, window_right, bias, alibi_slopes, softcap,
+    dropout_p, deterministic,
+):  # fmt: skip
+    """(TMA views, causal) when the sm_90 backward should run this call, else None: a call
+    `_not_covered` accepts, with dout in q's dtype, a contiguous LSE and `deterministic=False`
+    (its dQ is summed with fp32 atomics, so it is not bitwise reproducible; dK and dV are);
+    under "auto" at least `SM90_BWD_MIN_KEYS` keys and `SM90_BWD_MIN_WAVES` waves of programs;
+    storage TMA can read in place."""
+    if _paths["backward"] == "portable" or not _on_sm90(q):
+        return None
+    sm90 = sm90_kernels("_flash_bwd_sm90")
+    why = _not_covered(sm90, q, k, v, window_left=window_left, window_right=window_right,
+                       bias=bias, alibi_slopes=alibi_slopes, softcap=softcap,
+                       dropout_p=dropout_p)  # fmt: skip
+    if why is None and deterministic:
+        why = "deterministic=True (its dQ sums with atomics)"
+    if why is None and (dout.dtype != q.dtype or not lse.is_contiguous()):
+        why = f"dout {dout.dtype} against q {q.dtype}, or a strided LSE"
+    if why is None and _paths["backward"] == "auto":
+        min_keys = SM90_BWD_MIN_KEYS[q.shape[-1]]
+        programs = cdiv(geom.k.max_len, sm90.BLOCK_N) * geom.batch * k.shape[-2]
+        if min_keys is None or geom.k.max_len < min_keys:
+            why = f"{geom.k.max_len} keys, fewer than the {min_keys} it measured faster from"
+        elif programs < SM90_BWD_MIN_WAVES * multiprocessors(q.device):
+            why = f"{programs} programs, under {SM90_BWD_MIN_WAVES} waves of the GPU's SMs"
+    views = sm90.plan_views(q, k, v, dout, geom.varlen) if why is None else None
+    if why is None and views is None:
+        why = "TMA cannot read q, k, v or dout in place (strides or alignment)"
+    if why is not None:
+        _declined("backward", why)
+        return None
+    return views, window_right == 0
