@@ -79,6 +79,25 @@ def test_flops_paper_conventions():
     assert bu.attention_flops(1, 1, 2, 5, 1, causal=True) == 4 * 9
 
 
+def test_flops_count_each_matmul_over_its_head_dim():
+    """d_qk 3 with d_v 2, 2 queries over 3 keys, no mask: 6 pairs. Forward: QK^T 2*6*3 = 36 and
+    PV 2*6*2 = 24. Backward: S again, dQ and dK over d_qk (3 * 36) and dP, dV over d_v
+    (2 * 24): 156 more."""
+    assert bu.attention_flops(1, 1, 2, 3, 3, d_v=2) == 60
+    assert bu.attention_flops(1, 1, 2, 3, 3, d_v=2, pass_="fwdbwd") == 60 + 156
+    # b and h multiply; square causal halves both passes, as with one head dim.
+    assert bu.attention_flops(2, 5, 4, 4, 3, d_v=2, causal=True) == 2 * 5 * (2 * 8 * 3 + 2 * 8 * 2)
+    # The benchmark's split pair: d_qk 192, d_v 128 on 11 heads, fwdbwd 1 + 832/320 = 3.6x.
+    fwd = bu.attention_flops(4, 11, 4096, 4096, 192, d_v=128)
+    assert fwd == 2 * 4 * 11 * 4096 * 4096 * (192 + 128)
+    assert bu.attention_flops(4, 11, 4096, 4096, 192, d_v=128, pass_="fwdbwd") == 3.6 * fwd
+    # d_v == d is the papers' count, whether d_v is given or not.
+    same = bu.attention_flops(4, 16, 4096, 4096, 128, d_v=128, pass_="fwdbwd")
+    assert same == bu.attention_flops(4, 16, 4096, 4096, 128, pass_="fwdbwd")
+    assert same == 3.5 * 4 * 4 * 16 * 4096 * 4096 * 128
+    assert bu.attention_work(1, 1, 2, 3, 3, d_v=2) == {"fwd": 60, "fwdbwd": 216}
+
+
 def test_sliding_window_flops_closed_form():
     s, left = 16384, 4096
     pairs = sum(min(i, left) + 1 for i in range(s))
@@ -96,13 +115,14 @@ def test_rel_err_never_passes_nan():
 
 def test_presets_and_overrides():
     standard = ba.parse_args([])
-    assert (standard.preset, standard.dtypes, standard.dims) == ("standard", ["bf16"], [64, 128])
+    assert (standard.preset, standard.dtypes) == ("standard", ["bf16"])
+    assert standard.dims == [(64, 64), (128, 128)]  # (d_qk, d_v)
     assert standard.seqlens == [1024, 4096, 16384]
     assert standard.passes == ["fwd", "fwdbwd"] and standard.causal == [False, True]
     assert standard.cases == list(ba.CASES) and standard.providers == list(ba.PROVIDERS)
     assert (standard.warmup, standard.rep, standard.time_limit) == (25, 100, 480)
     full = ba.parse_args(["--full"])
-    assert (full.dtypes, full.dims) == (["bf16", "fp16"], [64, 128, 256])
+    assert (full.dtypes, full.dims) == (["bf16", "fp16"], [(64, 64), (128, 128), (256, 256)])
     assert full.seqlens == [512, 1024, 2048, 4096, 8192, 16384]
     picked = ba.parse_args(
         [
@@ -121,7 +141,7 @@ def test_presets_and_overrides():
             "sweep,window",
         ]
     )
-    assert (picked.dtypes, picked.dims, picked.seqlens) == (["fp16"], [256], full.seqlens)
+    assert (picked.dtypes, picked.dims, picked.seqlens) == (["fp16"], [(256, 256)], full.seqlens)
     assert picked.providers == ["fusedlayers", "flex"] and picked.passes == ["fwd"]
     assert picked.causal == [True] and picked.cases == ["sweep", "window"]
 
@@ -130,8 +150,15 @@ def test_presets_and_overrides():
     "argv",
     [
         ["--quick", "--full"],
+        ["--quick", "--head-dims"],
         ["--seqlens", "3000"],
-        ["--dims", "96"],
+        ["--dims", "0"],
+        ["--dims", "192x"],
+        ["--dims", "192x0"],
+        ["--dims", "64x64x64"],
+        ["--dims", "d128"],
+        ["--gqa-seqlens", "5000"],
+        ["--gqa-kv-heads", "3"],
         ["--providers", "fa3"],
         ["--dtypes", "fp8"],
         ["--passes", "bwd"],
@@ -174,7 +201,9 @@ def test_help_runs_as_a_module():
         timeout=120,
     )
     assert run.returncode == 0, run.stderr
-    assert "--quick" in run.stdout and "not yet timed" in " ".join(run.stdout.split())
+    help_text = " ".join(run.stdout.split())
+    assert "--quick" in run.stdout and "107 s wall on a fresh H200" in help_text
+    assert "--head-dims" in run.stdout and "192x128" in help_text
     script = subprocess.run(
         [sys.executable, str(EXAMPLES / "benchmark_attention.py"), "--help"],
         capture_output=True,
@@ -196,6 +225,49 @@ def test_standard_cases_keep_tokens_and_hidden_fixed():
         if c.kind == "sweep":
             assert c.hq * c.d == 2048 and c.hkv == c.hq
     assert {(c.hq, c.hkv) for c in cases if c.kind == "gqa"} == {(32, 8), (32, 1)}
+
+
+def test_dims_name_split_pairs_and_round_the_head_count():
+    """`AxB` is d_qk A with d_v B; a head dim that does not divide 2048 runs round(2048/d_qk)
+    heads (80 -> 25.6 -> 26, 192 -> 10.7 -> 11), every shape b*s = 16384 tokens."""
+    args = ba.parse_args(["--dims", "64,80,192x128", "--seqlens", "4096", "--cases", "sweep"])
+    assert args.dims == [(64, 64), (80, 80), (192, 128)]
+    shapes = [(c.d, c.d_v, c.hq, c.hkv, c.b, c.s, c.causal) for c in ba.build_cases(args)]
+    assert shapes == [
+        (64, 64, 32, 32, 4, 4096, False),
+        (64, 64, 32, 32, 4, 4096, True),
+        (80, 80, 26, 26, 4, 4096, False),
+        (80, 80, 26, 26, 4, 4096, True),
+        (192, 128, 11, 11, 4, 4096, False),
+        (192, 128, 11, 11, 4, 4096, True),
+    ]
+    assert ba.build_cases(args)[-1].label == "sweep bf16 d=192/128 s=4096 b=4 h=11 causal=1"
+    assert ba.heads_for(4096) == 1 and ba.heads_for(8192) == 1  # at least one head
+
+
+def test_head_dims_preset_is_the_head_dim_and_gqa_cells():
+    """--head-dims: d 64..256 and (192, 128) at 4k, 8k, 16k, causal and not, and GQA 32/8 at
+    d = 128 at the same lengths, against the three anchors with --quick's do_bench; the
+    standard preset keeps its GQA cases (32/8 and 32/1 at --extra-seqlen)."""
+    args = ba.parse_args(["--head-dims"])
+    assert (args.preset, args.dtypes, args.passes) == ("head-dims", ["bf16"], ["fwd", "fwdbwd"])
+    assert args.providers == ["fusedlayers", "sdpa-flash", "sdpa-cudnn", "flex"]
+    assert (args.warmup, args.rep, args.time_limit) == (10, 30, 420)
+    cases = ba.build_cases(args)
+    dims = [(64, 64), (80, 80), (96, 96), (128, 128), (160, 160), (192, 192), (256, 256)]
+    lengths, causal = (4096, 8192, 16384), (False, True)
+    sweep = [(c.d, c.d_v, c.s, c.causal) for c in cases if c.kind == "sweep"]
+    assert sweep == [
+        (d, dv, s, c) for d, dv in [*dims, (192, 128)] for s in lengths for c in causal
+    ]
+    gqa = [(c.d, c.d_v, c.hq, c.hkv, c.s, c.causal) for c in cases if c.kind == "gqa"]
+    assert sorted(gqa) == sorted((128, 128, 32, 8, s, c) for s in lengths for c in causal)
+    assert len(cases) == len(sweep) + len(gqa) == 54
+    assert all(c.b * c.s == 16384 and c.hq == round(2048 / c.d) for c in cases if c.kind == "sweep")
+    standard = ba.parse_args([])
+    assert (standard.gqa_seqlens, standard.gqa_kv_heads) == ([4096], [8, 1])
+    picked = ba.parse_args(["--head-dims", "--gqa-kv-heads", "1", "--cases", "gqa"])
+    assert {(c.hkv, c.s) for c in ba.build_cases(picked)} == {(1, s) for s in lengths}
 
 
 def test_random_lengths_sum_to_total():
@@ -353,7 +425,9 @@ def test_pipeline_runs_checks_and_reports_on_cpu(cpu_pipeline, tmp_path):
         assert max(subject["relerr"].values()) < ba.TOLERANCE["bf16"]
         assert "dq" in subject["relerr"]
     sweep = [r for r in rows if r["case"] == "sweep"]
-    assert all(r["providers"]["sdpa-cudnn"]["status"] == "error" for r in sweep)  # no CPU cuDNN
+    for row in sweep:  # no CPU cuDNN: reported unsupported with SDPA's reason, never timed
+        cudnn = row["providers"]["sdpa-cudnn"]
+        assert cudnn["status"] == "unsupported" and cudnn["error"]
     varlen = [r for r in rows if r["case"] == "varlen"][0]
     assert "fusedlayers-dense" in varlen["providers"] and varlen["seqs"] > 1
     # The equal-length dense batch is checked against its own reference before it is timed.
@@ -395,6 +469,76 @@ def test_a_failing_backward_still_times_the_forward(cpu_pipeline, monkeypatch, t
     fwd, fwdbwd = (r["providers"]["fusedlayers"] for r in rows)
     assert fwd["status"] == "ok"
     assert fwdbwd["status"] == "error" and "head dim" in fwdbwd["error"]
+
+
+def test_pipeline_runs_a_split_head_dim_pair_on_cpu(cpu_pipeline, monkeypatch, tmp_path):
+    """d_qk 12 with d_v 8 (h = round(32/12) = 3): fusedlayers gets v and dout at d_v, is checked
+    against SDPA's math backend (SDPA-flash refuses d_v != d_qk) and timed with the FLOPs of
+    each matmul at its head dim; SDPA-flash is reported unsupported with SDPA's reason and never
+    timed."""
+    seen = []
+
+    def fused(q, k, v, **kwargs):
+        seen.append((q.shape[-1], k.shape[-1], v.shape[-1]))
+        return _fake_flash_attn_func(q, k, v, **kwargs)
+
+    monkeypatch.setattr(cpu_pipeline, "flash_attn_func", fused)
+    timed = []
+    monkeypatch.setattr(bu, "bench_ms", lambda fn, *a, **kw: timed.append(fn) or 1.0)
+    flags = "--dims 12x8 --seqlens 32 --cases sweep --causal 1 --providers fusedlayers,sdpa-flash"
+    rows = _tiny_run(tmp_path, flags)
+    shapes = [(r["d"], r["d_v"], r["hq"], r["b"], r["pass"]) for r in rows]
+    assert shapes == [(12, 8, 3, 2, "fwd"), (12, 8, 3, 2, "fwdbwd")]
+    assert set(seen) == {(12, 12, 8)}
+    # 2 sequences x 3 heads x 32*32/2 causal pairs: forward 2*(12 + 8) FLOPs a pair, the
+    # backward 2*(3*12 + 2*8) more.
+    pairs = 2 * 3 * 32 * 32 // 2
+    work = {"fwd": 2 * 20 * pairs, "fwdbwd": 2 * 20 * pairs + 2 * 52 * pairs}
+    for row in rows:
+        ours = row["providers"]["fusedlayers"]
+        assert ours["status"] == "ok" and ours["flops"] == work[row["pass"]]
+        assert set(ours["relerr"]) == {"out", "dq", "dk", "dv"}
+        assert max(ours["relerr"].values()) < ba.TOLERANCE["bf16"]
+        assert "checked against sdpa-math" in row["notes"]
+        flash = row["providers"]["sdpa-flash"]
+        assert flash["status"] == "unsupported" and "same last dimension" in flash["error"]
+    assert len(timed) == 2  # fusedlayers' two passes only
+    text = ba.finish(SimpleNamespace(out=str(tmp_path), no_plot=True), {}, rows)
+    table = [line for line in text.splitlines() if line.startswith("| 12/8 | 32 | 1 |")]
+    assert [line.split(" | ")[3:6] for line in table] == [
+        ["fwd", "0", "unsupported"],
+        ["fwdbwd", "0", "unsupported"],
+    ]
+
+
+def test_sdpa_refusal_reads_the_reason_and_raises_other_errors():
+    from fusedlayers.bench.common import Unsupported
+
+    q, k = torch.randn(1, 2, 16, 24), torch.randn(1, 2, 16, 24)
+    v = torch.randn(1, 2, 16, 8)
+    flash = lambda: cases._sdpa_call("FLASH_ATTENTION", [q, k, v], False, None, False)
+    reason = cases._sdpa_refusal(flash)
+    assert reason and "Triggered internally" not in reason and not reason.endswith(":")
+    math = lambda: cases._sdpa_call("MATH", [q, k, v], False, None, False)
+    assert cases._sdpa_refusal(math) is None
+
+    def broken():
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        cases._sdpa_refusal(broken)
+    data = (q, k, v, torch.randn(1, 2, 16, 8))
+    with pytest.raises(Unsupported, match="same last dimension"):
+        cases._sdpa_runner("sdpa-flash", "FLASH_ATTENTION", data, {}, False)
+
+
+def test_repeated_kv_grads_sum_over_each_group_at_their_own_head_dims():
+    """SDPA runs that repeat k/v for GQA: dk [.., d_qk] and dv [.., d_v] each fold back."""
+    dq, dk = torch.zeros(1, 4, 3, 6), torch.ones(1, 4, 3, 6)
+    dv = torch.arange(4.0).view(1, 4, 1, 1).expand(1, 4, 3, 2).contiguous()
+    _, (_, gk, gv) = cases._canon_repeated(2, None, [dq, dk, dv])
+    assert gk.shape == (1, 2, 3, 6) and bool((gk == 2).all())
+    assert gv.shape == (1, 2, 3, 2) and gv[0, :, 0, 0].tolist() == [1.0, 5.0]
 
 
 def test_tuning_sweep_jobs_and_best_per_pass():

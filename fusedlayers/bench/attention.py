@@ -2,15 +2,28 @@
 FlexAttention, side by side in one process on one GPU (anchors.md: claims are ratios measured
 that way).
 
-    python -m fusedlayers.bench attention --quick       # the headline cells, about 2 minutes
+    python -m fusedlayers.bench attention --quick       # the headline cells, 107 s on an H200
     python -m fusedlayers.bench attention               # every case, under 10 minutes on an H100
+    python -m fusedlayers.bench attention --head-dims   # d 64..256 and 192x128, GQA 32/8, 4k-16k
     python -m fusedlayers.bench attention --full --dtypes bf16 --dims 64 --out bench-out/d64
 
-Each shape is checked against an SDPA reference before it is timed; a provider that fails the
-check or raises is reported as such, never timed silently. Writes attention.json to --out after
-every case (a run cut short keeps what it measured), then the TFLOP/s plots, and prints the
-summary table last. `python -m fusedlayers.bench report --bench-dir DIR` renders a whole page
-from it.
+--head-dims stops starting cases after 420 s (about 8 minutes a run, an estimate); its 54 cases
+take about 12, so two runs cover them all, joined by --merge:
+
+    python -m fusedlayers.bench attention --head-dims --dims 64,80,96,128 --out bench-out/dims-a
+    python -m fusedlayers.bench attention --head-dims --dims 160,192,256,192x128 --cases sweep \\
+        --out bench-out/dims-b
+    python -m fusedlayers.bench attention --out bench-out/dims \\
+        --merge bench-out/dims-a/attention.json bench-out/dims-b/attention.json
+
+Every sweep shape has b*s = 16384 tokens and h*d = 2048; where d_qk does not divide 2048 it runs
+h = round(2048/d_qk) heads, and TFLOP/s count what runs. `--dims 64,192x128` names head dims;
+`AxB` is d_qk A with d_v B. Each shape is checked against an SDPA reference before it is timed;
+a provider that fails the check or raises is reported as such, never timed silently, and one
+with no kernel for the shape (SDPA-flash on d_v != d_qk) is reported unsupported, with SDPA's
+reason. Writes attention.json to --out after every case (a run cut short keeps what it
+measured), then the TFLOP/s plots, and prints the summary table last.
+`python -m fusedlayers.bench report --bench-dir DIR` renders a whole page from it.
 """
 
 from __future__ import annotations
@@ -29,20 +42,23 @@ from .attention_cases import DTYPES, SETUPS, Case, Setup
 from .common import (
     FatalCudaError,
     Reference,
+    Unsupported,
     configure_dynamo,
     csv_arg,
     failure,
     finish_row,
+    head_dims_arg,
     ints_arg,
     measure_runner,
     progress_lines,
     random_lengths,
     short_error,
+    unsupported,
 )
 from .record import read_run, run_header, write_run
 
 TOKENS = 16384  # b * s for every shape: the same work per row, as anchors.md measures
-HIDDEN = 2048  # h * d
+HIDDEN = 2048  # h * d (h = round(HIDDEN / d) where d does not divide it: see heads_for)
 # fusedlayers-portable: the same call pinned to the portable Triton forward kernel, which on
 # sm_90 GPUs is otherwise replaced by the warp-specialized one where that covers the call.
 PROVIDERS = (
@@ -56,28 +72,55 @@ PROVIDERS = (
 CASES = ("sweep", "gqa", "varlen", "packed", "window")
 PASSES = ("fwd", "fwdbwd")
 # --quick: the cells the summary reads (s >= 4k, both head dims, causal and not, both passes)
-# against the three anchors, with a shorter do_bench. Not yet timed on a GPU; estimated from the
-# per-case times of run 19 (bench/attention.json: the same 8 cases took 104 s with six providers
-# and 12 timings of 100 ms each, 7-17 s a case, mostly compilation and autotuning). Dropping the
-# portable pin and SDPA's efficient backend and timing 8 passes for 30 ms should save about 3 s a
-# case: 80 s of cases, plus about 10 s of cold compiles in the first case and 10 s of start-up.
-# The s = 1k cases would add about 65 s (`--quick --seqlens 1024,4096,16384` runs them). No case
-# starts after 90 s, so a slower machine drops the last cells rather than running long.
-QUICK_ESTIMATE = "about 100 s on an H100 (estimated from earlier runs, not yet timed)"
+# against the three anchors, with a shorter do_bench. Timed: its 8 cases took 107 s wall on a
+# fresh H200 (cold Triton cache, torch 2.11, Triton 3.6, 2026-11-28), most of it compilation and
+# autotuning (split by estimate, not measured: about 20 s of start-up and first-case cold
+# compiles, then about 11 s a case). The s = 1k cases would add about 65 s (an earlier estimate;
+# `--quick --seqlens 1024,4096,16384` runs them). No case starts after 90 s, so a slower machine
+# drops the last cells rather than running long.
+QUICK_ESTIMATE = (
+    "107 s wall on a fresh H200 (cold Triton cache, torch 2.11, Triton 3.6, 2026-11-28)"
+)
+# --head-dims: the head-dim cells (d 64, 80, 96, 128, 160, 192, 256 and d_qk 192 with d_v 128 at
+# s = 4k, 8k, 16k, causal and not: 48 cases) and GQA 32/8 at d = 128 at the same lengths (6
+# cases), against the three anchors with quick's do_bench. An ESTIMATE, not yet timed: at quick's
+# rate (about 11 s a case after 20 s of start-up) plus about 10 s of cold compiles and
+# autotuning for each new head dim, the 54 cases take about 54 x 11 + 8 x 10 + 20 = 700 s, some
+# 12 minutes on an H100. The 420 s time limit keeps one run near 8 minutes (the limit, the case
+# running at it, the plots): it measures about the first 30 cases (d = 64 to 160 and some of
+# 192) and names the others in the run's header (`not_run`). Two runs of about 6-7 minutes each
+# cover every cell (the module docstring's commands; --merge joins them).
+HEAD_DIMS_ESTIMATE = (
+    "estimated 8 minutes on an H100 for about 30 of its 54 cases; all of them in two runs: "
+    "--dims 64,80,96,128 and --dims 160,192,256,192x128 --cases sweep, then --merge"
+)
+ANCHORS = ["fusedlayers", "sdpa-flash", "sdpa-cudnn", "flex"]
 PRESETS = {
     "quick": {
         "dtypes": ["bf16"],
-        "dims": [64, 128],
+        "dims": head_dims_arg("64,128"),
         "seqlens": [4096, 16384],
         "cases": ["sweep"],
-        "providers": ["fusedlayers", "sdpa-flash", "sdpa-cudnn", "flex"],
+        "providers": ANCHORS,
         "warmup": 10,
         "rep": 30,
         "time_limit": 90.0,
     },
+    "head-dims": {
+        "dtypes": ["bf16"],
+        "dims": head_dims_arg("64,80,96,128,160,192,256,192x128"),
+        "seqlens": [4096, 8192, 16384],
+        "cases": ["sweep", "gqa"],
+        "gqa_seqlens": [4096, 8192, 16384],
+        "gqa_kv_heads": [8],
+        "providers": ANCHORS,
+        "warmup": 10,
+        "rep": 30,
+        "time_limit": 420.0,
+    },
     "standard": {
         "dtypes": ["bf16"],
-        "dims": [64, 128],
+        "dims": head_dims_arg("64,128"),
         "seqlens": [1024, 4096, 16384],
         "cases": list(CASES),
         "providers": list(PROVIDERS),
@@ -87,7 +130,7 @@ PRESETS = {
     },
     "full": {
         "dtypes": ["bf16", "fp16"],
-        "dims": [64, 128, 256],
+        "dims": head_dims_arg("64,128,256"),
         "seqlens": [512, 1024, 2048, 4096, 8192, 16384],
         "cases": list(CASES),
         "providers": list(PROVIDERS),
@@ -105,19 +148,31 @@ EXTRA_DIM = 128
 WINDOW_SEQLEN, WINDOW = 16384, (4096, 0)
 
 
+def heads_for(d_qk: int) -> int:
+    """Query heads of a sweep shape with head dim `d_qk`: HIDDEN / d_qk where that divides, else
+    the nearest whole count (80 -> 26, 192 -> 11), at least 1. TFLOP/s count the heads that run."""
+    return max(1, round(HIDDEN / d_qk))
+
+
 def build_cases(args: argparse.Namespace) -> list[Case]:
-    """Sweep shapes, then the extra cases, per dtype (the order they run and are reported in)."""
+    """Sweep shapes, then the extra cases, per dtype (the order they run and are reported in).
+    `args.dims` holds (d_qk, d_v) pairs."""
     es, h = args.extra_seqlen, HIDDEN // EXTRA_DIM
     lengths = random_lengths(TOKENS, random.Random(args.seed), max(1, TOKENS // 128), TOKENS // 4)
     cases = []
     for dtype in args.dtypes:
         if "sweep" in args.cases:
-            for d, s, c in itertools.product(args.dims, args.seqlens, args.causal):
-                cases.append(Case("sweep", dtype, d, TOKENS // s, HIDDEN // d, HIDDEN // d, s, c))
+            for (d, d_v), s, c in itertools.product(args.dims, args.seqlens, args.causal):
+                hq = heads_for(d)
+                cases.append(Case("sweep", dtype, d, TOKENS // s, hq, hq, s, c, d_v=d_v))
         for c in args.causal:
             if "gqa" in args.cases:
-                hq, hkvs = GQA_HEADS
-                cases += [Case("gqa", dtype, EXTRA_DIM, TOKENS // es, hq, g, es, c) for g in hkvs]
+                hq = GQA_HEADS[0]
+                cases += [
+                    Case("gqa", dtype, EXTRA_DIM, TOKENS // s, hq, g, s, c)
+                    for s in args.gqa_seqlens
+                    for g in args.gqa_kv_heads
+                ]
             if "varlen" in args.cases:
                 n, top = len(lengths), max(lengths)
                 cases.append(Case("varlen", dtype, EXTRA_DIM, n, h, h, top, c, lengths=lengths))
@@ -133,7 +188,8 @@ def build_cases(args: argparse.Namespace) -> list[Case]:
 
 
 def _new_row(case: Case, setup: Setup, pass_: str) -> dict:
-    row = {k: getattr(case, k) for k in ("kind", "dtype", "d", "b", "hq", "hkv", "causal")}
+    keys = ("kind", "dtype", "d", "d_v", "b", "hq", "hkv", "causal")
+    row = {k: getattr(case, k) for k in keys}
     row["case"] = row.pop("kind")
     row |= {"s_q": case.s, "s_k": case.s, "pass": pass_, "subject": setup.subject}
     row["window"] = list(case.window) if case.window else None
@@ -212,6 +268,8 @@ def run_case(case: Case, args: argparse.Namespace) -> list[dict]:
             notes = [n for n in (runner.note, f"checked against {ref.name}", tuned) if n]
         except FatalCudaError:
             raise
+        except Unsupported as refusal:  # no kernel for this shape: the reason, no timing
+            results, notes = {p: unsupported(refusal) for p in args.passes}, []
         except Exception as error:  # a failing provider is a table entry, never a crash
             results, notes = {p: failure(error) for p in args.passes}, []
         for pass_, result in results.items():
@@ -288,9 +346,10 @@ def attention_header(args: argparse.Namespace) -> dict:
             f"time: triton.testing.do_bench median (warmup {args.warmup} ms, rep {args.rep} ms, "
             "L2 flushed before each run); inputs require grad in both passes; fwdbwd = forward "
             "+ backward of a random dout, grads set to None before each run",
-            "cells: TFLOP/s, forward 4*b*h_q*s_q*s_k*d, halved for square causal; windows and "
-            "varlen count visible pairs exactly; fwdbwd = 3.5x forward; each provider counts its "
-            "own work",
+            "cells: TFLOP/s, forward 2*b*h_q*s_q*s_k*(d_qk + d_v) (4*b*h_q*s_q*s_k*d when "
+            "d_v = d), halved for square causal; windows and varlen count visible pairs exactly; "
+            "fwdbwd = 3.5x forward (1 + (3*d_qk + 2*d_v)/(d_qk + d_v) when d_v != d_qk); each "
+            "provider counts its own work",
             "ratios[X] = time of X / time of the subject for the same job (> 1: subject faster)",
             "mem MiB: peak max_memory_allocated over the live inputs for one call of the pass "
             "(grads included); mem_flag: subject > baseline + 10%",
@@ -341,17 +400,33 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="bf16; d 64,128; s 4k,16k; sweep only; fusedlayers, SDPA-flash, cuDNN, Flex; "
         f"do_bench 10/30 ms; {QUICK_ESTIMATE}",
     )
+    preset.add_argument(
+        "--head-dims",
+        action="store_true",
+        help="bf16; d 64,80,96,128,160,192,256,192x128; s 4k,8k,16k; sweep and GQA 32/8 at "
+        f"d 128; the anchors as --quick; {HEAD_DIMS_ESTIMATE}",
+    )
     preset.add_argument("--full", action="store_true", help="bf16,fp16; d 64,128,256; s 512..16k")
     p.add_argument(
         "--providers", type=csv_arg(PROVIDERS), help=f"{','.join(PROVIDERS)} (preset: all)"
     )
     p.add_argument("--dtypes", type=csv_arg(list(DTYPES)), help="overrides the preset")
-    p.add_argument("--dims", type=ints_arg, help="head dims dividing 2048 (h = 2048/d)")
+    p.add_argument(
+        "--dims",
+        type=head_dims_arg,
+        help="head dims, D or DQKxDV (d_qk DQK, d_v DV), e.g. 64,128,192x128; h = round(2048/d_qk)",
+    )
     p.add_argument("--seqlens", type=ints_arg, help="seqlens dividing 16384 (b = 16384/s)")
     p.add_argument("--passes", type=csv_arg(PASSES), default=list(PASSES), help="fwd,fwdbwd")
     p.add_argument("--causal", type=csv_arg(("0", "1")), default=["0", "1"], help="0,1")
     p.add_argument("--cases", type=csv_arg(CASES), help=f"{','.join(CASES)} (preset: all)")
     p.add_argument("--extra-seqlen", type=int, default=4096, help="s of the gqa, packed cases")
+    p.add_argument(
+        "--gqa-seqlens", type=ints_arg, help="s of the gqa case (preset: --extra-seqlen)"
+    )
+    p.add_argument(
+        "--gqa-kv-heads", type=ints_arg, help="KV heads of the gqa case, of 32 (preset: 8,1)"
+    )
     p.add_argument("--warmup", type=int, help="do_bench warm-up, ms (preset: 25)")
     p.add_argument("--rep", type=int, help="do_bench repetition time, ms (preset: 100)")
     p.add_argument("--time-limit", type=float, help="s; no case starts after it (preset: 480)")
@@ -362,17 +437,29 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--verbose", action="store_true", help="every provider's result per case")
     p.add_argument("--merge", nargs="+", metavar="JSON", help="join earlier runs' attention.json")
     args = p.parse_args(argv)
-    args.preset = "full" if args.full else "quick" if args.quick else "standard"
+    args.preset = _preset_name(args)
     for key, value in PRESETS[args.preset].items():
         if getattr(args, key) is None:  # explicit flags win over the preset
             setattr(args, key, value)
+    args.gqa_seqlens = args.gqa_seqlens or [args.extra_seqlen]
+    args.gqa_kv_heads = args.gqa_kv_heads or list(GQA_HEADS[1])
     args.causal = [c == "1" for c in args.causal]
-    for flag, values, total in (("seqlens", args.seqlens, TOKENS), ("dims", args.dims, HIDDEN)):
-        if any(x <= 0 or total % x for x in values):
-            p.error(f"--{flag} {values}: each must divide {total}")
+    for flag, values in (("seqlens", args.seqlens), ("gqa-seqlens", args.gqa_seqlens)):
+        if any(x <= 0 or TOKENS % x for x in values):
+            p.error(f"--{flag} {values}: each must divide {TOKENS}")
     if args.extra_seqlen <= 0 or TOKENS % args.extra_seqlen:
         p.error(f"--extra-seqlen {args.extra_seqlen}: must divide {TOKENS}")
+    if any(g <= 0 or GQA_HEADS[0] % g for g in args.gqa_kv_heads):
+        p.error(f"--gqa-kv-heads {args.gqa_kv_heads}: each must divide {GQA_HEADS[0]}")
     return args
+
+
+def _preset_name(args: argparse.Namespace) -> str:
+    """The PRESETS key the preset flags pick (standard without one)."""
+    for name in ("full", "quick", "head-dims"):
+        if getattr(args, name.replace("-", "_")):
+            return name
+    return "standard"
 
 
 def main(argv: list[str] | None = None) -> int:

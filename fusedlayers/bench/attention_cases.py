@@ -10,13 +10,23 @@ from __future__ import annotations
 
 import functools
 import itertools
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
-from .common import Reference, Runner, attention_flops, short_error
+from .common import (
+    SDPA_REFUSALS,
+    Reference,
+    Runner,
+    Unsupported,
+    attention_work,
+    short_error,
+    total_work,
+)
+from .tables import dims_text
 
 DEVICE = "cuda"  # the CPU tests point this at "cpu" to run the pipeline on tiny shapes
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -29,7 +39,10 @@ SDPA_BACKENDS = {
 
 @dataclass
 class Case:
-    """One shape: what is built and checked once, then timed for every pass."""
+    """One shape: what is built and checked once, then timed for every pass.
+
+    q and k have head dim `d` (d_qk), v, dout and the output `d_v` (d unless given).
+    """
 
     kind: str
     dtype: str
@@ -41,14 +54,24 @@ class Case:
     causal: bool
     window: tuple[int, int] | None = None
     lengths: list[int] | None = None  # varlen only
+    d_v: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.d_v is None:
+            self.d_v = self.d
+
+    @property
+    def dims(self) -> str:
+        """`128`, or `192/128` for d_qk 192 with d_v 128."""
+        return dims_text(self.d, self.d_v)
 
     @property
     def label(self) -> str:
-        shape = f"d={self.d} s={self.s} b={self.b} h={self.hq}"
+        shape = f"d={self.dims} s={self.s} b={self.b} h={self.hq}"
         if self.hkv != self.hq:
             shape += f" hkv={self.hkv}"
         if self.lengths:
-            shape = f"d={self.d} tokens={sum(self.lengths)} seqs={len(self.lengths)} h={self.hq}"
+            shape = f"d={self.dims} tokens={sum(self.lengths)} seqs={len(self.lengths)} h={self.hq}"
         extra = f" window={self.window}" if self.window else f" causal={int(self.causal)}"
         return f"{self.kind} {self.dtype} {shape}{extra}"
 
@@ -71,11 +94,12 @@ def _leaf(t: torch.Tensor) -> torch.Tensor:
 
 
 def _random_bhsd(case: Case) -> tuple[torch.Tensor, ...]:
-    """q, k, v, dout in [b, h, s, d]: random, never zeros (zeros hide unwritten outputs)."""
+    """q [b, hq, s, d], k [b, hkv, s, d], v [b, hkv, s, d_v], dout [b, hq, s, d_v]: random,
+    never zeros (zeros hide unwritten outputs)."""
     dtype = DTYPES[case.dtype]
-    shape_q, shape_kv = (case.b, case.hq, case.s, case.d), (case.b, case.hkv, case.s, case.d)
-    shapes = (shape_q, shape_kv, shape_kv, shape_q)
-    return tuple(torch.randn(s, device=DEVICE, dtype=dtype) for s in shapes)
+    b, s, d, d_v = case.b, case.s, case.d, case.d_v
+    shapes = ((b, case.hq, s, d), (b, case.hkv, s, d), (b, case.hkv, s, d_v), (b, case.hq, s, d_v))
+    return tuple(torch.randn(shape, device=DEVICE, dtype=dtype) for shape in shapes)
 
 
 def _canon_same(out, grads):
@@ -91,8 +115,8 @@ def _canon_repeated(groups: int, out, grads):
     if grads is None:
         return out, None
     dq, dk, dv = grads
-    b, h, s, d = dk.shape
-    return out, [dq] + [g.view(b, h // groups, groups, s, d).sum(2) for g in (dk, dv)]
+    b, h, s, _ = dk.shape  # dk and dv may differ in head dim (d_qk, d_v)
+    return out, [dq] + [g.view(b, h // groups, groups, s, g.shape[-1]).sum(2) for g in (dk, dv)]
 
 
 def _canon_padded(valid: torch.Tensor, out, grads):
@@ -224,8 +248,26 @@ def _sdpa_call(backend: str, leaves, causal, mask, gqa) -> torch.Tensor:
         return F.scaled_dot_product_attention(*leaves, attn_mask=mask, is_causal=causal, **kwargs)
 
 
+def _sdpa_refusal(forward: Callable[[], torch.Tensor]) -> str | None:
+    """Why SDPA's pinned backend has no kernel for `forward`'s call (its warnings say, e.g. flash
+    on d_v != d_qk), or None when the call runs. Any other error is raised, as from a call."""
+    with warnings.catch_warnings(record=True) as caught, torch.no_grad():
+        warnings.simplefilter("always")
+        try:
+            forward()
+        except RuntimeError as error:
+            if not any(refusal in str(error) for refusal in SDPA_REFUSALS):
+                raise
+            # The reasons follow a "... not used because:" line; drop where it was triggered.
+            reasons = [str(w.message).split(" (Triggered internally")[0] for w in caught]
+            reasons = [r.strip() for r in reasons if r.strip() and not r.rstrip().endswith(":")]
+            return reasons[0] if reasons else short_error(error)
+    return None
+
+
 def _sdpa_runner(name, backend, data, flops, causal, mask=None, canon=_canon_same) -> Runner:
-    """SDPA on one backend; GQA through enable_gqa, or k/v repeated outside timing if refused."""
+    """SDPA on one backend; GQA through enable_gqa, or k/v repeated outside timing if refused.
+    Raises Unsupported when the backend has no kernel for the call (a head dim, d_v != d_qk)."""
     q, k, v, dout = data
     groups = q.shape[1] // k.shape[1]
     leaves = [_leaf(t) for t in (q, k, v)]
@@ -240,6 +282,9 @@ def _sdpa_runner(name, backend, data, flops, causal, mask=None, canon=_canon_sam
             forward = lambda: _sdpa_call(backend, leaves, causal, mask, False)
             canon = functools.partial(_canon_repeated, groups)
             note = f"{name}: enable_gqa refused, k/v repeat_interleave'd outside timing"
+    reason = _sdpa_refusal(forward)
+    if reason is not None:
+        raise Unsupported(reason)
     return Runner(name, forward, leaves, dout.contiguous(), flops, canon, note=note)
 
 
@@ -276,9 +321,11 @@ def _flex_runner(data, flops, mask_mod) -> Runner:
 
 # ----------------------------------------------------------------------------- references
 
-REF_BACKENDS = ("FLASH_ATTENTION", "CUDNN_ATTENTION", "EFFICIENT_ATTENTION")
+# MATH last: slow and memory-hungry at 16k, but it takes what the fused backends refuse
+# (SDPA-flash refuses d_v != d_qk).
+REF_BACKENDS = ("FLASH_ATTENTION", "CUDNN_ATTENTION", "EFFICIENT_ATTENTION", "MATH")
 MASK_REF_BACKENDS = ("EFFICIENT_ATTENTION", "CUDNN_ATTENTION")  # SDPA-flash takes no mask
-BACKEND_NAMES = {backend: name for name, backend in SDPA_BACKENDS.items()}
+BACKEND_NAMES = {backend: name for name, backend in SDPA_BACKENDS.items()} | {"MATH": "sdpa-math"}
 
 
 def _sdpa_reference(data, need_grads, causal=False, mask=None, backends=REF_BACKENDS) -> Reference:
@@ -324,9 +371,8 @@ P = functools.partial  # factories are built now and called one at a time, when 
 def _dense_setup(case: Case, want: Callable[[str], bool]) -> Setup:
     """sweep, gqa and window: one dense [b, h, s, d] problem for every provider."""
     data = _random_bhsd(case)
-    flops = attention_flops(
-        case.b, case.hq, case.s, case.s, case.d, causal=case.causal, window=case.window
-    )
+    shape = (case.b, case.hq, case.s, case.s, case.d)
+    flops = attention_work(*shape, d_v=case.d_v, causal=case.causal, window=case.window)
     f: dict[str, Callable[[], Runner]] = {}
     for name in ("fusedlayers", "fusedlayers-portable"):
         if want(name):
@@ -370,13 +416,13 @@ def _varlen_setup(case: Case, want: Callable[[str], bool]) -> Setup:
     data = [torch.randn(t, h, d, device=DEVICE, dtype=DTYPES[case.dtype]) for _ in range(4)]
     bounds = [0, *itertools.accumulate(lengths)]
     cu = torch.tensor(bounds, dtype=torch.int32, device=DEVICE)
-    useful = sum(attention_flops(1, h, x, x, d, causal=causal) for x in lengths)
+    useful = total_work(attention_work(1, h, x, x, d, causal=causal) for x in lengths)
     refs = {"main": P(_varlen_reference, data, bounds=bounds, causal=causal)}
     f: dict[str, Callable[[], Runner]] = {}
     if want("fusedlayers"):
         f["fusedlayers"] = P(_fused_varlen_runner, data, cu, top, causal, useful)
         dense = [x.transpose(0, 1)[None] for x in data]  # all tokens as one sequence
-        dense_flops = attention_flops(1, h, t, t, d, causal=causal)
+        dense_flops = attention_work(1, h, t, t, d, causal=causal)
         f["fusedlayers-dense"] = P(
             _fused_dense_runner, "fusedlayers-dense", dense, dense_flops, causal, None, "dense"
         )
@@ -386,14 +432,14 @@ def _varlen_setup(case: Case, want: Callable[[str], bool]) -> Setup:
         equal = [x[: n * s_eq].reshape(n, s_eq, h, d).transpose(1, 2) for x in data]
         f["fusedlayers-dense-equal"] = P(
             _fused_dense_runner, "fusedlayers-dense-equal", equal,
-            attention_flops(n, h, s_eq, s_eq, d, causal=causal), causal, None, "dense-equal",
+            attention_work(n, h, s_eq, s_eq, d, causal=causal), causal, None, "dense-equal",
         )  # fmt: skip
         refs["dense-equal"] = P(_sdpa_reference, equal, causal=causal)
     padded, valid = _padded(data, lengths)
     # Causal with right padding is exact without a mask (valid queries see only valid keys and
     # padded rows get dout 0); without causal, padded keys are masked where the backend can.
     mask = None if causal else valid[:, None, None, :]
-    pad_flops = attention_flops(n, h, top, top, d, causal=causal)
+    pad_flops = attention_work(n, h, top, top, d, causal=causal)
     canon = P(_canon_padded, valid)
     f |= {
         f"{n}-padded": P(_sdpa_runner, f"{n}-padded", be, padded, pad_flops, causal, mask, canon)
@@ -413,7 +459,7 @@ def _varlen_setup(case: Case, want: Callable[[str], bool]) -> Setup:
 
 def _packed_setup(case: Case, want: Callable[[str], bool]) -> Setup:
     data = _random_bhsd(case)
-    flops = attention_flops(case.b, case.hq, case.s, case.s, case.d, causal=case.causal)
+    flops = attention_work(case.b, case.hq, case.s, case.s, case.d, causal=case.causal)
     f: dict[str, Callable[[], Runner]] = {}
     if want("fusedlayers"):
         for name, views in (("sb3hd", "split"), ("sb3hd-select", "select"), ("sbhd", None)):

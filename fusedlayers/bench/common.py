@@ -14,7 +14,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 # Forward + backward is counted as 3.5x the forward (flash-attention papers: the backward does
-# 2.5x the forward's matmul work, five matmuls against two).
+# 2.5x the forward's matmul work, five matmuls against two) when q, k and v share a head dim;
+# `pass_factor` gives the factor for any (d_qk, d_v).
 PASS_FACTOR = {"fwd": 1.0, "fwdbwd": 3.5}
 # A provider whose peak memory exceeds the baseline's by more than this is flagged.
 MEM_SLACK = 1.10
@@ -37,6 +38,20 @@ def visible_pairs(s_q: int, s_k: int, window: tuple[int, int], bottom_right: boo
     return total
 
 
+def pass_factor(pass_: str, d_qk: int, d_v: int) -> float:
+    """FLOPs of `pass_` over the forward's, counting the matmuls by the head dim they contract.
+
+    Forward: S = QK^T (d_qk) and O = PV (d_v). Backward: S again (d_qk), dP = dO V^T (d_v),
+    dV = P^T dO (d_v), dQ = dS K (d_qk), dK = dS^T Q (d_qk). With d_v == d_qk that is
+    1 + 10/4 = 3.5, PASS_FACTOR's factor, exactly.
+    """
+    if pass_ == "fwd":
+        return 1.0
+    if pass_ != "fwdbwd":
+        raise KeyError(pass_)
+    return 1.0 + (3 * d_qk + 2 * d_v) / (d_qk + d_v)
+
+
 def attention_flops(
     b: int,
     h: int,
@@ -44,17 +59,20 @@ def attention_flops(
     s_k: int,
     d: int,
     *,
+    d_v: int | None = None,
     causal: bool = False,
     window: tuple[int, int] | None = None,
     pass_: str = "fwd",
 ) -> float:
     """FLOPs of one attention call as the papers count them, on query heads.
 
-    Forward: two matmuls of 2*d FLOPs per visible (query, key) pair, i.e. 4*b*h*s_q*s_k*d dense.
-    Square causal uses the papers' convention (exactly half, as anchors.md does) so our numbers
-    line up with published ones; any other mask (windows, causal with s_q != s_k) counts the
-    visible pairs exactly, since "half" would be wrong there.
+    Forward: 2*d FLOPs per visible (query, key) pair for QK^T and 2*d_v for PV (d_v defaults
+    to d), i.e. 2*b*h*s_q*s_k*(d + d_v) dense, 4*b*h*s_q*s_k*d when d_v == d. Square causal
+    uses the papers' convention (exactly half, as anchors.md does) so our numbers line up with
+    published ones; any other mask (windows, causal with s_q != s_k) counts the visible pairs
+    exactly, since "half" would be wrong there. fwdbwd: `pass_factor` times the forward.
     """
+    d_v = d if d_v is None else d_v
     if window is None:
         window = (-1, 0) if causal else (-1, -1)
     if window == (-1, -1):
@@ -63,7 +81,18 @@ def attention_flops(
         pairs = s_q * s_k / 2
     else:
         pairs = visible_pairs(s_q, s_k, window)
-    return 4.0 * b * h * d * pairs * PASS_FACTOR[pass_]
+    return 2.0 * b * h * (d + d_v) * pairs * pass_factor(pass_, d, d_v)
+
+
+def attention_work(b: int, h: int, s_q: int, s_k: int, d: int, **kwargs) -> dict[str, float]:
+    """{pass: FLOPs} of one attention call for every pass (`attention_flops`' arguments)."""
+    return {p: attention_flops(b, h, s_q, s_k, d, pass_=p, **kwargs) for p in PASS_FACTOR}
+
+
+def total_work(works) -> dict[str, float]:
+    """The sum of several `attention_work`s, per pass."""
+    works = list(works)
+    return {p: sum(w[p] for w in works) for p in PASS_FACTOR}
 
 
 def rel_err(x, ref) -> float:
@@ -114,7 +143,7 @@ class Runner:
     forward: Callable
     leaves: list
     dout: object
-    flops: float  # forward FLOPs of the work this provider does (padding included)
+    flops: dict[str, float]  # {pass: FLOPs} of the work this provider does (padding included)
     canon: Callable  # (out, grads) -> (out, [dq, dk, dv]) in the layout of its reference
     ref: str = "main"
     note: str = ""
@@ -147,6 +176,20 @@ def failure(error: BaseException) -> dict:
     except RuntimeError as fatal:
         raise FatalCudaError(f"{short_error(error)} (then: {short_error(fatal)})") from error
     return {"status": "error", "error": short_error(error)}
+
+
+class Unsupported(RuntimeError):
+    """A provider has no kernel for a case (a head dim, d_v != d_qk): reported, never timed."""
+
+
+# What SDPA raises when the backend it is pinned to has no kernel for the call (the reasons
+# come as warnings before it).
+SDPA_REFUSALS = ("No available kernel", "No viable backend")
+
+
+def unsupported(error: Unsupported) -> dict:
+    """An unsupported provider as a result entry, with its reason."""
+    return {"status": "unsupported", "error": str(error)[:240]}
 
 
 def check_runner(runner: Runner, ref: Reference) -> tuple[dict[str, float], Exception | None]:
@@ -202,7 +245,7 @@ def measure_runner(runner: Runner, ref: Reference, tol: float, args) -> dict[str
         except Exception as error:  # any provider failure becomes a table entry, never a crash
             results[pass_] = failure(error)
             continue
-        flops = runner.flops * PASS_FACTOR[pass_]
+        flops = runner.flops[pass_]
         results[pass_] = {
             "status": "ok",
             "ms": ms,
@@ -251,6 +294,26 @@ def ints_arg(text: str) -> list[int]:
         return [int(x) for x in text.split(",") if x.strip()]
     except ValueError as error:
         raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated ints") from error
+
+
+def head_dims_arg(text: str) -> list[tuple[int, int]]:
+    """argparse type: comma-separated head dims, each `A` (d_qk = d_v = A) or `AxB` (d_qk A,
+    d_v B): "64,192x128" -> [(64, 64), (192, 128)]."""
+    dims = []
+    for item in (x.strip() for x in text.split(",")):
+        if not item:
+            continue
+        parts = item.lower().split("x")  # "128" -> d_v = d_qk; "192x128" -> d_v 128
+        try:
+            numbers = [int(part) for part in parts]
+        except ValueError as error:
+            raise argparse.ArgumentTypeError(f"{item!r}: expected D or DQKxDV") from error
+        if len(numbers) > 2 or min(numbers) <= 0:
+            raise argparse.ArgumentTypeError(f"{item!r}: expected positive D or DQKxDV")
+        dims.append((numbers[0], numbers[-1]))
+    if not dims:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated head dims")
+    return dims
 
 
 def configure_dynamo() -> None:

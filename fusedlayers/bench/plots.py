@@ -14,8 +14,11 @@ from .tables import (
     ATTENTION_NAMES,
     PASS_NAMES,
     decode_best_other,
+    dims_order,
+    dims_text,
     gpt_model_name,
     gpt_sorted,
+    head_dims,
 )
 
 DPI = 100
@@ -60,11 +63,17 @@ def _seqlen_axis(ax, lengths: list[int]) -> None:
     ax.minorticks_off()
 
 
-def attention_plot(rows: list[dict], d: int, path: Path) -> Path:
-    """TFLOP/s against sequence length per provider at head dim `d`: one panel per (causal, pass)
-    of the sweep rows (the first dtype present)."""
+def attention_plot_name(d: int, d_v: int | None = None) -> str:
+    """attention-d128.png; attention-d192x128.png for d_qk 192 with d_v 128."""
+    return f"attention-d{d}.png" if d_v in (None, d) else f"attention-d{d}x{d_v}.png"
+
+
+def attention_plot(rows: list[dict], d: int, path: Path, d_v: int | None = None) -> Path:
+    """TFLOP/s against sequence length per provider at head dim `d` (d_qk; values `d_v`, d when
+    None): one panel per (causal, pass) of the sweep rows (the first dtype present)."""
     plt = _pyplot()
-    sweep = [r for r in rows if r["case"] == "sweep" and r["d"] == d]
+    dims = (d, d if d_v is None else d_v)
+    sweep = [r for r in rows if r["case"] == "sweep" and head_dims(r) == dims]
     dtype = sorted({r["dtype"] for r in sweep})[0]
     sweep = [r for r in sweep if r["dtype"] == dtype]
     panels = sorted({(bool(r["causal"]), r["pass"]) for r in sweep})
@@ -85,24 +94,36 @@ def attention_plot(rows: list[dict], d: int, path: Path) -> Path:
                 xs, ys = zip(*points)
                 ax.plot(xs, ys, color=color, marker=marker, label=ATTENTION_NAMES[name])
         _seqlen_axis(ax, sorted({r["s_q"] for r in here}))
-        ax.set_title(f"d={d}, {'causal' if causal else 'no mask'}, {PASS_NAMES.get(pass_, pass_)}")
+        mask = "causal" if causal else "no mask"
+        ax.set_title(f"d={dims_text(*dims)}, {mask}, {PASS_NAMES.get(pass_, pass_)}")
         ax.set_xlabel("sequence length")
         ax.set_ylabel("TFLOP/s")
         ax.set_ylim(bottom=0)
         ax.grid(True, alpha=0.3)
     for ax in list(axes.flat)[len(panels) :]:
         ax.axis("off")
-    fig.suptitle(f"Attention, {dtype}, b = 16384/s, h = 2048/d", fontsize=10)
+    heads = {r["hq"] for r in sweep}
+    # h = 2048/d where d divides 2048, else the nearest whole head count the run used
+    h = "2048/d" if all(r["hq"] * d == 2048 for r in sweep) else "/".join(map(str, sorted(heads)))
+    fig.suptitle(f"Attention, {dtype}, b = 16384/s, h = {h}", fontsize=10)
     handles, labels = axes.flat[0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=8, frameon=False)
     fig.tight_layout(rect=(0, 0.05, 1, 1))
     return _save(fig, path)
 
 
+def sweep_dims(rows: list[dict]) -> list[tuple[int, int]]:
+    """(d_qk, d_v) of every head dim the sweep rows measured, in the tables' order."""
+    sweep = sorted((r for r in rows if r["case"] == "sweep"), key=dims_order)
+    return list(dict.fromkeys(head_dims(r) for r in sweep))
+
+
 def attention_plots(rows: list[dict], directory: Path) -> list[Path]:
-    """attention-d{d}.png for every head dim of the sweep rows; [] without sweep rows."""
-    dims = sorted({r["d"] for r in rows if r["case"] == "sweep"})
-    return [attention_plot(rows, d, Path(directory) / f"attention-d{d}.png") for d in dims]
+    """An `attention_plot_name` PNG for every head dim of the sweep rows; [] without any."""
+    return [
+        attention_plot(rows, d, Path(directory) / attention_plot_name(d, d_v), d_v)
+        for d, d_v in sweep_dims(rows)
+    ]
 
 
 def decode_plot(rows: list[dict], path: Path) -> Path:
