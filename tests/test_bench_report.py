@@ -18,6 +18,9 @@ from fusedlayers.bench.record import KINDS, read_run, write_run
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "bench"
+# A newer attention run of d=96 (21 heads) and d_qk 192 with d_v 128 (11 heads) cells, kept out
+# of FIXTURES so the page above stays what the other tests read.
+HEAD_DIMS_RUN = FIXTURES.parent / "bench-head-dims" / "attention-head-dims.json"
 PNG = b"\x89PNG\r\n\x1a\n"
 
 
@@ -49,6 +52,9 @@ def test_summary_geometric_means_and_ranges(page):
     # d=128, one cell at 2 ms: cuDNN 1.8 / 2 = 0.90, SDPA-flash 4 / 2, Flex 3 / 2.
     d128 = "| d=128 forward | 0.90x (0.90-0.90) | 2.00x (2.00-2.00) | 1.50x (1.50-1.50) |"
     assert d128 in summary
+    # GQA 16/8 at d=128, s=4k, after the sweep's d=128 rows: SDPA-flash 1.5 ms / ours 1 ms.
+    gqa = "| d=128 GQA 16/8 forward | - | 1.50x (1.50-1.50) | - |"
+    assert summary.index(gqa) == summary.index(d128) + 1
     # GPT: plain 60 ms / ours 50 ms eager, 45 / 45 compiled (from a second run of the kind);
     # decode: plain compiled 0.6 / ours' graph 0.5 ms per token at batch 1, 0.9 / 1.0 at 4.
     rows = [line for line in summary if line.startswith("| gpt-test")]
@@ -89,6 +95,116 @@ def test_attention_table_takes_newer_cells_and_keeps_the_rest(page):
         "[attention.json](bench/attention.json) (cells: s = 1024, 4096; gqa)."
     )
     assert "at def5678-dirty" in setups[1] and setups[1].endswith("(cells: s = 1024).")
+
+
+def _table_after(lines: list[str], head_start: str) -> list[list[str]]:
+    """The cells of the markdown table whose head row starts with `head_start`, head included,
+    the |---| row left out."""
+    start = next(i for i, line in enumerate(lines) if line.startswith(head_start))
+    rows = []
+    for line in lines[start:]:
+        if not line.startswith("|"):
+            break
+        if not line.startswith("|---"):
+            rows.append([cell.strip() for cell in line.strip("|").split("|")])
+    return rows
+
+
+@pytest.fixture(scope="module")
+def head_dims_page(tmp_path_factory):
+    """The fixture runs plus HEAD_DIMS_RUN, rendered like `page`."""
+    root = tmp_path_factory.mktemp("head-dims-page")
+    shutil.copytree(FIXTURES, root / "bench")
+    shutil.copy(HEAD_DIMS_RUN, root / "bench")
+    bench, out, img = root / "bench", root / "BENCHMARKS.md", root / "docs" / "img"
+    return report.render(bench, out, img, draw=False)
+
+
+def test_head_dims_and_split_pairs_add_their_rows_and_change_nothing_else(page, head_dims_page):
+    before, after = page[1], head_dims_page[0]
+    # The summary gains a row per (head dims, pass), sorted by head dim, the split pair labelled
+    # d_qk/d_v. d=96 forward, ours 1 ms in both cells: cuDNN 1.1 and 0.9 ms -> sqrt(0.99) =
+    # 0.99; d=192/128, one cell: cuDNN 2.4 / 2.0 ms, Flex 3 / 2, SDPA-flash unsupported.
+    old = _section(before, "Summary")
+    expected = list(old)
+    d96 = "| d=96 forward | 0.99x (0.90-1.10) | 2.00x (2.00-2.00) | 1.50x (1.50-1.50) |"
+    expected.insert(old.index(next(line for line in old if line.startswith("| d=128 "))), d96)
+    after_gqa = expected.index("| d=128 GQA 16/8 forward | - | 1.50x (1.50-1.50) | - |") + 1
+    expected[after_gqa:after_gqa] = [
+        "| d=192/128 forward | 1.20x (1.20-1.20) | - | 1.50x (1.50-1.50) |",
+        "| d=192/128 forward+backward | 0.80x (0.80-0.80) | - | 2.00x (2.00-2.00) |",
+    ]
+    assert _section(after, "Summary") == expected
+    assert after.split("## Summary")[0] == before.split("## Summary")[0]
+    for title in ("GPT training", "Generation", "Decode attention", "Context parallelism"):
+        assert _section(after, title) == _section(before, title)
+    assert _section(after, "Method") == _section(before, "Method")
+
+    # The sweep table gains an h column (h*d differs between rows) and the new rows; the old
+    # rows are otherwise what they were. TFLOP/s count each matmul at its head dim: the split
+    # pair's forward is 2*4*11*4096^2*(192 + 128) FLOPs in 2 ms = 236 TFLOP/s, its
+    # forward+backward 3.6 times that in 5 ms = 340.
+    old_table = _table_after(_section(before, "Attention"), "| d | s |")
+    new_table = _table_after(_section(after, "Attention"), "| d | h | s |")
+    assert new_table[0] == [old_table[0][0], "h", *old_table[0][1:]]
+    kept = [row for row in new_table[1:] if row[0] in ("64", "128")]
+    assert [[row[0], *row[2:]] for row in kept] == old_table[1:]
+    assert {(row[0], row[1]) for row in kept} == {("64", "32"), ("128", "16")}
+    added = [row for row in new_table[1:] if row[0] not in ("64", "128")]
+    assert [row[:5] for row in added] == [
+        ["96", "21", "4096", "0", "fwd"],
+        ["96", "21", "4096", "1", "fwd"],
+        ["192/128", "11", "4096", "0", "fwd"],
+        ["192/128", "11", "4096", "0", "fwdbwd"],
+    ]
+    assert added[2][5:] == ["236", "unsupported", "197", "157", "1.20", "", "1.50", "120 / -"]
+    assert added[3][5:7] == ["340", "unsupported"]
+
+    # Besides the table, the section gains the two notes, the new run's Setup line and its
+    # plots, and nothing else.
+    def rest(lines: list[str]) -> list[str]:
+        return [line for line in lines if line.strip() and not line.startswith("|")]
+
+    gained = rest(_section(after, "Attention"))
+    for line in rest(_section(before, "Attention")):
+        gained.remove(line)
+    assert gained[0].startswith("Head dims that do not divide 2048 run h = round(2048/d) heads")
+    assert gained[2].startswith("d = A/B: q and k have head dim A, v and the output B.")
+    assert gained[5].startswith("Setup: 2026-01-03 00:00 UTC;") and gained[5].endswith(
+        "[attention-head-dims.json](bench/attention-head-dims.json) (cells: s = 4096)."
+    )
+    assert gained[6:] == [
+        "![attention TFLOP/s, d=96](docs/img/attention-d96.png)",
+        "![attention TFLOP/s, d=192/128](docs/img/attention-d192x128.png)",
+    ]
+    assert len(gained) == 8
+    assert [p.name for p in head_dims_page[1]][:4] == [
+        "attention-d64.png",
+        "attention-d96.png",
+        "attention-d128.png",
+        "attention-d192x128.png",
+    ]
+
+
+def test_row_keys_tell_a_split_pair_from_its_query_head_dim():
+    """ROW_KEYS: a d_qk 192 / d_v 128 row never replaces a d=192 row of an older run; a row
+    written before d_v was recorded reads as d_v = d, so a newer d=192 row replaces it."""
+    base = dict(case="sweep", dtype="bf16", s_q=4096, s_k=4096, hq=11, hkv=11, tokens=16384)
+    base |= {"pass": "fwd", "causal": False, "window": None}
+    old_192, split, new_192 = (
+        {**base, "d": 192},
+        {**base, "d": 192, "d_v": 128},
+        {**base, "d": 192, "d_v": 192},
+    )
+    key = report.ROW_KEYS["attention"]
+    runs = [report.Run(Path("old.json"), {}, [old_192]), report.Run(Path("new.json"), {}, [split])]
+    assert [(run.path.name, rows) for run, rows in report.overlay(runs, key)] == [
+        ("old.json", [old_192]),
+        ("new.json", [split]),
+    ]
+    runs[1] = report.Run(Path("new.json"), {}, [new_192])
+    used = report.overlay(runs, key)
+    assert [(run.path.name, rows) for run, rows in used] == [("new.json", [new_192])]
 
 
 def test_other_sections_and_the_missing_kind(page):
@@ -186,3 +302,20 @@ def test_committed_page_is_current_and_small(tmp_path):
     assert sum(p.stat().st_size for p in (ROOT / "bench").rglob("*") if p.is_file()) <= 2**20
     for plot in plots:  # the committed page's plots are committed beside it
         assert (ROOT / "docs" / "img" / plot.name).read_bytes()[:8] == PNG
+
+
+def test_dynamic_shapes_section_from_a_run(tmp_path):
+    """The loops' run renders as one row per loop and provider, numbers as recorded."""
+    shutil.copytree(FIXTURES, tmp_path / "bench")
+    rows = [
+        dict(loop="dense", provider="fusedlayers", calls=150, total_s=46.25, first_s=9.5,
+             median_ms=2.8, max_after_fifth_ms=4100.0, stalls=6, stall_calls=[89]),
+        dict(loop="dense", provider="sdpa", calls=150, total_s=0.31, first_s=0.05,
+             median_ms=1.75, max_after_fifth_ms=2.5, stalls=0, stall_calls=[]),
+    ]  # fmt: skip
+    write_run(tmp_path / "bench" / "dynamic.json", "dynamic_shapes", {"date": "2026-11-28"}, rows)
+    text, _ = report.render(tmp_path / "bench", tmp_path / "B.md", tmp_path / "img", draw=False)
+    section = _section(text, "Shapes that change every call")
+    assert "| dense | fusedlayers | 150 | 46.25 | 9.50 | 2.80 | 6 |" in section
+    assert "| dense | sdpa | 150 | 0.31 | 0.05 | 1.75 | 0 |" in section
+    assert not any(line.startswith("No dynamic_shapes run") for line in section)

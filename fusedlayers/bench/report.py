@@ -28,8 +28,10 @@ from .record import KINDS, read_run
 
 ATTENTION_KEY = ("case", "dtype", "d", "s_q", "s_k", "hq", "hkv", "pass", "tokens")
 ROW_KEYS: dict[str, Callable[[dict], tuple]] = {
+    # d_v (d in rows written before it was recorded) keeps a 192/128 row from replacing a 192 one
     "attention": lambda r: (
         *(r.get(k) for k in ATTENTION_KEY),
+        r.get("d_v", r.get("d")),
         bool(r["causal"]),
         tuple(r.get("window") or ()),
     ),
@@ -37,6 +39,7 @@ ROW_KEYS: dict[str, Callable[[dict], tuple]] = {
     "generate": lambda r: (r["batch"], r["provider"]),
     "gpt": lambda r: (r["model"], *tables.gpt_group(r)),
     "context_parallel": lambda r: (r.get("seqlen"), bool(r.get("fresh_inputs")), r["pass"]),
+    "dynamic_shapes": lambda r: (r["loop"], r["provider"]),
 }
 COMMANDS = {
     "attention": "python -m fusedlayers.bench attention --out bench",
@@ -45,6 +48,8 @@ COMMANDS = {
     "gpt": "python examples/benchmark_gpt.py --json bench/gpt.json",
     "context_parallel": "torchrun --standalone --nproc_per_node 2 "
     "examples/perf/benchmark_context_parallel.py --json bench/context_parallel.json",
+    "dynamic_shapes": "python examples/benchmark_dynamic_shapes.py --cold-cache "
+    "--json bench/dynamic_shapes.json",
 }
 INTRO = """\
 # Benchmarks
@@ -201,6 +206,7 @@ def attention_section(page: Page, used, rows: list[dict]) -> tuple[list[str], li
         "inputs for one call of the pass, gradients included.",
         "",
     ]
+    lines += _head_dims_note(rows)
     lines += _setups(page, "attention", used)
     lines += tables.attention_sweep(rows) + [""]
     other = tables.attention_other(rows)
@@ -208,12 +214,33 @@ def attention_section(page: Page, used, rows: list[dict]) -> tuple[list[str], li
         lines += ["Other cases (`vs`: time ratios; each provider counts its own work):", ""]
         lines += other + [""]
     written = []
-    for d in sorted({r["d"] for r in rows if r["case"] == "sweep"}):
-        draw = lambda path, d=d: plots.attention_plot(rows, d, path)
-        image, path = page.plot(f"attention-d{d}.png", f"attention TFLOP/s, d={d}", draw)
+    for d, d_v in plots.sweep_dims(rows):
+        draw = lambda path, d=d, d_v=d_v: plots.attention_plot(rows, d, path, d_v)
+        alt = f"attention TFLOP/s, d={tables.dims_text(d, d_v)}"
+        image, path = page.plot(plots.attention_plot_name(d, d_v), alt, draw)
         lines += [image, ""]
         written.append(path)
     return lines, written
+
+
+def _head_dims_note(rows: list[dict]) -> list[str]:
+    """How rows whose head dims do not divide 2048, or whose values have their own head dim,
+    are shaped and counted; nothing when all sweep rows share h*d and every d_v is d (as in
+    every run recorded before d_v was)."""
+    sweep = [r for r in rows if r["case"] == "sweep"]
+    lines = []
+    if tables.heads_vary(sweep):
+        lines += [
+            "Head dims that do not divide 2048 run h = round(2048/d) heads (the h column); TFLOP/s",
+            "count the heads that run.",
+        ]
+    if tables.has_split_dims(rows):
+        lines += [
+            "d = A/B: q and k have head dim A, v and the output B. TFLOP/s count",
+            "`2*b*h*s*s*(A + B)` for the forward, halved for causal, and `1 + (3A + 2B)/(A + B)`",
+            "times that for forward+backward (3.5 when A = B).",
+        ]
+    return lines + [""] if lines else []
 
 
 def gpt_section(page: Page, used, rows: list[dict]) -> tuple[list[str], list[Path]]:
@@ -290,12 +317,27 @@ def context_parallel_section(page: Page, used, rows: list[dict]) -> tuple[list[s
     ], []
 
 
+def dynamic_shapes_section(page: Page, used, rows: list[dict]) -> tuple[list[str], list[Path]]:
+    lines = ["## Shapes that change every call", ""]
+    if not used:
+        return lines + _missing("dynamic_shapes"), []
+    lines += [
+        "Loops of forward+backward calls with a new length every call (dynamic padding, packed",
+        "documents), each call timed alone with its compiling: what a training loop waits for.",
+        "",
+    ]
+    return lines + _setups(page, "dynamic_shapes", used) + tables.dynamic_shapes_table(rows) + [
+        ""
+    ], []
+
+
 SECTIONS = {
     "attention": attention_section,
     "gpt": gpt_section,
     "generate": generate_section,
     "decode": decode_section,
     "context_parallel": context_parallel_section,
+    "dynamic_shapes": dynamic_shapes_section,
 }
 
 

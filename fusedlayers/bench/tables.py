@@ -64,6 +64,38 @@ def _ok(result: dict | None) -> bool:
 # ----------------------------------------------------------------------------- attention
 
 
+def head_dims(row: dict) -> tuple[int, int]:
+    """(d_qk, d_v) of an attention row; rows written before d_v was recorded have d_v = d."""
+    return row["d"], row.get("d_v", row["d"])
+
+
+def dims_text(d: int, d_v: int) -> str:
+    """`128`, or `192/128` for d_qk 192 with d_v 128."""
+    return str(d) if d_v == d else f"{d}/{d_v}"
+
+
+def dims_label(row: dict) -> str:
+    """The row's head dims as `dims_text` writes them."""
+    return dims_text(*head_dims(row))
+
+
+def dims_order(row: dict) -> tuple[int, bool, int]:
+    """Sort key: by d_qk, a split pair (192/128) after the plain head dim (192)."""
+    d, d_v = head_dims(row)
+    return d, d_v != d, d_v
+
+
+def has_split_dims(rows: list[dict]) -> bool:
+    """Whether any row's values have another head dim than its queries and keys."""
+    return any(len(set(head_dims(r))) > 1 for r in rows)
+
+
+def heads_vary(rows: list[dict]) -> bool:
+    """Whether the rows' h*d_qk differ (head dims that do not divide the hidden size run the
+    nearest whole head count): the sweep table then shows h."""
+    return len({r["hq"] * r["d"] for r in rows}) > 1
+
+
 def attention_ratio(row: dict, name: str) -> float | None:
     """Time of provider `name` / time of the row's subject, both measured; else None."""
     subject, other = row["providers"].get(row["subject"]), row["providers"].get(name)
@@ -75,36 +107,72 @@ def attention_ratio(row: dict, name: str) -> float | None:
 def _sweep_rows(rows: list[dict]) -> list[dict]:
     order = {p: i for i, p in enumerate(PASS_NAMES)}
     sweep = [r for r in rows if r["case"] == "sweep"]
-    key = lambda r: (r["dtype"], r["d"], r["s_q"], bool(r["causal"]), order.get(r["pass"], 9))
+
+    def key(r: dict) -> tuple:
+        return r["dtype"], dims_order(r), r["s_q"], bool(r["causal"]), order.get(r["pass"], 9)
+
     return sorted(sweep, key=key)
 
 
-def summary_ratios(rows: list[dict]) -> dict[tuple[str, int, str], dict[str, list[float]]]:
-    """{(dtype, d, pass): {anchor: [ratio per sweep cell at s >= 4k]}}, causal and not."""
-    out: dict[tuple[str, int, str], dict[str, list[float]]] = {}
-    for row in _sweep_rows(rows):
-        if row["s_q"] < SUMMARY_MIN_S or row["subject"] != "fusedlayers":
+# A summary group: (dtype, dims_order, heads, pass), heads () for the sweep (as many K/V heads as
+# query heads) and (hq, hkv) for a GQA case.
+SummaryKey = tuple[str, tuple[int, bool, int], tuple[int, ...], str]
+
+
+def _summary_key(row: dict) -> SummaryKey | None:
+    """The summary group of a row, None for a row the summary does not read: s < 4k, another
+    subject, or a case other than the sweep and GQA."""
+    if row["s_q"] < SUMMARY_MIN_S or row["subject"] != "fusedlayers":
+        return None
+    if row["case"] == "sweep":
+        heads: tuple[int, ...] = ()
+    elif row["case"] == "gqa" and not row.get("window"):
+        heads = (row["hq"], row["hkv"])
+    else:
+        return None
+    return row["dtype"], dims_order(row), heads, row["pass"]
+
+
+def summary_ratios(rows: list[dict]) -> dict[SummaryKey, dict[str, list[float]]]:
+    """{(dtype, (d_qk, split, d_v), heads, pass): {anchor: [ratio per cell at s >= 4k]}}, causal
+    and not, in the summary's order: by dtype and head dim (a split pair after the plain one),
+    the sweep then GQA (more KV heads first), forward then forward+backward."""
+    order = {p: i for i, p in enumerate(PASS_NAMES)}
+    out: dict[SummaryKey, dict[str, list[float]]] = {}
+    for row in rows:
+        key = _summary_key(row)
+        if key is None:
             continue
-        cell = out.setdefault((row["dtype"], row["d"], row["pass"]), {a: [] for a in ANCHORS})
+        cell = out.setdefault(key, {a: [] for a in ANCHORS})
         for anchor in ANCHORS:
             ratio = attention_ratio(row, anchor)
             if ratio is not None:
                 cell[anchor].append(ratio)
-    return out
+    by = lambda k: (k[0], k[1], len(k[2]), tuple(-n for n in k[2]), order.get(k[3], 9), k[3])
+    return {key: out[key] for key in sorted(out, key=by)}
+
+
+def _summary_label(key: SummaryKey) -> str:
+    """`d=128 forward`, `d=192/128 forward+backward`, `d=128 GQA 32/8 forward`."""
+    _, (d, _, d_v), heads, pass_ = key
+    label = f"d={dims_text(d, d_v)}"
+    if heads:
+        label += f" GQA {heads[0]}/{heads[1]}"
+    return f"{label} {PASS_NAMES.get(pass_, pass_)}"
 
 
 def attention_summary(rows: list[dict]) -> list[str]:
-    """fusedlayers against each anchor per head dim and pass: geometric mean (range) of the
-    s >= 4k cells."""
+    """fusedlayers against each anchor per head dim (and GQA shape) and pass: geometric mean
+    (range) of the s >= 4k cells."""
     ratios = summary_ratios(rows)
     if not ratios:
         return [f"No attention sweep cells at s >= {SUMMARY_MIN_S} in the recorded runs."]
-    dtypes = {dtype for dtype, _, _ in ratios}
+    dtypes = {key[0] for key in ratios}
     head = ["attention", *(f"vs {ATTENTION_NAMES[a]}" for a in ANCHORS)]
     body = []
-    for (dtype, d, pass_), cell in ratios.items():
-        label = f"d={d} {PASS_NAMES.get(pass_, pass_)}"
-        label = f"{dtype} {label}" if len(dtypes) > 1 else label
+    for key, cell in ratios.items():
+        label = _summary_label(key)
+        label = f"{key[0]} {label}" if len(dtypes) > 1 else label
         body.append([label, *(spread(cell[a]) for a in ANCHORS)])
     return table(head, body)
 
@@ -115,7 +183,7 @@ def _attention_cell(result: dict | None) -> str:
     status = result.get("status", "ok")
     if status == "ok":
         return f"{result['tflops']:.0f}"
-    return {"wrong": "WRONG", "skipped": "skip"}.get(status, "error")
+    return {"wrong": "WRONG", "skipped": "skip", "unsupported": "unsupported"}.get(status, "error")
 
 
 def _providers(rows: list[dict]) -> list[str]:
@@ -131,13 +199,16 @@ def attention_sweep(rows: list[dict]) -> list[str]:
         return []
     names, dtypes = _providers(sweep), {r["dtype"] for r in sweep}
     anchors = [a for a in ANCHORS if a in names]
+    show_heads = heads_vary(sweep)
     head = ["dtype"] if len(dtypes) > 1 else []
-    head += ["d", "s", "causal", "pass", *(ATTENTION_NAMES.get(n, n) for n in names)]
+    head += ["d", *(["h"] if show_heads else []), "s", "causal", "pass"]
+    head += [ATTENTION_NAMES.get(n, n) for n in names]
     head += [f"vs {ATTENTION_NAMES[a]}" for a in anchors] + ["MiB, ours / SDPA-flash"]
     body = []
     for row in sweep:
         cells = [row["dtype"]] if len(dtypes) > 1 else []
-        cells += [str(row["d"]), str(row["s_q"]), str(int(bool(row["causal"]))), row["pass"]]
+        cells += [dims_label(row), *([str(row["hq"])] if show_heads else [])]
+        cells += [str(row["s_q"]), str(int(bool(row["causal"]))), row["pass"]]
         cells += [_attention_cell(row["providers"].get(n)) for n in names]
         ratios = [attention_ratio(row, a) for a in anchors]
         cells += ["" if r is None else f"{r:.2f}" for r in ratios]
@@ -163,14 +234,15 @@ def attention_other(rows: list[dict]) -> list[str]:
     ratio to every other provider of the row."""
     order = {p: i for i, p in enumerate(PASS_NAMES)}
     other = [r for r in rows if r["case"] != "sweep"]
-    other.sort(key=lambda r: (r["case"], r["dtype"], r["d"], _shape(r), order.get(r["pass"], 9)))
+    key = lambda r: (r["case"], r["dtype"], dims_order(r), _shape(r), order.get(r["pass"], 9))
+    other.sort(key=key)
     body = []
     for row in other:
         subject = row["providers"].get(row["subject"])
         names = sorted(n for n in row["providers"] if n != row["subject"])
         ratios = [(n, attention_ratio(row, n)) for n in names]
         vs = ", ".join(f"{ATTENTION_NAMES.get(n, n)} {r:.2f}" for n, r in ratios if r is not None)
-        cells = [row["case"], row["dtype"], str(row["d"]), _shape(row), row["pass"]]
+        cells = [row["case"], row["dtype"], dims_label(row), _shape(row), row["pass"]]
         body.append(cells + [row["subject"], _attention_cell(subject), vs or "-"])
     head = ["case", "dtype", "d", "shape", "pass", "subject", "TFLOP/s", "vs (time ratio)"]
     return table(head, body) if body else []
@@ -360,4 +432,16 @@ def context_parallel_table(rows: list[dict]) -> list[str]:
             f"{row['cp_ms']:.2f}", f"{cp:.1f}", f"{row['single_ms']:.2f}", f"{one:.1f}",
             f"{cp / one:.2f}",
         ])  # fmt: skip
+    return table(head, body)
+
+
+def dynamic_shapes_table(rows: list[dict]) -> list[str]:
+    """Per loop and provider: the total, the first call, the median after the fifth call and
+    the stalls (calls after the fifth over 5x that median)."""
+    head = ["loop", "provider", "calls", "total s", "first call s", "median ms", "stalls"]
+    body = [
+        [row["loop"], row["provider"], str(row["calls"]), f"{row['total_s']:.2f}",
+         f"{row['first_s']:.2f}", f"{row['median_ms']:.2f}", str(row["stalls"])]
+        for row in rows
+    ]  # fmt: skip
     return table(head, body)
