@@ -26,7 +26,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-KINDS = ("attention", "decode", "generate", "gpt", "context_parallel")
+KINDS = ("attention", "decode", "generate", "gpt", "context_parallel", "dynamic_shapes")
 _HERE = Path(__file__).resolve()
 
 
