@@ -21,10 +21,16 @@ Public API:
     split_packed                              q/k/v views of one packed tensor whose gradient
                                               comes back as one buffer, without a copy
     reference_mode                            run every module on the reference path in a block
+    ReferenceSwitch                           the base of modules with a reference path: gives a
+                                              model of your own the `use_reference` switch
+    context_parallel_indices, context_parallel_positions
+                                              a rank's rows and token positions under context
+                                              parallelism (TE's load-balanced chunks)
     ArgumentError, ArgumentTypeError          what a bad argument raises: a ValueError (TypeError)
                                               and a RuntimeError, as flash-attn's checks raise
 """
 
+from .attention.context_parallel import context_parallel_indices, context_parallel_positions
 from .attention.dot_product_attention import DotProductAttention
 from .attention.functional import (
     flash_attn_func,
@@ -47,7 +53,7 @@ from .layers.multihead_attention import MultiheadAttention
 from .layers.normalization import LayerNorm, RMSNorm
 from .layers.rope import RotaryPositionEmbedding, apply_rotary_pos_emb
 from .layers.transformer_layer import TransformerLayer
-from .reference_switch import reference_mode
+from .reference_switch import ReferenceSwitch, reference_mode
 
 __version__ = "0.1.0"
 
@@ -63,10 +69,13 @@ __all__ = [
     "Linear",
     "MultiheadAttention",
     "RMSNorm",
+    "ReferenceSwitch",
     "RotaryPositionEmbedding",
     "TransformerLayer",
     "apply_rotary_pos_emb",
     "attention_reference",
+    "context_parallel_indices",
+    "context_parallel_positions",
     "flash_attn_func",
     "flash_attn_kvpacked_func",
     "flash_attn_qkvpacked_func",

@@ -21,6 +21,9 @@ whatever their switches say, so both passes compute the same thing. The report t
 (`reference_only`, a first line `NO KERNEL RAN: ...` and a `NoKernelWarning`) instead of
 presenting its zeros as a kernel-vs-reference comparison; the only differences it can show come
 from hooks acting on the kernel pass (the tests plant faults that way).
+
+`debug_enabled()` says whether `FUSEDLAYERS_DEBUG=1` asks for debug checks: a model may make
+costly checks of its own then (the GPT reads its token ids' range on CUDA only in debug mode).
 """
 
 from __future__ import annotations
@@ -36,7 +39,10 @@ from typing import Any
 
 import torch
 
+from ._logging import debug_enabled
 from .reference_switch import ReferenceSwitch, reference_mode_active
+
+__all__ = ["DebugReport", "NoKernelWarning", "compare_with_reference", "debug_enabled"]
 
 # (atol, rtol) by compared dtype; a tensor is over tolerance when
 # max|kernel - reference| > atol + rtol * max|reference|.

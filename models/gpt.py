@@ -17,15 +17,17 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from fusedlayers._logging import debug_enabled
-from fusedlayers.attention.context_parallel import context_parallel_positions
-from fusedlayers.attention.validation import is_whole
-from fusedlayers.layers.decode_graph import DecodeGraph
-from fusedlayers.layers.inference import InferenceParams
-from fusedlayers.layers.normalization import make_norm, residual_for_fusion
-from fusedlayers.layers.rope import RotaryPositionEmbedding
-from fusedlayers.layers.transformer_layer import TransformerLayer
-from fusedlayers.reference_switch import ReferenceSwitch
+from fusedlayers import (
+    DecodeGraph,
+    InferenceParams,
+    LayerNorm,
+    ReferenceSwitch,
+    RMSNorm,
+    RotaryPositionEmbedding,
+    TransformerLayer,
+    context_parallel_positions,
+)
+from fusedlayers.debug import debug_enabled
 
 from .config import GPTConfig
 
@@ -94,8 +96,7 @@ class GPT(ReferenceSwitch):
             )
             for i in range(c.n_layer)
         )
-        self.final_norm = make_norm(
-            c.normalization,
+        self.final_norm = (LayerNorm if c.normalization == "LayerNorm" else RMSNorm)(
             c.d_model,
             eps=c.layernorm_epsilon,
             params_dtype=dtype,
@@ -113,7 +114,7 @@ class GPT(ReferenceSwitch):
     ) -> None:
         """Split every sequence over `cp_group` (None: off), TE's way: `forward` then takes this
         rank's tokens `idx [b, s / cp]`, chunks r and 2cp-1-r of each sequence cut into 2*cp
-        (`fusedlayers.attention.context_parallel.context_parallel_indices`), and returns their
+        (`fusedlayers.context_parallel_indices`), and returns their
         logits. Positions (RoPE or learned) are the tokens' positions in the full sequence."""
         for layer in self.layers:
             layer.set_context_parallel_group(cp_group, cp_global_ranks, cp_stream, cp_comm_type)
@@ -221,7 +222,6 @@ class GPT(ReferenceSwitch):
                 return_residual=True,
                 **extra,
             )
-        h, residual = residual_for_fusion(h, residual)
         return self.final_norm(h) if residual is None else self.final_norm(h, residual)[0]
 
     def _decode_rope_table(self) -> torch.Tensor:
@@ -255,7 +255,7 @@ class GPT(ReferenceSwitch):
         reading earlier keys/values from an `InferenceParams` cache; without it every step
         reruns the whole sequence (the slow baseline the tests compare against).
         `cuda_graph=True` (CUDA, with the cache) runs the prompt eagerly, captures one decode
-        step in a CUDA graph (`fusedlayers.layers.decode_graph.DecodeGraph`) and replays it for
+        step in a CUDA graph (`fusedlayers.DecodeGraph`) and replays it for
         every later token: the same kernels, so the same tokens, with one launch per token.
         """
         _check_generate_args(idx, max_new_tokens, temperature, top_k, self.config.vocab_size)
@@ -331,6 +331,10 @@ def _check_idx(idx, vocab_size: int, read_range: bool) -> None:
             )
 
 
+def _is_int_at_least(value, minimum: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
+
+
 def _check_generate_args(idx, max_new_tokens, temperature, top_k, vocab_size) -> None:
     """`generate`'s arguments, checked before the first forward (one host read of idx's range)."""
     _check_idx(idx, vocab_size, read_range=True)
@@ -339,11 +343,11 @@ def _check_generate_args(idx, max_new_tokens, temperature, top_k, vocab_size) ->
             f"idx of shape {tuple(idx.shape)} is empty: generation needs a prompt of at least one "
             "token per sequence (e.g. a begin-of-text token)"
         )
-    if not is_whole(max_new_tokens, 0):
+    if not _is_int_at_least(max_new_tokens, 0):
         raise ValueError(f"max_new_tokens ({max_new_tokens!r}) must be an integer >= 0")
     if not math.isfinite(temperature) or temperature < 0:
         raise ValueError(f"temperature ({temperature!r}) must be a finite number >= 0 (0 = greedy)")
-    if top_k is not None and not is_whole(top_k, 1):
+    if top_k is not None and not _is_int_at_least(top_k, 1):
         raise ValueError(f"top_k ({top_k!r}) must be None or an integer >= 1")
 
 
