@@ -504,8 +504,12 @@ def zeros(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     return torch.zeros(*shape, dtype=dtype, device=device)
 
 
-def seed_offset(seed, offset) -> tuple[int, int]:
-    """Python ints from ints or 0-d/1-element tensors (the rng_state's two halves)."""
+def seed_offset(rng) -> tuple[int, int]:
+    """(seed, offset) as Python ints from an rng_state (an int64 tensor [2]) or a (seed, offset)
+    pair of ints or 0-d tensors; (0, 0) for None (no dropout)."""
+    if rng is None:
+        return 0, 0
+    seed, offset = rng.tolist() if isinstance(rng, torch.Tensor) else rng
     return int(seed), int(offset)
 
 

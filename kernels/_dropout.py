@@ -54,7 +54,7 @@ def dropout_keep_mask(
     (z, hh, i, j) depends only on (seed, offset, z * h + hh, i, j), with i, j positions within the
     sequence, so varlen launches use the same mask with s_q / s_k = the max lengths.
     """
-    seed, offset = seed_offset(rng_state_or_seed_offset[0], rng_state_or_seed_offset[1])
+    seed, offset = seed_offset(rng_state_or_seed_offset)
     out = torch.empty((b, h, s_q, s_k), dtype=torch.uint8, device=device)
     block_m, block_n = 32, 64
     grid = (cdiv(s_q, block_m), cdiv(s_k, block_n), b * h)

@@ -459,7 +459,7 @@ def _outputs_and_args(plan: ForwardPlan, call: dict) -> tuple[torch.Tensor, torc
          call["seq_offsets_k"], call["seqlens_q"], call["seqlens_k"], None)
     )  # fmt: skip
     args = (q, call["k"], call["v"], out, lse, call["bias"], call["alibi_slopes"], *seq,
-            *plan.ints, *seed_offset(call["seed"], call["offset"]))  # fmt: skip
+            *plan.ints, *seed_offset((call["seed"], call["offset"])))  # fmt: skip
     return out, lse, args
 
 

@@ -25,7 +25,7 @@ from typing import NamedTuple
 import torch
 
 from . import _compat
-from ._common import attention_signature
+from ._common import attention_signature, seed_offset
 from ._flash_bwd import flash_attention_backward
 from ._flash_fwd import flash_attention_forward
 from ._launch import tensor_signature
@@ -37,14 +37,6 @@ Tensor = torch.Tensor
 # Seeds and offsets are drawn below 2**31: Triton passes such ints as i32, so every draw reuses
 # one compiled kernel (a larger value would specialize an i64 variant).
 _RNG_BOUND = 2**31 - 1
-
-
-def _seed_offset(rng_state: Tensor | None) -> tuple[int, int]:
-    """(seed, offset) as Python ints; (0, 0) without dropout."""
-    if rng_state is None:
-        return 0, 0
-    seed, offset = rng_state.tolist()
-    return int(seed), int(offset)
 
 
 def _fwd_shapes(q: Tensor, v: Tensor, varlen: bool) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -89,7 +81,7 @@ def _launch_keywords(
     by name (`options`: all but the five named here): the options, the seed and offset, and the
     call's `attention_signature`, which the eager route hands to its backward so the launch
     plans there start from it."""
-    seed, offset = _seed_offset(rng_state)
+    seed, offset = seed_offset(rng_state)
     signature = attention_signature(q, k, v, **options, seed=seed, offset=offset)
     return dict(options, seed=seed, offset=offset, signature=signature)
 
@@ -170,7 +162,7 @@ def _launch_backward(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """The op's backward launch: `options` are `_backward_impl`'s remaining arguments. (The
     eager route calls `flash_attention_backward` itself, with keywords its forward gathered.)"""
-    seed, offset = _seed_offset(rng_state)
+    seed, offset = seed_offset(rng_state)
     dq, dk, dv, dbias = flash_attention_backward(
         dout,
         q,
