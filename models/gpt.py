@@ -222,6 +222,10 @@ class GPT(ReferenceSwitch):
                 return_residual=True,
                 **extra,
             )
+        if residual is not None and residual.dtype != h.dtype:
+            # Under autocast the layers' outputs are bf16 and the residual stream fp32: add them
+            # as torch's add promotes, since the norm takes one dtype.
+            h, residual = residual + h, None
         return self.final_norm(h) if residual is None else self.final_norm(h, residual)[0]
 
     def _decode_rope_table(self) -> torch.Tensor:

@@ -112,3 +112,18 @@ def test_a_few_training_steps_reduce_loss():
         losses.append(loss.item())
     # min over the last steps: one Adam spike at the last step is not a failure to learn
     assert min(losses[-5:]) < 0.6 * losses[0], losses
+
+
+def test_autocast_promotes_the_residual_stream_into_the_final_norm():
+    """Under autocast the layers' outputs are bf16 while the residual stream stays fp32: the GPT
+    adds them before its final norm (the norm takes one dtype) and computes what it computes in
+    fp32, to bf16's precision."""
+    torch.manual_seed(0)
+    model = GPT(small_config()).eval()
+    idx = torch.randint(0, model.config.vocab_size, (2, 16))
+    with torch.no_grad():
+        want = model(idx)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            got = model(idx)
+    assert got.dtype == torch.float32 and torch.isfinite(got).all()
+    assert (got - want).norm() / want.norm() < 3e-2

@@ -223,9 +223,7 @@ def normalize_input(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A block's input norm: `(apply_normalization(x, ...), x)`, or with a residual
     `apply_add_normalization(x, residual, ...)`, whose second value is the sum `residual + x`.
-    `norm_args`: weight, bias, eps, normalization, zero_centered_gamma. A residual of another
-    dtype than x (autocast) is added first, as torch's add promotes (`residual_for_fusion`)."""
-    x, residual = residual_for_fusion(x, residual)
+    `norm_args`: weight, bias, eps, normalization, zero_centered_gamma."""
     if residual is None:
         return apply_normalization(x, *norm_args, backend=backend), x
     return apply_add_normalization(x, residual, *norm_args, backend=backend)
