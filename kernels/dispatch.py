@@ -113,7 +113,7 @@ def _on_sm90(t: torch.Tensor) -> bool:
     return _is_sm90(index)
 
 
-def _not_covered(module, q, k, v, *, window_left, window_right, bias, alibi_slopes, softcap,
+def _not_covered(module, q, k, v, window_left, window_right, bias, alibi_slopes, softcap,
                  dropout_p) -> str | None:  # fmt: skip
     """Why the sm_90 kernels of `module` cannot run this call, or None when they can: fp16/bf16,
     d_qk = d_v in `module.SUPPORTED_HEAD_DIMS`, no mask or a causal one (window (-1, -1) or
@@ -134,9 +134,24 @@ def _not_covered(module, q, k, v, *, window_left, window_right, bias, alibi_slop
     return None
 
 
-def _declined(which: str, why: str) -> None:
-    if _log.isEnabledFor(logging.DEBUG):
-        _log.debug("the sm_90 %s does not take this call: %s", which, why)
+def _too_short(min_keys: int | None, geom) -> str | None:
+    """Why "auto" leaves a call to the portable kernels by its key length, or None."""
+    if min_keys is None or geom.k.max_len < min_keys:
+        return f"{geom.k.max_len} keys, fewer than the {min_keys} it measured faster from"
+    return None
+
+
+def _decide(which: str, why: str | None, views_of):
+    """The TMA views `views_of()` makes when nothing above declined the call and TMA can read
+    the storage in place, else None, with the reason logged at DEBUG."""
+    views = views_of() if why is None else None
+    if why is None and views is None:
+        why = "TMA cannot read the inputs in place (strides or alignment)"
+    if why is not None:
+        if _log.isEnabledFor(logging.DEBUG):
+            _log.debug("the sm_90 %s does not take this call: %s", which, why)
+        return None
+    return views
 
 
 def sm90_forward_plan(
@@ -148,20 +163,13 @@ def sm90_forward_plan(
     if _paths["forward"] == "portable" or not _on_sm90(q):
         return None
     sm90 = sm90_kernels("_flash_fwd_sm90")
-    why = _not_covered(sm90, q, k, v, window_left=window_left, window_right=window_right,
-                       bias=bias, alibi_slopes=alibi_slopes, softcap=softcap,
-                       dropout_p=dropout_p)  # fmt: skip
+    why = _not_covered(sm90, q, k, v, window_left, window_right, bias, alibi_slopes, softcap,
+                       dropout_p)  # fmt: skip
     if why is None and _paths["forward"] == "auto":
-        min_keys = (SM90_MIN_KEYS_CAUSAL if window_right == 0 else SM90_MIN_KEYS)[q.shape[-1]]
-        if min_keys is None or geom.k.max_len < min_keys:
-            why = f"{geom.k.max_len} keys, fewer than the {min_keys} it measured faster from"
-    views = sm90.plan_views(q, k, v, geom.varlen) if why is None else None
-    if why is None and views is None:
-        why = "TMA cannot read q, k or v in place (strides or alignment)"
-    if why is not None:
-        _declined("forward", why)
-        return None
-    return views, window_right == 0
+        table = SM90_MIN_KEYS_CAUSAL if window_right == 0 else SM90_MIN_KEYS
+        why = _too_short(table[q.shape[-1]], geom)
+    views = _decide("forward", why, lambda: sm90.plan_views(q, k, v, geom.varlen))
+    return None if views is None else (views, window_right == 0)
 
 
 def run_sm90_forward(q, k, v, geom, *, causal, softmax_scale, bottom_right, signature=None):
@@ -199,24 +207,16 @@ def sm90_backward_plan(
     if _paths["backward"] == "portable" or not _on_sm90(q):
         return None
     sm90 = sm90_kernels("_flash_bwd_sm90")
-    why = _not_covered(sm90, q, k, v, window_left=window_left, window_right=window_right,
-                       bias=bias, alibi_slopes=alibi_slopes, softcap=softcap,
-                       dropout_p=dropout_p)  # fmt: skip
+    why = _not_covered(sm90, q, k, v, window_left, window_right, bias, alibi_slopes, softcap,
+                       dropout_p)  # fmt: skip
     if why is None and deterministic:
         why = "deterministic=True (its dQ sums with atomics)"
     if why is None and (dout.dtype != q.dtype or not lse.is_contiguous()):
         why = f"dout {dout.dtype} against q {q.dtype}, or a strided LSE"
     if why is None and _paths["backward"] == "auto":
-        min_keys = SM90_BWD_MIN_KEYS[q.shape[-1]]
+        why = _too_short(SM90_BWD_MIN_KEYS[q.shape[-1]], geom)
         programs = cdiv(geom.k.max_len, sm90.BLOCK_N) * geom.batch * k.shape[-2]
-        if min_keys is None or geom.k.max_len < min_keys:
-            why = f"{geom.k.max_len} keys, fewer than the {min_keys} it measured faster from"
-        elif programs < SM90_BWD_MIN_WAVES * multiprocessors(q.device):
+        if why is None and programs < SM90_BWD_MIN_WAVES * multiprocessors(q.device):
             why = f"{programs} programs, under {SM90_BWD_MIN_WAVES} waves of the GPU's SMs"
-    views = sm90.plan_views(q, k, v, dout, geom.varlen) if why is None else None
-    if why is None and views is None:
-        why = "TMA cannot read q, k, v or dout in place (strides or alignment)"
-    if why is not None:
-        _declined("backward", why)
-        return None
-    return views, window_right == 0
+    views = _decide("backward", why, lambda: sm90.plan_views(q, k, v, dout, geom.varlen))
+    return None if views is None else (views, window_right == 0)

@@ -2,10 +2,8 @@
 on, the direct launcher and the Hopper kernels step aside, with a reason, and every call takes
 Triton's own launch and the portable kernels."""
 
-import subprocess
-import sys
-
 import pytest
+from fresh_process import fresh_python
 from fusedlayers.kernels import _compat, _launch, _sm90_common
 
 
@@ -51,12 +49,8 @@ def test_the_reason_is_logged_at_import():
         "import fusedlayers.kernels._compat as c\n"
         "print('off' if c.FAST_PATHS_OFF else 'on')"
     )
-    done = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-        env={"PATH": "", "FUSEDLAYERS_UNTESTED_TRITON": "0"},
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr
-    assert "outside the releases the GPU suite passed on" in done.stdout, done.stdout
+    out = fresh_python(code, FUSEDLAYERS_UNTESTED_TRITON="0")
+    assert "outside the releases the GPU suite passed on" in out, out
 
 
 def test_import_leaves_the_hopper_kernels_unloaded():
@@ -72,9 +66,5 @@ def test_import_leaves_the_hopper_kernels_unloaded():
         "dispatch.sm90_kernels('_flash_fwd_sm90')\n"
         "print('fusedlayers.kernels._flash_fwd_sm90' in sys.modules)"
     )
-    done = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-        env={"PATH": "", "FUSEDLAYERS_UNTESTED_TRITON": "1"},
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.split("\n")[:2] == ["[]", "True"], done.stdout
+    out = fresh_python(code, FUSEDLAYERS_UNTESTED_TRITON="1")
+    assert out.split("\n")[:2] == ["[]", "True"], out

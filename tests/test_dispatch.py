@@ -5,11 +5,10 @@ coverage checks run on the host)."""
 from __future__ import annotations
 
 import logging
-import subprocess
-import sys
 
 import pytest
 import torch
+from fresh_process import fresh_python
 from fusedlayers.kernels import dispatch
 from fusedlayers.kernels._common import launch_geometry
 
@@ -39,12 +38,8 @@ def test_a_bad_value_names_the_variable(value):
 def test_the_variable_is_read_at_import():
     code = "from fusedlayers.kernels import forward_path, backward_path\n" \
         "print(forward_path(), backward_path())"  # fmt: skip
-    done = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-        env={"PATH": "", "FUSEDLAYERS_ATTENTION_PATH": "forward=portable,backward=sm90"},
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.split() == ["portable", "sm90"]
+    out = fresh_python(code, FUSEDLAYERS_ATTENTION_PATH="forward=portable,backward=sm90")
+    assert out.split() == ["portable", "sm90"]
 
 
 def _forward_plan(q, k, **options):
