@@ -258,22 +258,6 @@ def gpt_section(page: Page, used, rows: list[dict]) -> tuple[list[str], list[Pat
     return lines + [image, ""], [path]
 
 
-def generate_section(page: Page, used, rows: list[dict]) -> tuple[list[str], list[Path]]:
-    lines = ["## Generation", ""]
-    if not used:
-        return lines + _missing("generate"), []
-    lines += [
-        "Greedy decoding from a random prompt (`examples/benchmark_generate.py`): the fusedlayers",
-        "GPT eager and with its decode step captured in a CUDA graph, against the same model in",
-        "plain PyTorch with a static KV cache, eager and under",
-        '`torch.compile(mode="reduce-overhead")`. Setup s: the warm-up run (compilation) and the',
-        "graph capture. `vs plain`: the plain model's ms/token in the same mode (eager; CUDA graph",
-        "against compiled) / this row's.",
-        "",
-    ]
-    return lines + _setups(page, "generate", used) + tables.generate_table(rows) + [""], []
-
-
 def decode_section(page: Page, used, rows: list[dict]) -> tuple[list[str], list[Path]]:
     lines = ["## Decode attention", ""]
     if not used:
@@ -303,32 +287,35 @@ def decode_section(page: Page, used, rows: list[dict]) -> tuple[list[str], list[
     return lines + [image, ""], [path]
 
 
-def context_parallel_section(page: Page, used, rows: list[dict]) -> tuple[list[str], list[Path]]:
-    lines = ["## Context parallelism", ""]
-    if not used:
-        return lines + _missing("context_parallel"), []
-    lines += [
-        "Causal `DotProductAttention` with the sequence split over the GPUs (ring exchange of K/V)",
-        "against one GPU doing the same attention work per GPU.",
-        "",
-    ]
-    return lines + _setups(page, "context_parallel", used) + tables.context_parallel_table(rows) + [
-        ""
-    ], []
+def _table_section(kind: str, title: str, intro: list[str], make_table) -> Callable:
+    """A section that is its title, `intro`, the Setup lines of its runs and one table
+    (`make_table(rows)`), or a note that no run of `kind` is recorded."""
+
+    def section(page: Page, used, rows: list[dict]) -> tuple[list[str], list[Path]]:
+        lines = [f"## {title}", ""]
+        if not used:
+            return lines + _missing(kind), []
+        return lines + intro + [""] + _setups(page, kind, used) + make_table(rows) + [""], []
+
+    return section
 
 
-def dynamic_shapes_section(page: Page, used, rows: list[dict]) -> tuple[list[str], list[Path]]:
-    lines = ["## Shapes that change every call", ""]
-    if not used:
-        return lines + _missing("dynamic_shapes"), []
-    lines += [
-        "Loops of forward+backward calls with a new length every call (dynamic padding, packed",
-        "documents), each call timed alone with its compiling: what a training loop waits for.",
-        "",
-    ]
-    return lines + _setups(page, "dynamic_shapes", used) + tables.dynamic_shapes_table(rows) + [
-        ""
-    ], []
+generate_section = _table_section("generate", "Generation", [
+    "Greedy decoding from a random prompt (`examples/benchmark_generate.py`): the fusedlayers",
+    "GPT eager and with its decode step captured in a CUDA graph, against the same model in",
+    "plain PyTorch with a static KV cache, eager and under",
+    '`torch.compile(mode="reduce-overhead")`. Setup s: the warm-up run (compilation) and the',
+    "graph capture. `vs plain`: the plain model's ms/token in the same mode (eager; CUDA graph",
+    "against compiled) / this row's.",
+], tables.generate_table)  # fmt: skip
+context_parallel_section = _table_section("context_parallel", "Context parallelism", [
+    "Causal `DotProductAttention` with the sequence split over the GPUs (ring exchange of K/V)",
+    "against one GPU doing the same attention work per GPU.",
+], tables.context_parallel_table)  # fmt: skip
+dynamic_shapes_section = _table_section("dynamic_shapes", "Shapes that change every call", [
+    "Loops of forward+backward calls with a new length every call (dynamic padding, packed",
+    "documents), each call timed alone with its compiling: what a training loop waits for.",
+], tables.dynamic_shapes_table)  # fmt: skip
 
 
 SECTIONS = {
