@@ -17,7 +17,8 @@ import os
 
 import pytest
 import torch
-from random_runner import env_int, env_ints, run_route, write_report
+from random_report import env_int, env_ints, write_report
+from random_runner import run_route
 
 import fusedlayers.attention.frontend as front_end
 

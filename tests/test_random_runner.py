@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import time
 
+import random_report
 import random_runner
 
 
@@ -46,9 +47,9 @@ def test_report_sums_shards_and_counts_seeds(monkeypatch, tmp_path):
     for seed in (0, 1):
         for k in range(3):
             summary = random_runner.run_route("sm90", seed, 10, "cpu", shard=(k, 3), log=str)
-            random_runner.write_report(str(path), summary)
+            random_report.write_report(str(path), summary)
     # Writing one shard again replaces its entry instead of adding to the totals.
-    random_runner.write_report(str(path), summary)
+    random_report.write_report(str(path), summary)
     data = json.loads(path.read_text())
     assert len(data["runs"]) == 6
     totals = data["routes"]["sm90"]

@@ -40,7 +40,8 @@ import os
 import pytest
 import torch
 from random_cases import ROUTES, Case
-from random_runner import env_int, env_ints, run_case, run_route, write_report
+from random_report import env_int, env_ints, write_report
+from random_runner import run_case, run_route
 
 pytestmark = pytest.mark.gpu
 
