@@ -19,6 +19,12 @@ os.environ.setdefault("FUSEDLAYERS_UNTESTED_TRITON", "1")
 
 HAS_CUDA = torch.cuda.is_available()
 
+# `.ci/gpu tests` on a machine of several GPUs runs one pytest whose xdist workers spread over
+# the GPUs (worker i on GPU i mod n), so that xdist balances the files' load across all of them.
+_worker = os.environ.get("PYTEST_XDIST_WORKER")
+if HAS_CUDA and _worker and os.environ.get("FUSEDLAYERS_SPREAD_GPUS") == "1":
+    torch.cuda.set_device(int(_worker.removeprefix("gw")) % torch.cuda.device_count())
+
 
 def pytest_addoption(parser):
     parser.addoption(
