@@ -7,7 +7,7 @@ Shapes (docs/internals.md), as for the portable kernel in `_flash_fwd.py`:
     varlen q [t_q, h_q, d], k [t_k, h_kv, d], v [t_k, h_kv, d] -> out [t_q, h_q, d], lse [h_q, t_q]
 
 A tile is BLOCK_M = 64 x `CONSUMERS[d]` query rows of one (sequence, query head) (128 at
-d = 128, 192 at d = 64). Launches run one program per SM (`PERSISTENT`; `PERSISTENT_CAUSAL`
+d = 128 and 256, 192 at d = 64). Launches run one program per SM (`PERSISTENT`; `PERSISTENT_CAUSAL`
 for causal ones), its producer streaming the next tile's K, V and Q while the consumers finish
 the previous tile (the stage ring and the ping-pong turns run on across tiles; each consumer
 warpgroup hands its Q buffer back once its last S product of a tile has landed). Non-causal
@@ -41,7 +41,7 @@ a sequence's end read whatever follows it (the next sequence, padding, or TMA's 
 the last row): their scores are masked and the last block's V rows zeroed (`_zero_rows_from`).
 Query rows past the end are computed but never stored.
 
-Covered: fp16/bf16, d = d_v in {64, 128}, MHA/GQA/MQA, no mask / causal (top-left or
+Covered: fp16/bf16, d = d_v in {64, 128, 256}, MHA/GQA/MQA, no mask / causal (top-left or
 bottom-right), dense, right-padded (seqlens) and varlen (cu_seqlens, seq_offsets). Everything
 else takes the portable kernel (`dispatch.sm90_forward_plan`).
 
@@ -90,13 +90,15 @@ CONSUMER_WARPS = 4  # the default partition: consumer warpgroup 0; the others ar
 # (BLOCK_N, NUM_STAGES) per head dim. Shared memory: Q BLOCK_M x d, NUM_STAGES K and V tiles and,
 # with the TMA store (`TMA_EPILOGUE`), the output's staging, BLOCK_M x d (192 KiB at d = 128, 144
 # KiB at d = 64). A third stage at d = 128 (224 KiB, without the staging) measured no faster
-# (docs/performance.md, "The forward's softmax and the P V product").
-TILES = {64: (128, 3), 128: (128, 2)}
+# (docs/performance.md, "The forward's softmax and the P V product"). d = 256: 64-key blocks, so
+# that S, P and the 64 x 256 fp32 accumulator (128 registers a thread) fit a consumer's 240; Q
+# and two stages take 192 KiB, which leaves no room for the output's staging.
+TILES = {64: (128, 3), 128: (128, 2), 256: (64, 2)}
 SUPPORTED_HEAD_DIMS = tuple(TILES)
 # Consumer warpgroups per head dim, so BLOCK_M = 64 x this. d = 128: two (FlashAttention-3's
 # ping-pong). d = 64: three, FlashAttention-3's d = 64 tile: its products are short, so a
 # softmax hides only under two other warpgroups' products.
-CONSUMERS = {64: 3, 128: 2}
+CONSUMERS = {64: 3, 128: 2, 256: 2}
 # Registers a thread, per consumer count: (at launch, [each worker consumer, the producer]).
 # All warpgroups start with 65536 / threads (capped at 168 by the two-consumer design); the
 # producer drops to 24 (the minimum) and the consumers share the rest, the default partition
@@ -108,19 +110,19 @@ REGISTERS = {2: (168, [240, 24]), 3: (128, [160, 160, 24])}
 # epilogue). On the H100, best of three same-process rounds against one tile per program: d=128
 # 1.02-1.06x at s = 1k-16k, d=64 1.01-1.09x (docs/performance.md, "A persistent grid for the
 # sm_90 forward").
-PERSISTENT = {64: True, 128: True}
+PERSISTENT = {64: True, 128: True, 256: True}
 # The same for causal launches, whose tiles differ in length: their programs take each next tile
 # from a counter (a dynamic scheduler), so an SM that finishes early starts another at once. A
 # fixed deal of the tiles (a snake) ran the d=128 causal forward at 0.72x one program per tile;
 # the counter runs d=128 and d=64 at 1.03-1.04x (s = 4k and 16k, H100, medians of five
 # same-process rounds; docs/performance.md, "A dynamic tile scheduler").
-PERSISTENT_CAUSAL = {64: True, 128: True}
+PERSISTENT_CAUSAL = {64: True, 128: True, 256: True}
 # Per head dim: each consumer warpgroup stores its output rows by TMA from shared memory
 # (rows that reach past a sequence's end keep the masked stores from registers). On the H100,
 # medians of five same-process rounds against the stores from registers: d=128 +9% / +17% at
 # s = 1k (no mask / causal), +2% / +4% at 4k, level at 16k; d=64 +2-5%, level at 1k without a
 # mask and at 4k causal (docs/performance.md, "The forward's output by TMA store").
-TMA_EPILOGUE = {64: True, 128: True}
+TMA_EPILOGUE = {64: True, 128: True, 256: False}
 
 
 def tile_for(head_dim: int) -> tuple[int, int]:

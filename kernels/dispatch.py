@@ -40,8 +40,8 @@ _log = logging.getLogger("fusedlayers.kernels")
 # The shortest key length (per sequence) at which "auto" takes an sm_90 kernel, per head dim;
 # None: "auto" never does. Below it the portable kernels measured as fast or faster on the H100
 # (bf16, b*s = 16k tokens; docs/performance.md, "When each path runs").
-SM90_MIN_KEYS: dict[int, int | None] = {128: 1024, 64: 2048}
-SM90_MIN_KEYS_CAUSAL: dict[int, int | None] = {128: 1024, 64: 1024}
+SM90_MIN_KEYS: dict[int, int | None] = {128: 1024, 64: 2048, 256: 1024}
+SM90_MIN_KEYS_CAUSAL: dict[int, int | None] = {128: 1024, 64: 1024, 256: 1024}
 SM90_BWD_MIN_KEYS: dict[int, int | None] = {128: 1024, 64: 4096}
 # "auto" also wants this many waves of sm_90 backward programs (one per 128 keys of each sequence
 # and KV head, one per SM): unlike the portable dK/dV pass, which deals a GQA group over several

@@ -4,7 +4,7 @@ Every case pins the sm_90 path (`set_forward_path("sm90")`) and checks that the 
 it (a spy on `forward_sm90`), then applies the suite's pass rule (tests/attention_testing.py:
 error <= 2x PyTorch's own error in the input dtype for out/LSE, 3x for the gradients, which the
 portable backward computes from this forward's out and LSE). Cases cover what the path claims:
-fp16/bf16, d = 64 and 128, MHA/GQA/MQA, no mask and causal in both alignments, s_q != s_k, odd
+fp16/bf16, d = 64, 128 and 256, MHA/GQA/MQA, no mask and causal in both alignments, s_q != s_k, odd
 lengths, rows with no visible key, dense, right-padded, varlen with and without gaps, and strided
 views (sbhd, packed sb3hd / bs2hd) read in place. A second group checks the calls the path does
 not cover fall back to the portable kernel.
@@ -84,6 +84,15 @@ CASES = [
     Case(b=2, s_q=600, s_k=1500, h=4, h_kv=4, d=64, dtype=torch.bfloat16, window=(-1, 0)),
     Case(b=6, s_q=900, s_k=900, h=4, h_kv=1, d=64, dtype=torch.bfloat16, layout="varlen",
          window=(-1, 0)),
+    # d = 256 (64-key blocks, two warpgroups, stores from registers): causal in both alignments,
+    # GQA, odd lengths, varlen.
+    Case(b=2, s_q=1024, s_k=1024, h=4, h_kv=4, d=256, dtype=torch.bfloat16),
+    Case(b=2, s_q=1000, s_k=1000, h=4, h_kv=2, d=256, dtype=torch.bfloat16, window=(-1, 0)),
+    Case(b=2, s_q=777, s_k=300, h=8, h_kv=2, d=256, dtype=torch.float16, window=(-1, 0)),
+    Case(b=2, s_q=300, s_k=777, h=4, h_kv=1, d=256, dtype=torch.bfloat16, window=(-1, 0),
+         bottom_right=False),
+    Case(b=5, s_q=513, s_k=700, h=4, h_kv=2, d=256, dtype=torch.bfloat16, layout="varlen_padded",
+         window=(-1, 0)),
 ]  # fmt: skip
 
 
@@ -96,7 +105,7 @@ def test_sm90_matches_reference(case, sm90_spy):
 
 @needs_sm90
 @pytest.mark.parametrize("kv_heads_in_l2", [0, 1, 5])
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 128, 256])
 def test_sm90_causal_launch_orders(kv_heads_in_l2, d, sm90_spy, monkeypatch):
     """Causal launches interleave (sequence, head) pairs longest-first (`causal_order_heads`):
     one pair at a time (budget 0), one KV head's two query heads, and five KV heads' ten of
