@@ -329,9 +329,15 @@ def check_case(case: Case, device, *, high_dtype=torch.float64, backward: bool =
 
     Dropout cases draw one rng_state, run the kernel with it and feed the reference the matching
     `dropout_keep_mask`. Returns {name: check_close(...)} for summaries.
+
+    The rng_state is drawn from the case's seed, as the inputs are: drawn from the global
+    generator, it depended on which tests ran before in the process, and one fp32 dropout case
+    (p = 0.5, a bias) failed dK in 1 of 40 draws by 5%, the order of the dP sums
+    (tests/random_runner.py `_product_atol` bounds that for the randomized test).
     """
     inputs = make_inputs(case, device)
-    rng_state = torch.randint(0, 2**31 - 1, (2,), dtype=torch.int64)
+    draw = torch.Generator().manual_seed(case.seed)
+    rng_state = torch.randint(0, 2**31 - 1, (2,), dtype=torch.int64, generator=draw)
     keep = keep_mask(case, rng_state, device)
     kernel = run_kernel(case, inputs, rng_state if case.dropout_p > 0 else None, backward)
     high = run_reference(case, inputs, high_dtype, keep)
