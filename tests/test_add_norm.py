@@ -161,4 +161,3 @@ def test_compile_traces_the_fused_op(device):
     ]
     for a, b in zip(*grads):
         assert torch.equal(a, b)
-
