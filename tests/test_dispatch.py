@@ -89,3 +89,11 @@ def test_the_backward_logs_why_too(monkeypatch, caplog):
         assert dispatch.sm90_backward_plan(q, k, k, q, lse, launch_geometry(q, k), **call) is None
     (record,) = caplog.records
     assert "backward does not take this call: deterministic=True" in record.getMessage()
+
+
+@pytest.mark.parametrize("which", ["forward", "backward"])
+def test_set_path_names_bad_values(which):
+    setter = getattr(dispatch, f"set_{which}_path")
+    with pytest.raises(ValueError, match=f"{which} path must be one of .* got 'fast'"):
+        setter("fast")
+    assert getattr(dispatch, f"{which}_path")() == "auto"
