@@ -335,14 +335,20 @@ def _high_dtype(dtype: torch.dtype, device) -> torch.dtype:
     return torch.float64 if torch.device(device).type != "cuda" or dtype == F32 else F32
 
 
-def _zero_grad_atol(state: _Training) -> float:
+def _product_unit(state: _Training) -> float:
+    """One fp32 unit of a gradient term that goes through dP = dO V^T and one P-weighted product
+    with K or Q: eps32 * scale * |dO| |V| |Q or K|."""
+    q, k, v = state.views([t.detach() for t in state.buffers])
+    magnitude = _largest(state.dout) * _largest(v) * max(_largest(q), _largest(k))
+    return torch.finfo(F32).eps * state.scale * magnitude
+
+
+def _zero_grad_atol(unit: float, d_v: int) -> float:
     """atol of a gradient that is exactly 0 in the reference (every query sees one key: its
     softmax weight is exactly 1 and dS = P (dP - D) cancels exactly in PyTorch, fp32 included).
     The kernels take D = rowsum(dO * O) in fp32 (FlashAttention-2), so one fp32 rounding of the
-    cancelled terms is left: eps32 * scale * d_v * |dO| |V| |Q or K|."""
-    q, k, v = state.views([t.detach() for t in state.buffers])
-    magnitude = _largest(state.dout) * _largest(v) * max(_largest(q), _largest(k))
-    return torch.finfo(F32).eps * state.scale * state.case.d_v * magnitude
+    cancelled terms is left: d_v units (`_product_unit`)."""
+    return unit * d_v
 
 
 def _score_atol(state: _Training) -> float:
@@ -355,15 +361,12 @@ def _score_atol(state: _Training) -> float:
     return torch.finfo(F32).eps * state.scale * math.sqrt(state.case.d) * _largest(q) * _largest(k)
 
 
-def _product_atol(state: _Training) -> float:
+def _product_atol(unit: float, d_v: int) -> float:
     """What the backward's dP = dO V^T products may carry beyond PyTorch's fp32 matmul, as
-    `_score_atol` for the scores: about sqrt(d_v) fp32 units of |dO| |V| per entry (the kernels
-    and cuBLAS sum in different orders), reaching dQ and dK through one P-weighted product
-    (times the scale and |K| or |Q|). Visible in fp32 only: an H200 gave dK 1.07x the bound
-    without it (fp32, ALiBi, padding_causal, 2 x 256 keys; `FOUND` in the GPU test)."""
-    q, k, v = state.views([t.detach() for t in state.buffers])
-    magnitude = _largest(state.dout) * _largest(v) * max(_largest(q), _largest(k))
-    return torch.finfo(F32).eps * state.scale * math.sqrt(state.case.d_v) * magnitude
+    `_score_atol` for the scores: about sqrt(d_v) units (`_product_unit`; the kernels and cuBLAS
+    sum in different orders). Visible in fp32 only: an H200 gave dK 1.07x the bound without it
+    (fp32, ALiBi, padding_causal, 2 x 256 keys; `FOUND` in the GPU test)."""
+    return unit * math.sqrt(d_v)
 
 
 def _largest(t: torch.Tensor) -> float:
@@ -495,8 +498,9 @@ def _run_training_calls(case: Case, device, label: str) -> list[str]:
         first = False
         where = f"{label}call {i + 1} ({mode}): "
         high, low = state.reference(high_dtype), state.reference(case.dtype)
-        atols = dict(zero_atol=_zero_grad_atol(state), score_atol=_score_atol(state),
-                     product_atol=_product_atol(state))  # fmt: skip
+        unit = _product_unit(state)
+        atols = dict(zero_atol=_zero_grad_atol(unit, case.d_v), score_atol=_score_atol(state),
+                     product_atol=_product_atol(unit, case.d_v))  # fmt: skip
         problems += [where + p for p in compare(result, high, low, case.s_kv, **atols)]
         if case.deterministic and mode != "no_grad":  # bitwise the same on the same inputs
             again = state.kernel(module, mode)
