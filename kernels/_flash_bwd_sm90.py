@@ -139,7 +139,7 @@ DQ_WAIT_LATE = {128: True, 64: True}
 # bandwidth the consumers wait on (Nsight Compute: MIO-queue stalls lead theirs at d=128), for
 # 16 more registers a thread held until dV lands.
 P_FROM_REGISTERS = {128: True, 64: True}
-SUPPORTED_HEAD_DIMS = tuple(TILES)
+SUPPORTED_DIMS = tuple((d, d) for d in TILES)  # (d_qk, d_v) pairs
 
 
 if GLUON_AVAILABLE:
@@ -674,4 +674,4 @@ def _launch_plan(
     return _LaunchPlan(grid, descriptors, ints, order_pairs, constexprs, signature, slot)
 
 
-__all__ = ["GLUON_AVAILABLE", "SUPPORTED_HEAD_DIMS", "backward_sm90", "plan_views"]
+__all__ = ["GLUON_AVAILABLE", "SUPPORTED_DIMS", "backward_sm90", "plan_views"]

@@ -41,7 +41,9 @@ a sequence's end read whatever follows it (the next sequence, padding, or TMA's 
 the last row): their scores are masked and the last block's V rows zeroed (`_zero_rows_from`).
 Query rows past the end are computed but never stored.
 
-Covered: fp16/bf16, d = d_v in {64, 128, 256}, MHA/GQA/MQA, no mask / causal (top-left or
+Covered: fp16/bf16, (d_qk, d_v) in `SUPPORTED_DIMS` (64, 80, 96, 128, 160, 192 and 256, and
+(192, 128); dims between tile widths run on the next width up, `widths`), MHA/GQA/MQA, no mask /
+causal (top-left or
 bottom-right), dense, right-padded (seqlens) and varlen (cu_seqlens, seq_offsets). Everything
 else takes the portable kernel (`dispatch.sm90_forward_plan`).
 
@@ -63,6 +65,7 @@ from ._common import (
     head_row_bytes,
     lse_strides,
     multiprocessors,
+    next_pow2,
     planned,
     strides4,
 )
@@ -94,7 +97,14 @@ CONSUMER_WARPS = 4  # the default partition: consumer warpgroup 0; the others ar
 # that S, P and the 64 x 256 fp32 accumulator (128 registers a thread) fit a consumer's 240; Q
 # and two stages take 192 KiB, which leaves no room for the output's staging.
 TILES = {64: (128, 3), 128: (128, 2), 256: (64, 2)}
-SUPPORTED_HEAD_DIMS = tuple(TILES)
+# The tables here are per tile width: the power of two a head dim's tiles are as wide as
+# (`widths`). Head dims between widths run on the next one up: their scores take their own
+# columns only (two products when the dim is no power of two, `_scores`), their V tile's extra
+# columns give output columns that are never stored, so the tile's width costs shared memory, TMA
+# bandwidth and P V work, not correctness. Covered: (d_qk, d_v) pairs.
+SUPPORTED_DIMS = (
+    (64, 64), (80, 80), (96, 96), (128, 128), (160, 160), (192, 192), (256, 256), (192, 128),
+)  # fmt: skip
 # Consumer warpgroups per head dim, so BLOCK_M = 64 x this. d = 128: two (FlashAttention-3's
 # ping-pong). d = 64: three, FlashAttention-3's d = 64 tile: its products are short, so a
 # softmax hides only under two other warpgroups' products.
@@ -125,9 +135,9 @@ PERSISTENT_CAUSAL = {64: True, 128: True, 256: True}
 TMA_EPILOGUE = {64: True, 128: True, 256: False}
 
 
-def tile_for(head_dim: int) -> tuple[int, int]:
-    """(BLOCK_N, NUM_STAGES) for a head dim in `SUPPORTED_HEAD_DIMS`."""
-    return TILES[head_dim]
+def widths(d_qk: int, d_v: int) -> tuple[int, int]:
+    """(q and k's tile width, v's) for a pair in `SUPPORTED_DIMS`: the next powers of two."""
+    return next_pow2(d_qk), next_pow2(d_v)
 
 
 if GLUON_AVAILABLE:
@@ -140,7 +150,8 @@ if GLUON_AVAILABLE:
         stride_vb, stride_vs, stride_vh, stride_ob, stride_os, stride_oh,
         stride_lb, stride_lh, stride_ls,
         num_heads_q, group, full_len_q, full_len_k, qk_scale, order_pairs, num_pairs, tile_counter,
-        HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+        HEAD_DIM: gl.constexpr, HEAD_DIM_V: gl.constexpr, BLOCK_M: gl.constexpr,
+        BLOCK_N: gl.constexpr,
         NUM_STAGES: gl.constexpr, SEQ_MODE_Q: gl.constexpr, SEQ_MODE_K: gl.constexpr,
         IS_CAUSAL: gl.constexpr, BOTTOM_RIGHT: gl.constexpr, CONSUMER_REGS: gl.constexpr,
         PERSISTENT: gl.constexpr, DYNAMIC: gl.constexpr, O_TMA: gl.constexpr,
@@ -151,6 +162,8 @@ if GLUON_AVAILABLE:
         tile_counter: a zeroed int32 the DYNAMIC persistent grid takes its tiles from and
         leaves at 0 (`tile_counter`; else None); o_desc: out's TMA grid (`tma_view`), which
         O_TMA stores each warpgroup's rows through (`TMA_EPILOGUE`).
+        HEAD_DIM, HEAD_DIM_V: the head dims of q/k and of v; the tiles are as wide as the
+        descriptors' boxes (`widths`).
 
         One tile per program, or with PERSISTENT a program per SM taking one tile per round of
         the launch order (`_round_tile`): the producer streams the next tile's K, V and Q while
@@ -176,12 +189,14 @@ if GLUON_AVAILABLE:
 
         dtype: gl.constexpr = q_desc.dtype
         NUM_WG: gl.constexpr = BLOCK_M // WG_ROWS
-        q_smem = gl.allocate_shared_memory(dtype, [NUM_WG, WG_ROWS, HEAD_DIM], q_desc.layout)
-        k_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
-        v_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
+        QK_WIDTH: gl.constexpr = k_desc.block_type.shape[1]
+        V_WIDTH: gl.constexpr = v_desc.block_type.shape[1]
+        q_smem = gl.allocate_shared_memory(dtype, [NUM_WG, WG_ROWS, QK_WIDTH], q_desc.layout)
+        k_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, QK_WIDTH], k_desc.layout)
+        v_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, V_WIDTH], v_desc.layout)
         if O_TMA:
             # Each consumer warpgroup's output rows on their way to the TMA store.
-            o_smem = gl.allocate_shared_memory(dtype, [NUM_WG, WG_ROWS, HEAD_DIM], o_desc.layout)
+            o_smem = gl.allocate_shared_memory(dtype, [NUM_WG, WG_ROWS, V_WIDTH], o_desc.layout)
         else:
             o_smem = q_smem  # a stand-in, never touched: the rows go out from registers
         bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
@@ -235,21 +250,21 @@ if GLUON_AVAILABLE:
                             seqlens_q_ptr, cu_k_ptr, offsets_k_ptr, seqlens_k_ptr, strides,
                             num_heads_q, group, full_len_q, full_len_k, out_ptr, lse_ptr,
                             qk_scale, sched, tile_counter, SEQ_MODE_Q, SEQ_MODE_K, IS_CAUSAL,
-                            BOTTOM_RIGHT, 0, DYNAMIC, O_TMA)),
+                            BOTTOM_RIGHT, 0, DYNAMIC, O_TMA, HEAD_DIM, HEAD_DIM_V)),
                         (_persistent_consumer, (
                             q_desc, k_desc, v_desc, o_desc, smem, bars, first, step,
                             num_tiles, num_m, num_pairs, order_pairs, cu_q_ptr, offsets_q_ptr,
                             seqlens_q_ptr, cu_k_ptr, offsets_k_ptr, seqlens_k_ptr, strides,
                             num_heads_q, group, full_len_q, full_len_k, out_ptr, lse_ptr,
                             qk_scale, sched, tile_counter, SEQ_MODE_Q, SEQ_MODE_K, IS_CAUSAL,
-                            BOTTOM_RIGHT, 1, DYNAMIC, O_TMA)),
+                            BOTTOM_RIGHT, 1, DYNAMIC, O_TMA, HEAD_DIM, HEAD_DIM_V)),
                         (_persistent_producer, (
                             q_desc, k_desc, v_desc, o_desc, smem, bars, first, step,
                             num_tiles, num_m, num_pairs, order_pairs, cu_q_ptr, offsets_q_ptr,
                             seqlens_q_ptr, cu_k_ptr, offsets_k_ptr, seqlens_k_ptr, strides,
                             num_heads_q, group, full_len_q, full_len_k, out_ptr, lse_ptr,
                             qk_scale, sched, tile_counter, SEQ_MODE_Q, SEQ_MODE_K, IS_CAUSAL,
-                            BOTTOM_RIGHT, 0, DYNAMIC, O_TMA)),
+                            BOTTOM_RIGHT, 0, DYNAMIC, O_TMA, HEAD_DIM, HEAD_DIM_V)),
                     ],
                     [4, 4],
                     [CONSUMER_REGS, 24],
@@ -263,28 +278,28 @@ if GLUON_AVAILABLE:
                             seqlens_q_ptr, cu_k_ptr, offsets_k_ptr, seqlens_k_ptr, strides,
                             num_heads_q, group, full_len_q, full_len_k, out_ptr, lse_ptr,
                             qk_scale, sched, tile_counter, SEQ_MODE_Q, SEQ_MODE_K, IS_CAUSAL,
-                            BOTTOM_RIGHT, 0, DYNAMIC, O_TMA)),
+                            BOTTOM_RIGHT, 0, DYNAMIC, O_TMA, HEAD_DIM, HEAD_DIM_V)),
                         (_persistent_consumer, (
                             q_desc, k_desc, v_desc, o_desc, smem, bars, first, step,
                             num_tiles, num_m, num_pairs, order_pairs, cu_q_ptr, offsets_q_ptr,
                             seqlens_q_ptr, cu_k_ptr, offsets_k_ptr, seqlens_k_ptr, strides,
                             num_heads_q, group, full_len_q, full_len_k, out_ptr, lse_ptr,
                             qk_scale, sched, tile_counter, SEQ_MODE_Q, SEQ_MODE_K, IS_CAUSAL,
-                            BOTTOM_RIGHT, 1, DYNAMIC, O_TMA)),
+                            BOTTOM_RIGHT, 1, DYNAMIC, O_TMA, HEAD_DIM, HEAD_DIM_V)),
                         (_persistent_consumer, (
                             q_desc, k_desc, v_desc, o_desc, smem, bars, first, step,
                             num_tiles, num_m, num_pairs, order_pairs, cu_q_ptr, offsets_q_ptr,
                             seqlens_q_ptr, cu_k_ptr, offsets_k_ptr, seqlens_k_ptr, strides,
                             num_heads_q, group, full_len_q, full_len_k, out_ptr, lse_ptr,
                             qk_scale, sched, tile_counter, SEQ_MODE_Q, SEQ_MODE_K, IS_CAUSAL,
-                            BOTTOM_RIGHT, 2, DYNAMIC, O_TMA)),
+                            BOTTOM_RIGHT, 2, DYNAMIC, O_TMA, HEAD_DIM, HEAD_DIM_V)),
                         (_persistent_producer, (
                             q_desc, k_desc, v_desc, o_desc, smem, bars, first, step,
                             num_tiles, num_m, num_pairs, order_pairs, cu_q_ptr, offsets_q_ptr,
                             seqlens_q_ptr, cu_k_ptr, offsets_k_ptr, seqlens_k_ptr, strides,
                             num_heads_q, group, full_len_q, full_len_k, out_ptr, lse_ptr,
                             qk_scale, sched, tile_counter, SEQ_MODE_Q, SEQ_MODE_K, IS_CAUSAL,
-                            BOTTOM_RIGHT, 0, DYNAMIC, O_TMA)),
+                            BOTTOM_RIGHT, 0, DYNAMIC, O_TMA, HEAD_DIM, HEAD_DIM_V)),
                     ],
                     [4, 4, 4],
                     [CONSUMER_REGS, CONSUMER_REGS, 24],
@@ -300,8 +315,8 @@ if GLUON_AVAILABLE:
             if NUM_WG == 2:
                 gl.warp_specialize(
                     [
-                        (_consumer, (args, 0, O_TMA)),
-                        (_consumer, (args, 1, O_TMA)),
+                        (_consumer, (args, 0, O_TMA, HEAD_DIM, HEAD_DIM_V)),
+                        (_consumer, (args, 1, O_TMA, HEAD_DIM, HEAD_DIM_V)),
                         (_producer, args),
                     ],
                     [4, 4],
@@ -309,8 +324,9 @@ if GLUON_AVAILABLE:
                 )
             else:
                 gl.warp_specialize(
-                    [(_consumer, (args, 0, O_TMA)), (_consumer, (args, 1, O_TMA)),
-                     (_consumer, (args, 2, O_TMA)), (_producer, args)],
+                    [(_consumer, (args, 0, O_TMA, HEAD_DIM, HEAD_DIM_V)),
+                     (_consumer, (args, 1, O_TMA, HEAD_DIM, HEAD_DIM_V)),
+                     (_consumer, (args, 2, O_TMA, HEAD_DIM, HEAD_DIM_V)), (_producer, args)],
                     [4, 4, 4],
                     [CONSUMER_REGS, CONSUMER_REGS, 24],
                 )  # fmt: skip
@@ -322,17 +338,24 @@ if GLUON_AVAILABLE:
 
 
 def plan_views(q, k, v, varlen: bool):
-    """The TMA grids of q, k and v, or None when any of them cannot take this path."""
-    d = q.shape[-1]
-    if d not in TILES:
+    """The TMA grids of q, k and v, or None when any of them cannot take this path (a pair
+    outside `SUPPORTED_DIMS`, storage TMA cannot read, or rows narrower than the tile's box)."""
+    if (q.shape[-1], v.shape[-1]) not in SUPPORTED_DIMS:
         return None
-    block_n = TILES[d][0]
+    width_qk, width_v = widths(q.shape[-1], v.shape[-1])
+    block_n = TILES[width_qk][0]
     views = (
-        tma_view(q, varlen, WARPGROUP_ROWS * CONSUMERS[d]),
+        tma_view(q, varlen, WARPGROUP_ROWS * CONSUMERS[width_qk]),
         tma_view(k, varlen, block_n),
         tma_view(v, varlen, block_n),
     )
-    return None if any(view is None for view in views) else views
+    if any(view is None for view in views):
+        return None
+    # A box wider than the grid's rows (one head of a dim below its tile width) is no legal TMA
+    # box; such rows take the portable kernels.
+    if any(view[0][1] < width for view, width in zip(views, (width_qk, width_qk, width_v))):
+        return None
+    return views
 
 
 # The dynamic tile scheduler's counters, one int32 per (device, stream) (`tile_counter`).
@@ -371,7 +394,7 @@ def forward_sm90(
     after the first (`_launch.launch`); without it every call plans afresh and launches through
     Triton's `kernel[grid]` the first time per specialization."""
     plan = planned(
-        _PLANS, signature, (bool(causal), bool(bottom_right), _settings(q.shape[-1], causal)),
+        _PLANS, signature, (bool(causal), bool(bottom_right), _settings(q.shape[-1], v.shape[-1], causal)),
         lambda: _launch_plan(q, k, v, out, lse, geom, causal, bottom_right, signature),
     )  # fmt: skip
     if plan.grid[0] == 0:
@@ -407,26 +430,33 @@ class _LaunchPlan(NamedTuple):
 _PLANS: dict[tuple, _LaunchPlan] = {}
 
 
-def _settings(d: int, causal: bool) -> tuple:
-    """The module settings a plan for head dim d reads (the A/B scripts flip them in one
-    process)."""
-    persistent = (PERSISTENT_CAUSAL if causal else PERSISTENT)[d]
-    return TILES[d], CONSUMERS[d], persistent, TMA_EPILOGUE[d], _common.CAUSAL_ORDER_L2_BYTES
+def _settings(d: int, d_v: int, causal: bool) -> tuple:
+    """The module settings a plan for head dims (d, d_v) reads (the A/B scripts flip them in
+    one process)."""
+    width = widths(d, d_v)[0]
+    persistent = (PERSISTENT_CAUSAL if causal else PERSISTENT)[width]
+    return (
+        TILES[width], CONSUMERS[width], persistent, TMA_EPILOGUE[width],
+        _common.CAUSAL_ORDER_L2_BYTES,
+    )  # fmt: skip
 
 
 def _launch_plan(q, k, v, out, lse, geom, causal, bottom_right, signature) -> _LaunchPlan:
     """Grid, runtime integers and constexprs of the launch: from shapes, strides, dtypes and
     devices only, so one plan serves every call of a signature."""
-    d = q.shape[-1]
-    block_n, stages = TILES[d]
+    d, d_v = q.shape[-1], v.shape[-1]
+    width_qk, width_v = widths(d, d_v)
+    block_n, stages = TILES[width_qk]
     num_heads_q, num_heads_kv = q.shape[-2], k.shape[-2]
-    consumers = CONSUMERS[d]
+    consumers = CONSUMERS[width_qk]
     block_m = WARPGROUP_ROWS * consumers
     max_registers, worker_registers = REGISTERS[consumers]
     num_pairs = geom.batch * num_heads_q
     tiles = cdiv(geom.q.max_len, block_m) * num_pairs
-    persistent = (PERSISTENT_CAUSAL if causal else PERSISTENT)[d]
+    persistent = (PERSISTENT_CAUSAL if causal else PERSISTENT)[width_qk]
     grid = (min(tiles, multiprocessors(q.device)) if persistent else tiles,)
+    # The TMA store writes whole tile-wide rows: only where the tile is exactly v's width.
+    o_tma = TMA_EPILOGUE[width_qk] and d_v == width_v
     # Causal tiles differ in length: a persistent causal launch takes them from a counter.
     dynamic = persistent and causal
     views = plan_views(q, k, v, geom.varlen)
@@ -437,9 +467,12 @@ def _launch_plan(q, k, v, out, lse, geom, causal, bottom_right, signature) -> _L
             f"or write out {out.stride()} in place"
         )
     descriptors = tuple(
-        descriptor_maker(t, view, [rows, d])
-        for t, view, rows in zip(
-            (q, k, v, out), (*views, out_view), (WARPGROUP_ROWS, block_n, block_n, WARPGROUP_ROWS)
+        descriptor_maker(t, view, [rows, width])
+        for t, view, rows, width in zip(
+            (q, k, v, out),
+            (*views, out_view),
+            (WARPGROUP_ROWS, block_n, block_n, WARPGROUP_ROWS),
+            (width_qk, width_qk, width_v, width_v),
         )
     )
     sq, sk, sv, so = (strides4(t, geom.varlen) for t in (q, k, v, out))
@@ -452,10 +485,10 @@ def _launch_plan(q, k, v, out, lse, geom, causal, bottom_right, signature) -> _L
         geom.k.max_len, head_row_bytes(k, v), num_heads_q // num_heads_kv, num_pairs
     )
     constexprs = dict(
-        HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n, NUM_STAGES=stages,
+        HEAD_DIM=d, HEAD_DIM_V=d_v, BLOCK_M=block_m, BLOCK_N=block_n, NUM_STAGES=stages,
         SEQ_MODE_Q=geom.q.mode, SEQ_MODE_K=geom.k.mode, IS_CAUSAL=bool(causal),
         BOTTOM_RIGHT=bool(bottom_right), CONSUMER_REGS=worker_registers[0],
-        PERSISTENT=persistent, DYNAMIC=dynamic, O_TMA=TMA_EPILOGUE[d], num_warps=CONSUMER_WARPS,
+        PERSISTENT=persistent, DYNAMIC=dynamic, O_TMA=o_tma, num_warps=CONSUMER_WARPS,
         maxnreg=max_registers,
     )  # fmt: skip
     signature, slot = launch_binding(signature, order_pairs)
@@ -464,4 +497,6 @@ def _launch_plan(q, k, v, out, lse, geom, causal, bottom_right, signature) -> _L
     )
 
 
-__all__ = ["GLUON_AVAILABLE", "SUPPORTED_HEAD_DIMS", "forward_sm90", "plan_views", "tma_view"]
+__all__ = [
+    "GLUON_AVAILABLE", "SUPPORTED_DIMS", "forward_sm90", "plan_views", "tma_view", "widths",
+]  # fmt: skip

@@ -142,7 +142,8 @@ if GLUON_AVAILABLE:
         return p, alpha, m_new, l_i * alpha + gl.sum(p, 1)
 
     @gluon.jit
-    def _consumer(args, WG: gl.constexpr, O_TMA: gl.constexpr):
+    def _consumer(args, WG: gl.constexpr, O_TMA: gl.constexpr, D_QK: gl.constexpr,
+                  D_V: gl.constexpr):  # fmt: skip
         """Consumer warpgroup WG's partition in the one-tile-per-program grid: `args` is the
         producer's argument list (a partition's constants must sit at the top of its own)."""
         _, _, _, o_desc, smem, bars, _, _, _, _, _, _, start_m, len_q, len_k, diag, num_blocks, \
@@ -151,7 +152,7 @@ if GLUON_AVAILABLE:
         _consume_tile(
             smem, bars, start_m, len_q, len_k, diag, num_blocks, first_masked, qk_scale,
             o_desc, out_ptr, lse_ptr, o_base, lse_base, stride_os, stride_ls, WG, 0, 0, 0,
-            False, O_TMA,
+            False, O_TMA, D_QK, D_V,
         )  # fmt: skip
         if O_TMA:
             tma.store_wait(0)  # the shared memory of a pending store must outlive it
@@ -175,10 +176,33 @@ if GLUON_AVAILABLE:
         return blocks
 
     @gluon.jit
+    def _scores(q_tile, k_tile, zero_s, D_QK: gl.constexpr):
+        """S = Q K^T over the first D_QK columns of the tiles, as an asynchronous wgmma (one
+        group, or two when D_QK is no power of two: its largest power-of-two part, then the
+        rest, which must be one too, at least 16: 80 = 64 + 16, 96 = 64 + 32, 160 = 128 + 32,
+        192 = 128 + 64)."""
+        WIDTH: gl.constexpr = k_tile.type.shape[1]
+        if D_QK == WIDTH:
+            s = warpgroup_mma(q_tile, k_tile.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        else:
+            LO: gl.constexpr = WIDTH // 2
+            HI: gl.constexpr = D_QK - LO
+            s = warpgroup_mma(
+                q_tile.slice(0, LO, dim=1), k_tile.slice(0, LO, dim=1).permute((1, 0)), zero_s,
+                use_acc=False, is_async=True,
+            )  # fmt: skip
+            s = warpgroup_mma(
+                q_tile.slice(LO, HI, dim=1), k_tile.slice(LO, HI, dim=1).permute((1, 0)), s,
+                is_async=True,
+            )  # fmt: skip
+        return s
+
+    @gluon.jit
     def _consume_tile(
         smem, bars, start_m, len_q, len_k, diag, num_blocks, first_masked, qk_scale,
         o_desc, out_ptr, lse_ptr, o_base, lse_base, stride_os, stride_ls, WG: gl.constexpr,
         ring_base, turn_base, tile_count, PERSISTENT: gl.constexpr, O_TMA: gl.constexpr,
+        D_QK: gl.constexpr, D_V: gl.constexpr,
     ):  # fmt: skip
         """One warpgroup: the products, online softmax and epilogue of its WG_ROWS query rows of
         one tile.
@@ -192,18 +216,22 @@ if GLUON_AVAILABLE:
         tile's Q while this one's last P V product and epilogue run. O_TMA: store the
         warpgroup's output rows by TMA from its `o_smem` buffer (`o_desc`, the out tensor's
         `tma_view` grid) where all of them lie inside the sequence; else, and for a block
-        that reaches past len_q, masked stores from registers.
+        that reaches past len_q, masked stores from registers. D_QK, D_V: the head dims, at
+        most the tiles' widths (powers of two, from the buffers' types); narrower ones take
+        the scores over their own columns only (`_scores`), so what the tile holds past them
+        (the next head's values, or TMA's zero fill) never enters S, and out's columns past
+        D_V are computed but never stored.
         """
         q_smem, k_smem, v_smem, o_smem = smem
         BLOCK_N: gl.constexpr = k_smem.type.shape[1]
-        HEAD_DIM: gl.constexpr = k_smem.type.shape[2]
+        HEAD_DIM_V: gl.constexpr = v_smem.type.shape[2]
         NUM_STAGES: gl.constexpr = k_smem.type.shape[0]
         q_bars, k_ready, k_empty, v_ready, v_empty, turn, q_empty = bars
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
         )
         o_layout: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16]
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM_V, 16]
         )
         # P feeds the P V product from registers, in the layout wgmma's A operand wants.
         p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
@@ -216,16 +244,14 @@ if GLUON_AVAILABLE:
         zero_s = gl.zeros([WG_ROWS, BLOCK_N], gl.float32, s_layout)
         m_i = gl.full([WG_ROWS], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
         l_i = gl.zeros([WG_ROWS], gl.float32, gl.SliceLayout(1, s_layout))
-        acc = gl.zeros([WG_ROWS, HEAD_DIM], gl.float32, o_layout)
+        acc = gl.zeros([WG_ROWS, HEAD_DIM_V], gl.float32, o_layout)
 
         # Block 0: S alone (nothing to overlap it with yet).
         mbarrier.wait(q_bars.index(WG), tile_count & 1)
         first = ring_base % NUM_STAGES
         mbarrier.wait(k_ready.index(first), (ring_base // NUM_STAGES) & 1)
         _take_turn(turn, WG, turn_base)
-        s_tok = warpgroup_mma(
-            q_tile, k_smem.index(first).permute((1, 0)), zero_s, use_acc=False, is_async=True
-        )
+        s_tok = _scores(q_tile, k_smem.index(first), zero_s, D_QK)
         _pass_turn(turn, WG)
         s = warpgroup_mma_wait(0, deps=[s_tok])
         _release(k_empty.index(first))
@@ -256,12 +282,10 @@ if GLUON_AVAILABLE:
             mbarrier.wait(k_ready.index(stage), (ring // NUM_STAGES) & 1)
             mbarrier.wait(v_ready.index(prev), ((ring - 1) // NUM_STAGES) & 1)
             _take_turn(turn, WG, turn_base + it)
-            s_tok = warpgroup_mma(
-                q_tile, k_smem.index(stage).permute((1, 0)), zero_s, use_acc=False, is_async=True
-            )
+            s_tok = _scores(q_tile, k_smem.index(stage), zero_s, D_QK)
             o_tok = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
             _pass_turn(turn, WG)
-            # wgmma groups retire in issue order: one outstanding means S(it) has landed.
+            # wgmma groups retire in issue order: one outstanding (P V) means S(it) has landed.
             s = warpgroup_mma_wait(1, deps=[s_tok])
             _release(k_empty.index(stage))
             if it >= first_masked:
@@ -320,28 +344,37 @@ if GLUON_AVAILABLE:
         rows = row0 + gl.arange(0, WG_ROWS, layout=gl.SliceLayout(1, o_layout))
         row_ok = rows < len_q
         # A block of rows reaching past len_q must not be stored whole: the rows after a
-        # sequence's end are the next sequence's, or padding the launcher zero-filled.
-        by_tma = row0 + WG_ROWS <= len_q
-        if not O_TMA:
-            by_tma = False
-        if by_tma:
-            # One TMA store per warpgroup from shared memory, in flight while the next tile
-            # starts, instead of masked stores from registers at every tile boundary (32 of 4
-            # bytes a thread at d = 128; `_flash_fwd_sm90.TMA_EPILOGUE` has the measurements).
-            o_tile = o_smem.index(WG)
-            tma.store_wait(0)  # the previous tile's store has read the buffer
-            o_tile.store(out.to(dtype))
-            fence_async_shared()  # generic-proxy writes, then the async-proxy read
-            o_row = (o_base // stride_os).to(gl.int32) + row0
-            o_col = (o_base % stride_os).to(gl.int32)
-            _tma_store(o_desc, [o_row, o_col], o_tile)
+        # sequence's end are the next sequence's, or padding the launcher zero-filled. The TMA
+        # branch is built only where the tile is as wide as v (constexpr): elsewhere o_smem is a
+        # stand-in of another shape.
+        if O_TMA and D_V == HEAD_DIM_V:
+            if row0 + WG_ROWS <= len_q:
+                # One TMA store per warpgroup from shared memory, in flight while the next
+                # tile starts, instead of masked stores from registers at every tile boundary
+                # (32 of 4 bytes a thread at d = 128; `_flash_fwd_sm90.TMA_EPILOGUE`).
+                o_tile = o_smem.index(WG)
+                tma.store_wait(0)  # the previous tile's store has read the buffer
+                o_tile.store(out.to(dtype))
+                fence_async_shared()  # generic-proxy writes, then the async-proxy read
+                o_row = (o_base // stride_os).to(gl.int32) + row0
+                o_col = (o_base % stride_os).to(gl.int32)
+                _tma_store(o_desc, [o_row, o_col], o_tile)
+            else:
+                _store_rows(out, out_ptr, o_base, rows, row_ok, stride_os, D_V, o_layout)
         else:
-            cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
-            o_ptrs = out_ptr + o_base + gl.expand_dims(rows.to(gl.int64) * stride_os, 1)
-            o_ptrs = o_ptrs + gl.expand_dims(cols, 0)
-            o_mask = gl.expand_dims(row_ok, 1) & gl.expand_dims(cols < HEAD_DIM, 0)
-            gl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=o_mask)
+            _store_rows(out, out_ptr, o_base, rows, row_ok, stride_os, D_V, o_layout)
         gl.store(lse_ptr + lse_base + rows.to(gl.int64) * stride_ls, lse, mask=row_ok)
+
+    @gluon.jit
+    def _store_rows(out, out_ptr, o_base, rows, row_ok, stride_os, D_V: gl.constexpr,
+                    o_layout: gl.constexpr):  # fmt: skip
+        """A warpgroup's output rows stored from registers: rows past len_q and columns past
+        d_v (a tile wider than v's head dim) are never written."""
+        cols = gl.arange(0, out.shape[1], layout=gl.SliceLayout(0, o_layout))
+        o_ptrs = out_ptr + o_base + gl.expand_dims(rows.to(gl.int64) * stride_os, 1)
+        o_ptrs = o_ptrs + gl.expand_dims(cols, 0)
+        o_mask = gl.expand_dims(row_ok, 1) & gl.expand_dims(cols < D_V, 0)
+        gl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=o_mask)
 
     @gluon.jit
     def _tile_work(
@@ -448,14 +481,14 @@ if GLUON_AVAILABLE:
         order_pairs, cu_q_ptr, offsets_q_ptr, seqlens_q_ptr, cu_k_ptr, offsets_k_ptr,
         seqlens_k_ptr, strides, num_heads_q, group, full_len_q, full_len_k, out_ptr, lse_ptr,
         qk_scale, sched, tile_counter, SEQ_MODE_Q, SEQ_MODE_K, IS_CAUSAL, BOTTOM_RIGHT, WG,
-        DYNAMIC, O_TMA,
+        DYNAMIC, O_TMA, D_QK, D_V,
     ):  # fmt: skip
         """The persistent grid's producer: this program's tile of every round (`_round_tile`),
         in order (the consumers walk the same list), or with DYNAMIC the tiles it takes from
         `tile_counter` (its first is its program index; each later one is `step` plus the
         counter's old value; the counter is back at 0 when the launch ends), handed to the
         consumers through `sched` (`_publish_tile`).
-        o_desc, out_ptr, lse_ptr, qk_scale, WG, O_TMA unused."""
+        o_desc, out_ptr, lse_ptr, qk_scale, WG, O_TMA, D_QK, D_V unused."""
         BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
         BLOCK_M: gl.constexpr = smem[0].type.shape[0] * WG_ROWS
         ring_base = 0
@@ -519,7 +552,7 @@ if GLUON_AVAILABLE:
         order_pairs, cu_q_ptr, offsets_q_ptr, seqlens_q_ptr, cu_k_ptr, offsets_k_ptr,
         seqlens_k_ptr, strides, num_heads_q, group, full_len_q, full_len_k, out_ptr, lse_ptr,
         qk_scale, sched, tile_counter, SEQ_MODE_Q, SEQ_MODE_K, IS_CAUSAL, BOTTOM_RIGHT, WG,
-        DYNAMIC, O_TMA,
+        DYNAMIC, O_TMA, D_QK, D_V,
     ):  # fmt: skip
         """Consumer warpgroup WG (a constexpr) of the persistent grid: the tiles the producer
         streams, in the same order (with DYNAMIC, as `_receive_tile` hands them over). Each
@@ -548,7 +581,7 @@ if GLUON_AVAILABLE:
                         smem, bars, start_m, len_q, len_k, diag, num_blocks, first_masked,
                         qk_scale, o_desc, out_ptr, lse_ptr, o_base, lse_base, stride_os,
                         stride_ls, WG, ring_base, ring_base + tile_count, tile_count, True,
-                        O_TMA,
+                        O_TMA, D_QK, D_V,
                     )  # fmt: skip
                     ring_base += num_blocks
                     tile_count += 1
@@ -573,7 +606,7 @@ if GLUON_AVAILABLE:
                 _consume_tile(
                     smem, bars, start_m, len_q, len_k, diag, num_blocks, first_masked, qk_scale,
                     o_desc, out_ptr, lse_ptr, o_base, lse_base, stride_os, stride_ls, WG,
-                    ring_base, ring_base + tile_count, tile_count, True, O_TMA,
+                    ring_base, ring_base + tile_count, tile_count, True, O_TMA, D_QK, D_V,
                 )  # fmt: skip
                 ring_base += num_blocks
                 tile_count += 1

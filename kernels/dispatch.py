@@ -40,8 +40,14 @@ _log = logging.getLogger("fusedlayers.kernels")
 # The shortest key length (per sequence) at which "auto" takes an sm_90 kernel, per head dim;
 # None: "auto" never does. Below it the portable kernels measured as fast or faster on the H100
 # (bf16, b*s = 16k tokens; docs/performance.md, "When each path runs").
-SM90_MIN_KEYS: dict[int, int | None] = {128: 1024, 64: 2048, 256: 1024}
-SM90_MIN_KEYS_CAUSAL: dict[int, int | None] = {128: 1024, 64: 1024, 256: 1024}
+# By d_qk: (192, 128) reads 192's. At 80-192 the sm_90 forward ran 1.3-2.7x the portable one at
+# 4k and 16k keys on an H200 (bench/attention-head-dims.json).
+SM90_MIN_KEYS: dict[int, int | None] = {
+    128: 1024, 64: 2048, 256: 1024, 80: 1024, 96: 1024, 160: 1024, 192: 1024,
+}  # fmt: skip
+SM90_MIN_KEYS_CAUSAL: dict[int, int | None] = {
+    128: 1024, 64: 1024, 256: 1024, 80: 1024, 96: 1024, 160: 1024, 192: 1024,
+}  # fmt: skip
 SM90_BWD_MIN_KEYS: dict[int, int | None] = {128: 1024, 64: 4096}
 # "auto" also wants this many waves of sm_90 backward programs (one per 128 keys of each sequence
 # and KV head, one per SM): unlike the portable dK/dV pass, which deals a GQA group over several
@@ -116,15 +122,14 @@ def _on_sm90(t: torch.Tensor) -> bool:
 def _not_covered(module, q, k, v, window_left, window_right, bias, alibi_slopes, softcap,
                  dropout_p) -> str | None:  # fmt: skip
     """Why the sm_90 kernels of `module` cannot run this call, or None when they can: fp16/bf16,
-    d_qk = d_v in `module.SUPPORTED_HEAD_DIMS`, no mask or a causal one (window (-1, -1) or
+    (d_qk, d_v) in `module.SUPPORTED_DIMS`, no mask or a causal one (window (-1, -1) or
     (-1, 0)), and no bias, ALiBi, softcap or dropout."""
     if not module.GLUON_AVAILABLE:
         return "Triton's Gluon is not available"
     if q.dtype not in (torch.float16, torch.bfloat16) or not (q.dtype == k.dtype == v.dtype):
         return f"dtypes {q.dtype}, {k.dtype}, {v.dtype} (fp16 or bf16, all alike)"
-    if q.shape[-1] != v.shape[-1] or q.shape[-1] not in module.SUPPORTED_HEAD_DIMS:
-        dims = module.SUPPORTED_HEAD_DIMS
-        return f"head dims {q.shape[-1]}, {v.shape[-1]} (d_qk = d_v in {dims})"
+    if (q.shape[-1], v.shape[-1]) not in module.SUPPORTED_DIMS:
+        return f"head dims {q.shape[-1]}, {v.shape[-1]} ((d_qk, d_v) in {module.SUPPORTED_DIMS})"
     for name, present in (("a bias", bias is not None), ("ALiBi", alibi_slopes is not None),
                           ("softcap", softcap > 0), ("dropout", dropout_p > 0)):  # fmt: skip
         if present:

@@ -56,7 +56,7 @@ def _forward_plan(q, k, **options):
         (dict(window_left=64), "window (64, -1)"),
         (dict(keys=512), "512 keys, fewer than the 1024"),
         (dict(dtype=torch.float32), "dtypes torch.float32"),
-        (dict(d=96), "head dims 96, 96"),
+        (dict(d=112), "head dims 112, 112"),
     ],
 )
 def test_each_declined_call_logs_why(change, reason, monkeypatch, caplog):
@@ -97,3 +97,25 @@ def test_set_path_names_bad_values(which):
     with pytest.raises(ValueError, match=f"{which} path must be one of .* got 'fast'"):
         setter("fast")
     assert getattr(dispatch, f"{which}_path")() == "auto"
+
+
+def test_head_dims_between_tile_widths_take_the_next_width():
+    """80 and 96 run on 128-wide tiles, 160 and 192 on 256-wide ones, (192, 128) with a
+    128-wide v; their scores take two products, whose second width must be a power of two of
+    at least 16 (the wgmma's k): every covered dim is one."""
+    sm90 = dispatch.sm90_kernels("_flash_fwd_sm90")
+    assert sm90.widths(96, 96) == (128, 128) and sm90.widths(192, 128) == (256, 128)
+    for d_qk, d_v in sm90.SUPPORTED_DIMS:
+        for d, width in zip((d_qk, d_v), sm90.widths(d_qk, d_v)):
+            assert width // 2 < d <= width and width in sm90.TILES
+            rest = d - width // 2
+            assert d == width or (rest >= 16 and rest & (rest - 1) == 0), (d, width)
+
+
+def test_rows_narrower_than_the_tile_take_the_portable_kernels():
+    """One head of d = 96 in rows 96 wide: a 128-wide TMA box would be wider than the grid."""
+    sm90 = dispatch.sm90_kernels("_flash_fwd_sm90")
+    one = torch.randn(1, 256, 1, 96, dtype=torch.float16)
+    two = torch.randn(1, 256, 2, 96, dtype=torch.float16)
+    assert sm90.plan_views(one, one, one, varlen=False) is None
+    assert sm90.plan_views(two, two, two, varlen=False) is not None

@@ -154,18 +154,24 @@ def _layout_inputs(d: int, layout: str):
     return q, k, v, launch_geometry(q, k, **seq)
 
 
-def compile_forward(d: int, causal: bool, persistent: bool = False, layout: str = "dense"):
-    """The forward at d; `persistent`: the persistent grid (`_flash_fwd_sm90.PERSISTENT`, and
-    `PERSISTENT_CAUSAL` for causal launches); `layout`: one of LAYOUTS (`_layout_inputs`)."""
+def compile_forward(
+    d: int, causal: bool, persistent: bool = False, layout: str = "dense", d_v: int | None = None
+):  # fmt: skip
+    """The forward at d (v's head dim d_v, default d); `persistent`: the persistent grid
+    (`_flash_fwd_sm90.PERSISTENT`, and `PERSISTENT_CAUSAL` for causal launches); `layout`: one of
+    LAYOUTS (`_layout_inputs`)."""
     from fusedlayers.kernels import _flash_fwd_sm90 as fwd
 
     q, k, v, geom = _layout_inputs(d, layout)
-    out = torch.empty_like(q)
+    if d_v is not None and d_v != d:  # v narrower than q/k, laid out as v is
+        v = torch.randn(*v.shape[:-1], d_v, dtype=v.dtype)
+    out = q.new_empty(*q.shape[:-1], v.shape[-1])
     lse = torch.empty(q.shape[-2], q.shape[0]) if geom.varlen else torch.empty(
         q.shape[0], q.shape[2], q.shape[1])  # fmt: skip
     table = fwd.PERSISTENT_CAUSAL if causal else fwd.PERSISTENT
-    default = table[d]
-    table[d] = persistent
+    width = fwd.widths(d, v.shape[-1])[0]  # the tables are per tile width
+    default = table[width]
+    table[width] = persistent
     try:
         with offline_sm90(fwd._attn_fwd_sm90):
             fwd.forward_sm90(
@@ -173,7 +179,7 @@ def compile_forward(d: int, causal: bool, persistent: bool = False, layout: str 
                 softmax_scale=d**-0.5, causal=causal, bottom_right=layout != "topleft",
             )  # fmt: skip
     finally:
-        table[d] = default
+        table[width] = default
     return COMPILED[-1]
 
 
@@ -255,15 +261,17 @@ def main() -> None:
     p.add_argument("--dump", default=None)
     args = p.parse_args()
     for name in args.kernels.split(","):
-        for d in (int(x) for x in args.dims.split(",")):
+        for dims in args.dims.split(","):  # "192" or "192x128" (d_qk x d_v)
+            d, _, d_v = dims.partition("x")
+            d, d_v = int(d), int(d_v or d)
             for causal in (bool(int(x)) for x in args.causal.split(",")):
                 if name == "fwd":
                     for persistent in (bool(int(x)) for x in args.fwd_persistent.split(",")):
                         for layout in args.fwd_layouts.split(","):
-                            kernel = compile_forward(d, causal, persistent, layout)
+                            kernel = compile_forward(d, causal, persistent, layout, d_v)
                             tag = ("-persistent" if persistent else "") + (
                                 "" if layout == "dense" else f"-{layout}")  # fmt: skip
-                            _report(args, name, d, causal, tag, kernel)
+                            _report(args, name, dims, causal, tag, kernel)
                     continue
                 orders = [None] if args.bwd_dq_first == "default" else [
                     bool(int(x)) for x in args.bwd_dq_first.split(",")]  # fmt: skip
@@ -287,7 +295,7 @@ def _block_ms(name: str, d: int, spec: str) -> list:
     return [m for m in (int(x) for x in spec.split(",")) if m in have] or [None]
 
 
-def _report(args, name, d, causal, tag, kernel) -> None:
+def _report(args, name, d: int | str, causal, tag, kernel) -> None:
     """Print ptxas' report on `kernel`; with --dump, write its TTGIR, PTX and cubin as
     DIR/{name}-d{d}-c{causal}{tag}.*"""
     smem = kernel.metadata.shared

@@ -4,10 +4,11 @@ Every case pins the sm_90 path (`set_forward_path("sm90")`) and checks that the 
 it (a spy on `forward_sm90`), then applies the suite's pass rule (tests/attention_testing.py:
 error <= 2x PyTorch's own error in the input dtype for out/LSE, 3x for the gradients, which the
 portable backward computes from this forward's out and LSE). Cases cover what the path claims:
-fp16/bf16, d = 64, 128 and 256, MHA/GQA/MQA, no mask and causal in both alignments, s_q != s_k, odd
-lengths, rows with no visible key, dense, right-padded, varlen with and without gaps, and strided
-views (sbhd, packed sb3hd / bs2hd) read in place. A second group checks the calls the path does
-not cover fall back to the portable kernel.
+fp16/bf16, d = 64, 128 and 256 and the dims between (80, 96, 160, 192, 192/128), MHA/GQA/MQA,
+no mask and causal in both alignments, s_q != s_k, odd lengths, rows with no visible key, dense,
+right-padded, varlen with and without gaps, and strided views (sbhd, packed sb3hd / bs2hd) read
+in place. A second group checks the calls the path does not cover fall back to the portable
+kernel.
 
 Shapes: dense q [b, s_q, h, d], k/v [b, s_k, h_kv, d]; varlen [t, h, d].
 """
@@ -93,6 +94,21 @@ CASES = [
          bottom_right=False),
     Case(b=5, s_q=513, s_k=700, h=4, h_kv=2, d=256, dtype=torch.bfloat16, layout="varlen_padded",
          window=(-1, 0)),
+    # Head dims between tile widths (`_flash_fwd_sm90.widths`): 80 and 96 on 128-wide tiles, 160
+    # and 192 on 256-wide ones, (192, 128) with v on a 128-wide tile.
+    Case(b=2, s_q=1000, s_k=1000, h=4, h_kv=2, d=96, dtype=torch.bfloat16, window=(-1, 0)),
+    Case(b=2, s_q=777, s_k=300, h=8, h_kv=2, d=96, dtype=torch.float16),
+    Case(b=2, s_q=1024, s_k=1024, h=4, h_kv=4, d=80, dtype=torch.bfloat16),
+    Case(b=5, s_q=513, s_k=700, h=4, h_kv=2, d=80, dtype=torch.bfloat16, layout="varlen_padded",
+         window=(-1, 0)),
+    Case(b=2, s_q=600, s_k=900, h=4, h_kv=1, d=160, dtype=torch.bfloat16, window=(-1, 0)),
+    Case(b=2, s_q=1000, s_k=1000, h=4, h_kv=2, d=192, dtype=torch.bfloat16),
+    Case(b=4, s_q=700, s_k=900, h=4, h_kv=2, d=192, dtype=torch.float16, layout="seqlens",
+         window=(-1, 0), bottom_right=False),
+    Case(b=2, s_q=1000, s_k=1000, h=4, h_kv=2, d=192, d_v=128, dtype=torch.bfloat16,
+         window=(-1, 0)),
+    Case(b=5, s_q=513, s_k=700, h=4, h_kv=4, d=192, d_v=128, dtype=torch.bfloat16,
+         layout="varlen"),
 ]  # fmt: skip
 
 
@@ -289,13 +305,14 @@ def test_sm90_matches_portable_kernel():
 
 
 FALLBACK_CASES = [
-    Case(b=2, s_q=300, s_k=300, h=4, d=96, dtype=torch.bfloat16),  # head dim not covered
+    Case(b=2, s_q=300, s_k=300, h=4, d=112, dtype=torch.bfloat16),  # head dim not covered
     Case(b=2, s_q=300, s_k=300, h=4, d=128, dtype=torch.bfloat16, window=(64, 0)),
     Case(b=2, s_q=300, s_k=300, h=4, d=128, dtype=torch.bfloat16, softcap=20.0),
     Case(b=2, s_q=300, s_k=300, h=4, d=128, dtype=torch.bfloat16, alibi="batch"),
     Case(b=2, s_q=300, s_k=300, h=4, d=64, dtype=torch.bfloat16, bias="1hss"),
     Case(b=2, s_q=300, s_k=300, h=4, d=96, dtype=torch.float32),
     Case(b=2, s_q=300, s_k=300, h=4, d=128, d_v=64, dtype=torch.bfloat16),
+    Case(b=2, s_q=300, s_k=300, h=1, d=96, dtype=torch.bfloat16),  # rows narrower than the box
 ]
 
 
@@ -308,3 +325,27 @@ def test_uncovered_calls_fall_back(case, sm90_spy):
     fp32 = case.dtype == torch.float32
     check_case(case, DEV, high_dtype=torch.float64 if fp32 else torch.float32, backward=not fp32)
     assert not sm90_spy, "the sm_90 kernel ran a call it does not cover"
+
+
+@needs_sm90
+@pytest.mark.parametrize("d, d_v", [(96, 96), (192, 192), (192, 128), (80, 80)])
+def test_sm90_narrow_head_dims_ignore_the_columns_past_them(d, d_v, sm90_spy):
+    """A head dim narrower than its tile reads the tile's width: the columns past it (here NaN:
+    q, k and v are views of wider buffers) must enter neither the scores nor a stored output
+    column."""
+    case = Case(b=2, s_q=700, s_k=700, h=4, h_kv=2, d=d, d_v=d_v, dtype=torch.bfloat16,
+                window=(-1, 0))  # fmt: skip
+    inputs = make_inputs(case, DEV)
+    for name, width in (("q", d), ("k", d), ("v", d_v)):
+        t = inputs[name]
+        # In the case's dtype, so that run_kernel's cast keeps the view.
+        wide = torch.full((*t.shape[:-1], 256), float("nan"), dtype=case.dtype, device=t.device)
+        wide[..., :width] = t
+        inputs[name] = wide[..., :width]
+    fast = run_kernel(case, inputs, backward=False)
+    assert sm90_spy, "the sm_90 kernel did not run"
+    dispatch.set_forward_path("portable")
+    portable = run_kernel(case, inputs, backward=False)
+    assert not fast["out"].isnan().any() and not fast["lse"].isnan().any()
+    torch.testing.assert_close(fast["out"], portable["out"], atol=2e-2, rtol=0)
+    torch.testing.assert_close(fast["lse"], portable["lse"], atol=1e-4, rtol=0)
