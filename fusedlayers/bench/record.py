@@ -26,7 +26,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-KINDS = ("attention", "decode", "generate", "gpt", "context_parallel", "dynamic_shapes")
+KINDS = (
+    "attention", "decode", "generate", "gpt", "context_parallel", "dynamic_shapes", "transformers"
+)  # fmt: skip
 _HERE = Path(__file__).resolve()
 
 

@@ -40,6 +40,8 @@ ROW_KEYS: dict[str, Callable[[dict], tuple]] = {
     "gpt": lambda r: (r["model"], *tables.gpt_group(r)),
     "context_parallel": lambda r: (r.get("seqlen"), bool(r.get("fresh_inputs")), r["pass"]),
     "dynamic_shapes": lambda r: (r["loop"], r["provider"]),
+    # examples/benchmark_transformers.py: kept with the runs, not yet a section of the page
+    "transformers": lambda r: (r["run"], r["mode"], r["padding"]),
 }
 COMMANDS = {
     "attention": "python -m fusedlayers.bench attention --out bench",
@@ -50,6 +52,7 @@ COMMANDS = {
     "examples/perf/benchmark_context_parallel.py --json bench/context_parallel.json",
     "dynamic_shapes": "python examples/benchmark_dynamic_shapes.py --cold-cache "
     "--json bench/dynamic_shapes.json",
+    "transformers": "python examples/benchmark_transformers.py --json bench/transformers.json",
 }
 INTRO = """\
 # Benchmarks
