@@ -101,7 +101,7 @@ CASES = [
     Case(b=2, s_q=1024, s_k=1024, h=4, h_kv=4, d=80, dtype=torch.bfloat16),
     Case(b=5, s_q=513, s_k=700, h=4, h_kv=2, d=80, dtype=torch.bfloat16, layout="varlen_padded",
          window=(-1, 0)),
-    Case(b=2, s_q=600, s_k=900, h=4, h_kv=1, d=160, dtype=torch.bfloat16, window=(-1, 0)),
+    Case(b=2, s_q=600, s_k=900, h=4, h_kv=2, d=160, dtype=torch.bfloat16, window=(-1, 0)),
     Case(b=2, s_q=1000, s_k=1000, h=4, h_kv=2, d=192, dtype=torch.bfloat16),
     Case(b=4, s_q=700, s_k=900, h=4, h_kv=2, d=192, dtype=torch.float16, layout="seqlens",
          window=(-1, 0), bottom_right=False),
@@ -312,7 +312,10 @@ FALLBACK_CASES = [
     Case(b=2, s_q=300, s_k=300, h=4, d=64, dtype=torch.bfloat16, bias="1hss"),
     Case(b=2, s_q=300, s_k=300, h=4, d=96, dtype=torch.float32),
     Case(b=2, s_q=300, s_k=300, h=4, d=128, d_v=64, dtype=torch.bfloat16),
-    Case(b=2, s_q=300, s_k=300, h=1, d=96, dtype=torch.bfloat16),  # rows narrower than the box
+    # Rows narrower than the tile's TMA box: one head of d = 96 (a 128-wide box), one KV head of
+    # d = 160 (a 256-wide box).
+    Case(b=2, s_q=300, s_k=300, h=1, h_kv=1, d=96, dtype=torch.bfloat16),
+    Case(b=2, s_q=600, s_k=900, h=4, h_kv=1, d=160, dtype=torch.bfloat16, window=(-1, 0)),
 ]
 
 
