@@ -445,3 +445,19 @@ def dynamic_shapes_table(rows: list[dict]) -> list[str]:
         for row in rows
     ]  # fmt: skip
     return table(head, body)
+
+
+def transformers_table(rows: list[dict]) -> list[str]:
+    """Per run of the Llama training benchmark: ms/step, tokens/s, peak memory, and the step
+    time against the first sdpa run of the same mode and padding."""
+    base = {(r["mode"], r["padding"]): r["ms_per_step_median"] for r in reversed(rows)
+            if r["run"] == "sdpa"}  # fmt: skip
+    head = ["run", "mode", "padding", "ms/step (median)", "tokens/s", "peak GiB", "vs sdpa"]
+    body = []
+    for row in rows:
+        ref = base.get((row["mode"], row["padding"]))
+        ratio = f"{ref / row['ms_per_step_median']:.3f}x" if ref else "-"
+        body.append([row["run"], row["mode"], "yes" if row["padding"] else "no",
+                     f"{row['ms_per_step_median']:.1f}", f"{row['tokens_per_s']:,.0f}",
+                     f"{row['peak_mem_gib']:.1f}", ratio])  # fmt: skip
+    return table(head, body)
