@@ -85,10 +85,10 @@ def test_attention_table_takes_newer_cells_and_keeps_the_rest(page):
     ]
     gqa = "| gqa | bf16 | 128 | s=4096, b=4, h=16:8 | fwd | fusedlayers | 400 | SDPA-flash 1.50 |"
     assert gqa in section
-    setups = [line for line in section if line.startswith("Setup: ")]
-    assert len(setups) == 2  # oldest first; each names the cells it supplies
+    setups = [line for line in section if line.startswith("- Setup: ")]
+    assert len(setups) == 2  # a list, oldest first; each names the cells it supplies
     assert setups[0].startswith(
-        "Setup: 2026-01-01 00:00 UTC; Test GPU 80GB (driver 555.55); torch 2.0.0, Triton 3.0.0, "
+        "- Setup: 2026-01-01 00:00 UTC; Test GPU 80GB (driver 555.55); torch 2.0.0, Triton 3.0.0, "
         "cuDNN 90000, Python 3.12.0; fusedlayers 0.1.0 at abc1234; bf16 8192^3 matmul 700 TFLOP/s"
     )
     assert setups[0].endswith(
@@ -140,44 +140,46 @@ def test_head_dims_and_split_pairs_add_their_rows_and_change_nothing_else(page, 
         assert _section(after, title) == _section(before, title)
     assert _section(after, "Method") == _section(before, "Method")
 
-    # The sweep table gains an h column (h*d differs between rows) and the new rows; the old
-    # rows are otherwise what they were. TFLOP/s count each matmul at its head dim: the split
-    # pair's forward is 2*4*11*4096^2*(192 + 128) FLOPs in 2 ms = 236 TFLOP/s, its
-    # forward+backward 3.6 times that in 5 ms = 340.
+    # The page's cell table keeps to d = 64 and 128 (`report.TABLE_DIMS`): unchanged.
     old_table = _table_after(_section(before, "Attention"), "| d | s |")
-    new_table = _table_after(_section(after, "Attention"), "| d | h | s |")
-    assert new_table[0] == [old_table[0][0], "h", *old_table[0][1:]]
-    kept = [row for row in new_table[1:] if row[0] in ("64", "128")]
-    assert [[row[0], *row[2:]] for row in kept] == old_table[1:]
-    assert {(row[0], row[1]) for row in kept} == {("64", "32"), ("128", "16")}
-    added = [row for row in new_table[1:] if row[0] not in ("64", "128")]
-    assert [row[:5] for row in added] == [
+    assert _table_after(_section(after, "Attention"), "| d | s |") == old_table
+    # The new dims' cells as `tables.attention_sweep` renders them: an h column (h*d differs
+    # between rows). TFLOP/s count each matmul at its head dim: the split pair's forward is
+    # 2*4*11*4096^2*(192 + 128) FLOPs in 2 ms = 236 TFLOP/s, its forward+backward 3.6 times that
+    # in 5 ms = 340.
+    cells = _table_after(tables.attention_sweep(read_run(HEAD_DIMS_RUN)["rows"]), "| d | h | s |")
+    assert cells[0] == [old_table[0][0], "h", *old_table[0][1:]]
+    assert [row[:5] for row in cells[1:]] == [
         ["96", "21", "4096", "0", "fwd"],
         ["96", "21", "4096", "1", "fwd"],
         ["192/128", "11", "4096", "0", "fwd"],
         ["192/128", "11", "4096", "0", "fwdbwd"],
     ]
-    assert added[2][5:] == ["236", "unsupported", "197", "157", "1.20", "", "1.50", "120 / -"]
-    assert added[3][5:7] == ["340", "unsupported"]
+    assert cells[3][5:] == ["236", "unsupported", "197", "157", "1.20", "", "1.50", "120 / -"]
+    assert cells[4][5:7] == ["340", "unsupported"]
 
-    # Besides the table, the section gains the two notes, the new run's Setup line and its
-    # plots, and nothing else.
+    # Besides the summary, the section gains the head-dim notes, the note on what the table
+    # lists, the new run's Setup line, and the plots' line gains the new dims' plots.
     def rest(lines: list[str]) -> list[str]:
-        return [line for line in lines if line.strip() and not line.startswith("|")]
+        return [line for line in lines if line.strip() and not line.startswith(("|", "!["))]
 
     gained = rest(_section(after, "Attention"))
     for line in rest(_section(before, "Attention")):
         gained.remove(line)
     assert gained[0].startswith("Head dims that do not divide 2048 run h = round(2048/d) heads")
     assert gained[2].startswith("d = A/B: q and k have head dim A, v and the output B.")
-    assert gained[5].startswith("Setup: 2026-01-03 00:00 UTC;") and gained[5].endswith(
+    assert gained[5].startswith("- Setup: 2026-01-03 00:00 UTC;") and gained[5].endswith(
         "[attention-head-dims.json](bench/attention-head-dims.json) (cells: s = 4096)."
     )
-    assert gained[6:] == [
-        "![attention TFLOP/s, d=96](docs/img/attention-d96.png)",
-        "![attention TFLOP/s, d=192/128](docs/img/attention-d192x128.png)",
-    ]
+    assert gained[6].startswith("The table lists the cells of d = 64 and 128;")
     assert len(gained) == 8
+    images = [line for line in _section(after, "Attention") if line.startswith("![")]
+    assert images == [
+        " ".join(
+            f"![attention TFLOP/s, d={d}](docs/img/attention-d{name}.png)"
+            for d, name in (("64", "64"), ("96", "96"), ("128", "128"), ("192/128", "192x128"))
+        )
+    ]
     assert [p.name for p in head_dims_page[1]][:4] == [
         "attention-d64.png",
         "attention-d96.png",

@@ -185,11 +185,12 @@ class Page:
 
 
 def _setups(page: Page, kind: str, used: list[tuple[Run, list[dict]]]) -> list[str]:
-    several = len(used) > 1
-    lines = []
-    for run, rows in used:
-        lines += [setup_line(run, page.link(run.path), _cells(kind, rows) if several else None), ""]
-    return lines
+    """The Setup line of each run a section uses: a list when there are several."""
+    if len(used) == 1:
+        run, _ = used[0]
+        return [setup_line(run, page.link(run.path)), ""]
+    lines = [f"- {setup_line(run, page.link(run.path), _cells(kind, rows))}" for run, rows in used]
+    return lines + [""]
 
 
 def _missing(kind: str) -> list[str]:
@@ -210,19 +211,29 @@ def attention_section(page: Page, used, rows: list[dict]) -> tuple[list[str], li
     ]
     lines += _head_dims_note(rows)
     lines += _setups(page, "attention", used)
-    lines += tables.attention_sweep(rows) + [""]
+    # The cell table keeps to the standard sweep's head dims: every other dim's ratios are in
+    # the summary and its TFLOP/s in the plots; their cells stay in bench/.
+    table_rows = [r for r in rows if r["case"] != "sweep" or tables.head_dims(r) in TABLE_DIMS]
+    if len(table_rows) < len(rows):
+        lines += [
+            "The table lists the cells of d = 64 and 128; the other head dims' ratios are in the",
+            "summary above, their TFLOP/s in the plots, every cell in the runs linked above.",
+            "",
+        ]
+    lines += tables.attention_sweep(table_rows) + [""]
     other = tables.attention_other(rows)
     if other:
         lines += ["Other cases (`vs`: time ratios; each provider counts its own work):", ""]
         lines += other + [""]
-    written = []
+    written, images = [], []
     for d, d_v in plots.sweep_dims(rows):
         draw = lambda path, d=d, d_v=d_v: plots.attention_plot(rows, d, path, d_v)
         alt = f"attention TFLOP/s, d={tables.dims_text(d, d_v)}"
         image, path = page.plot(plots.attention_plot_name(d, d_v), alt, draw)
-        lines += [image, ""]
+        images.append(image)
         written.append(path)
-    return lines, written
+    # One paragraph: the plots sit side by side where the page is wide enough.
+    return lines + [" ".join(images), ""] if images else lines, written
 
 
 def _head_dims_note(rows: list[dict]) -> list[str]:
@@ -325,6 +336,10 @@ transformers_section = _table_section("transformers", "Hugging Face transformers
     '`attn_implementation="sdpa"` and `"fusedlayers"`, in one process. Attention is a small',
     "share of such a step (head dim 64, GQA 32/8): the step time follows the matmuls.",
 ], tables.transformers_table)  # fmt: skip
+
+
+# The head dims (d_qk, d_v) whose cells the attention table lists: the standard sweep's.
+TABLE_DIMS = {(64, 64), (128, 128)}
 
 
 SECTIONS = {
