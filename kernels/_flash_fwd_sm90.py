@@ -393,8 +393,9 @@ def forward_sm90(
     strides and 16-byte alignment only) and the launch goes straight to the compiled kernel
     after the first (`_launch.launch`); without it every call plans afresh and launches through
     Triton's `kernel[grid]` the first time per specialization."""
+    settings = _settings(q.shape[-1], v.shape[-1], causal)
     plan = planned(
-        _PLANS, signature, (bool(causal), bool(bottom_right), _settings(q.shape[-1], v.shape[-1], causal)),
+        _PLANS, signature, (bool(causal), bool(bottom_right), settings),
         lambda: _launch_plan(q, k, v, out, lse, geom, causal, bottom_right, signature),
     )  # fmt: skip
     if plan.grid[0] == 0:
