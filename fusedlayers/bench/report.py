@@ -244,8 +244,8 @@ def _head_dims_note(rows: list[dict]) -> list[str]:
     lines = []
     if tables.heads_vary(sweep):
         lines += [
-            "Head dims that do not divide 2048 run h = round(2048/d) heads (the h column); TFLOP/s",
-            "count the heads that run.",
+            "Head dims that do not divide 2048 run h = round(2048/d) heads; TFLOP/s count the",
+            "heads that run.",
         ]
     if tables.has_split_dims(rows):
         lines += [
