@@ -43,9 +43,8 @@ Query rows past the end are computed but never stored.
 
 Covered: fp16/bf16, (d_qk, d_v) in `SUPPORTED_DIMS` (64, 80, 96, 128, 160, 192 and 256, and
 (192, 128); dims between tile widths run on the next width up, `widths`), MHA/GQA/MQA, no mask /
-causal (top-left or
-bottom-right), dense, right-padded (seqlens) and varlen (cu_seqlens, seq_offsets). Everything
-else takes the portable kernel (`dispatch.sm90_forward_plan`).
+causal (top-left or bottom-right), dense, right-padded (seqlens) and varlen (cu_seqlens,
+seq_offsets). Everything else takes the portable kernel (`dispatch.sm90_forward_plan`).
 
 Precision: as the portable kernel. Scores, softmax statistics and the accumulator are fp32; P is
 rounded to the input dtype for the P V product; LSE is in natural log.
