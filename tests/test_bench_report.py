@@ -321,3 +321,21 @@ def test_dynamic_shapes_section_from_a_run(tmp_path):
     assert "| dense | fusedlayers | 150 | 46.25 | 9.50 | 2.80 | 6 |" in section
     assert "| dense | sdpa | 150 | 0.31 | 0.05 | 1.75 | 0 |" in section
     assert not any(line.startswith("No dynamic_shapes run") for line in section)
+
+
+def test_transformers_section_from_a_run(tmp_path):
+    """The Llama training run renders one row per run, each timed against the first sdpa run of
+    its mode and padding: 100 ms against 80 ms is 1.250x, the repeated sdpa run 100 / 125."""
+    shutil.copytree(FIXTURES, tmp_path / "bench")
+    common = dict(mode="eager", padding=False, tokens_per_s=1000.0, peak_mem_gib=10.0)
+    rows = [
+        dict(run="sdpa", ms_per_step_median=100.0, **common),
+        dict(run="fusedlayers", ms_per_step_median=80.0, **common),
+        dict(run="sdpa-repeat", ms_per_step_median=125.0, **common),
+    ]
+    write_run(tmp_path / "bench" / "hf.json", "transformers", {"date": "2026-11-28"}, rows)
+    text, _ = report.render(tmp_path / "bench", tmp_path / "B.md", tmp_path / "img", draw=False)
+    section = _section(text, "Hugging Face transformers training")
+    assert "| sdpa | eager | no | 100.0 | 1,000 | 10.0 | 1.000x |" in section
+    assert "| fusedlayers | eager | no | 80.0 | 1,000 | 10.0 | 1.250x |" in section
+    assert "| sdpa-repeat | eager | no | 125.0 | 1,000 | 10.0 | 0.800x |" in section
