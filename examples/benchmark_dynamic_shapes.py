@@ -5,15 +5,18 @@ Every call is timed alone (synchronized before and after), so what a user waits 
 first calls' compiling and autotuning, and every later call that meets a new specialization.
 Loops (bf16, 16 query and 4 KV heads, d = 128, causal; one length draw per call, the same
 draws for every provider):
-    dense    flash_attn_func, b = 4, s drawn from [--min-len, --max-len]; SDPA gets the same
-             [b, h, s, d] problem (enable_gqa)
+    dense    flash_attn_func, b = 4, s drawn from [--min-len, --max-len]; SDPA's flash backend
+             gets the same [b, h, s, d] problem (enable_gqa)
     varlen   flash_attn_varlen_func on --tokens tokens of packed documents of new lengths;
-             SDPA gets the documents as a padded batch [n, h, longest, d] (causal, so each
+             SDPA-flash gets the documents as a padded batch [n, h, longest, d] (causal, so each
              document's queries see only its own keys; the padded rows are extra work SDPA
              pays and fusedlayers does not)
     padding  DotProductAttention(attn_mask_type="padding_causal") on [b, s, h, d] with new
-             padding every call, b = 4, s = --max-len; SDPA gets the equivalent boolean mask
-             (its default dispatch for a masked call)
+             padding every call, b = 4, s = --max-len; SDPA's memory-efficient backend (flash
+             takes no mask) gets the equivalent boolean mask and K/V repeated to 16 heads
+SDPA's backend is pinned: its default dispatch on Hopper prefers cuDNN, which builds a plan
+for every new shape (about 0.1 s a call in these loops), so the baseline would be cuDNN's
+planning, not what a user of flash-attention-style kernels compares with.
 Per loop and provider: the total, the first call, the median of calls after the fifth, and the
 stalls: calls after the fifth slower than 5x that median (each a compile or a tuning pass).
 
@@ -42,6 +45,7 @@ if "--cold-cache" in sys.argv:  # before Triton is imported: it reads its cache 
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import fusedlayers as fl
 from fusedlayers.bench.record import run_header, write_run
@@ -72,6 +76,11 @@ def parse_args(argv=None) -> argparse.Namespace:
 HEADS, KV_HEADS, HEAD_DIM, BATCH = 16, 4, 128, 4
 
 
+def _sdpa_backend(device: str, backend: SDPBackend) -> SDPBackend:
+    """`backend` on CUDA; the math backend for the CPU dry run (the fused ones are CUDA's)."""
+    return backend if device == "cuda" else SDPBackend.MATH
+
+
 def _randn(*shape, device, dtype):
     return torch.randn(*shape, device=device, dtype=dtype, requires_grad=True)
 
@@ -94,9 +103,10 @@ def dense_calls(args, draw, device, dtype):
         fl.flash_attn_func(q, k, v, causal=True).sum().backward()
 
     def sdpa():
-        out = F.scaled_dot_product_attention(
-            *(t.transpose(1, 2) for t in (q, k, v)), is_causal=True, enable_gqa=True
-        )
+        with sdpa_kernel(_sdpa_backend(device, SDPBackend.FLASH_ATTENTION)):
+            out = F.scaled_dot_product_attention(
+                *(t.transpose(1, 2) for t in (q, k, v)), is_causal=True, enable_gqa=True
+            )
         out.sum().backward()
 
     return ours, sdpa
@@ -117,7 +127,8 @@ def varlen_calls(args, draw, device, dtype):
         fl.flash_attn_varlen_func(q, k, v, cu, cu, longest, longest, causal=True).sum().backward()
 
     def sdpa():
-        out = F.scaled_dot_product_attention(*padded, is_causal=True, enable_gqa=True)
+        with sdpa_kernel(_sdpa_backend(device, SDPBackend.FLASH_ATTENTION)):
+            out = F.scaled_dot_product_attention(*padded, is_causal=True, enable_gqa=True)
         out.sum().backward()
 
     return ours, sdpa
@@ -140,9 +151,12 @@ def padding_calls(args, draw, device, dtype):
         attention(q, k, v, attention_mask=te_mask).sum().backward()
 
     def sdpa():
-        out = F.scaled_dot_product_attention(
-            *(t.transpose(1, 2) for t in (q, k, v)), attn_mask=keep, enable_gqa=True
-        )
+        # K/V heads repeated in the call, as transformers' sdpa path does (repeat_kv): the
+        # memory-efficient backend's grouped-query support varies by torch release.
+        group = HEADS // KV_HEADS
+        k_rep, v_rep = (t.transpose(1, 2).repeat_interleave(group, dim=1) for t in (k, v))
+        with sdpa_kernel(_sdpa_backend(device, SDPBackend.EFFICIENT_ATTENTION)):
+            out = F.scaled_dot_product_attention(q.transpose(1, 2), k_rep, v_rep, attn_mask=keep)
         out.sum().backward()
 
     return ours, sdpa
