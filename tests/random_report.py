@@ -51,12 +51,19 @@ class Summary:
 def write_report(path: str, summary: Summary) -> None:
     """Merge `summary` into the JSON file at `path` (locked: pytest-xdist workers share it).
     The file holds {"run": ..., "routes": {route: totals}, "runs": [per (route, seed)]}; a file
-    from another pytest run (another PYTEST_XDIST_TESTRUNUID) is replaced."""
+    from another pytest run (another PYTEST_XDIST_TESTRUNUID) is replaced.
+
+    The merged report goes to a temporary file that then replaces `path`: a time-boxed run
+    interrupts its workers (SIGINT), and one interrupted while rewriting the file in place left
+    it truncated mid-entry (seen on a 4-GPU run, 2026-11-28)."""
     run_id = os.environ.get("PYTEST_XDIST_TESTRUNUID", f"pid{os.getpid()}")
-    with open(path, "a+") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        handle.seek(0)
-        text = handle.read()
+    with open(f"{path}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            with open(path) as handle:
+                text = handle.read()
+        except FileNotFoundError:
+            text = ""
         data = json.loads(text) if text.strip() else {}
         if data.get("run") != run_id:
             data = dict(run=run_id, runs=[])
@@ -71,9 +78,10 @@ def write_report(path: str, summary: Summary) -> None:
         runs = [r for r in data["runs"] if key(r) != key(entry)]
         data["runs"] = sorted([*runs, entry], key=key)
         data["routes"] = route_totals(data["runs"])
-        handle.seek(0)
-        handle.truncate()
-        json.dump(data, handle, indent=1)
+        partial = f"{path}.{os.getpid()}.partial"
+        with open(partial, "w") as handle:
+            json.dump(data, handle, indent=1)
+        os.replace(partial, path)
 
 
 def route_totals(runs: list[dict]) -> dict:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import time
 
+import pytest
 import random_report
 import random_runner
 
@@ -54,3 +55,26 @@ def test_report_sums_shards_and_counts_seeds(monkeypatch, tmp_path):
     assert len(data["runs"]) == 6
     totals = data["routes"]["sm90"]
     assert (totals["seeds"], totals["cases"], totals["failed"], totals["not_run"]) == (2, 20, 1, 0)
+
+
+def test_report_survives_a_write_interrupted_midway(monkeypatch, tmp_path):
+    """A time-boxed run interrupts its workers; one stopped while writing must leave the report
+    as it was, not truncated mid-entry (a 4-GPU run's report no longer parsed)."""
+    ran = []
+    _fake_cases(monkeypatch, ran)
+    path = tmp_path / "report.json"
+    first = random_runner.run_route("portable", 0, 4, "cpu", shard=(0, 2), log=str)
+    random_report.write_report(str(path), first)
+    before = path.read_text()
+
+    def interrupted_dump(data, handle, **kwargs):
+        handle.write(json.dumps(data)[:40])  # part of the report, then the signal
+        raise KeyboardInterrupt
+
+    second = random_runner.run_route("portable", 0, 4, "cpu", shard=(1, 2), log=str)
+    monkeypatch.setattr(random_report.json, "dump", interrupted_dump)
+    with pytest.raises(KeyboardInterrupt):
+        random_report.write_report(str(path), second)
+    monkeypatch.undo()
+    assert path.read_text() == before
+    assert json.loads(before)["routes"]["portable"]["cases"] == first.cases
