@@ -62,6 +62,14 @@ BWD_SWEEP = {
               (64, 64, 4, 4)],
         dq=[(64, 64, 4, 3), (128, 64, 8, 3), (128, 32, 4, 3), (128, 64, 4, 3), (128, 128, 8, 3)],
     ),
+    # 160 and 192 run on this entry too (their tiles are 256 columns wide). Within 227 KiB of
+    # shared memory at 256 columns: resident + stages * streamed rows <= 227 (`bwd_config`).
+    256: dict(
+        dkdv=[(32, 64, 8, 2), (64, 64, 8, 2), (32, 64, 8, 3), (16, 64, 4, 3), (32, 64, 4, 2),
+              (64, 64, 8, 1), (32, 128, 8, 2)],
+        dq=[(64, 32, 8, 2), (64, 64, 8, 2), (128, 32, 8, 2), (64, 32, 8, 3), (64, 32, 4, 2),
+            (128, 64, 8, 1), (32, 64, 4, 2)],
+    ),
 }  # fmt: skip
 # The atomic-dQ launch (BLOCK_M1, BLOCK_N1, WARPS1, STAGES1): 64 query rows keep the added dS^T K
 # product on wgmma (it needs 64 rows); the first entry is today's two-pass dK/dV tile.
@@ -147,15 +155,16 @@ def backward_runner(q, k, v, dout, causal: bool, cfg: tuple, atomic: bool = Fals
     # too, so the CPU tests reach it).
     table = _flash_bwd.BWD_ATOMIC_CONFIGS if atomic else _flash_bwd.bwd_table(q.shape[1], causal)
     devices = "any" if atomic else _flash_bwd.ATOMIC_DQ_DEVICES
+    bucket = _flash_bwd._bucket(table, d)  # the entry serving d (160 and 192: 256's)
 
     def run():
-        saved = _flash_bwd.ATOMIC_DQ_DEVICES, table[d]
-        _flash_bwd.ATOMIC_DQ_DEVICES, table[d] = devices, cfg
+        saved = _flash_bwd.ATOMIC_DQ_DEVICES, table[bucket]
+        _flash_bwd.ATOMIC_DQ_DEVICES, table[bucket] = devices, cfg
         try:
             return flash_attention_backward(dout, q, k, v, out, lse, **mask,
                                             deterministic=not atomic)[:3]  # fmt: skip
         finally:
-            _flash_bwd.ATOMIC_DQ_DEVICES, table[d] = saved
+            _flash_bwd.ATOMIC_DQ_DEVICES, table[bucket] = saved
 
     return run
 
@@ -227,9 +236,10 @@ def sweep_jobs(
                 ]
             if not bwd:
                 continue
-            base = _flash_bwd.bwd_table(seqlen, causal)[d]
+            table = _flash_bwd.bwd_table(seqlen, causal)
+            base = table[_flash_bwd._bucket(table, d)]
             for half in ("dkdv", "dq"):
-                for cand in BWD_SWEEP[d][half]:
+                for cand in BWD_SWEEP[_flash_bwd._bucket(BWD_SWEEP, d)][half]:
                     cfg = cand + base[4:] if half == "dkdv" else base[:4] + cand
                     jobs.append(dict(shape, kind="bwd", half=half, cfg=list(cfg)))
     return jobs
