@@ -555,6 +555,10 @@ def test_tuning_sweep_jobs_and_best_per_pass():
     assert all(tuple(j["cfg"][4:]) == table[4:] for j in dkdv)
     assert all(tuple(j["cfg"][:4]) == table[:4] for j in dq)
     assert sum(j["kind"] == "fwd" for j in jobs) == 2 * len(ta.FWD_SWEEP[128])
+    # A head dim between the table's entries tunes the entry serving it (160: 256's).
+    wide = [j for j in ta.sweep_jobs([160], 4096, fwd=False, bwd=True) if j["half"] == "dkdv"]
+    assert len(wide) == 2 * len(ta.BWD_SWEEP[256]["dkdv"])
+    assert all(tuple(j["cfg"][4:]) == _flash_bwd.BWD_CONFIGS[256][4:] for j in wide)
 
     def row(cfg, causal, ms, half="dkdv"):
         return dict(kind="bwd", d=128, half=half, causal=causal, cfg=cfg, ms=ms)
