@@ -6,6 +6,8 @@
     python examples/benchmark_gpt.py --variants default,norm-kernels,atomic-dq,both
     python examples/benchmark_gpt.py --batch-size 1 --backward-on-calling-thread
     python examples/benchmark_gpt.py --batch-size 1 --profile-host 3   # where the host's time goes
+    python examples/benchmark_gpt.py --fp8                # also FP8 GEMMs (current scaling)
+    python examples/benchmark_gpt.py --fp8 delayed        # ... with TE's DelayedScaling
 
 Both models have the same architecture and parameter count (pre-norm RMSNorm, fused QKV, RoPE,
 SwiGLU, tied embeddings), run under bf16 autocast with fp32 master weights, and take the same
@@ -15,6 +17,11 @@ fused AdamW step on the same random batch. The plain model calls
 `--backward-on-calling-thread` runs every backward on the training loop's thread instead of
 autograd's device thread (docs/performance.md, "The backward on the calling thread"): the
 Python of each layer's backward then runs on the core that ran its forward.
+
+`--fp8 [delayed|current|block]` times each fusedlayers model once more with its GEMMs in FP8
+(`fusedlayers.fp8_autocast` inside the bf16 autocast, TE's recipe of that name; `current` when
+the flag has no value) and reports its speed against the same model in bf16. MFU counts FP8 runs
+against the bf16 peak too, so the two compare.
 
 Reported per model: ms/step, tokens/s and model FLOPs utilization, counting
 `6 * N + 6 * n_layer * s * d_model` FLOPs per token (N = non-embedding parameters plus the LM
@@ -35,6 +42,7 @@ from fusedlayers.kernels import _flash_bwd
 from fusedlayers.models import GPT, GPTConfig, lm_loss
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+import fusedlayers as te
 from fusedlayers.bench.record import run_header, write_run
 from fusedlayers.layers import normalization
 from fusedlayers.layers.qkv_storage import QKVSpec, split_fused
@@ -47,6 +55,13 @@ VARIANTS = {
     "norm-kernels": dict(norm_kernels=True, atomic_dq=False),
     "atomic-dq": dict(norm_kernels=False, atomic_dq=True),
     "both": dict(norm_kernels=True, atomic_dq=True),
+}
+
+# --fp8: TE's recipes by name (delayed: TE's tutorial settings).
+FP8_RECIPES = {
+    "delayed": lambda: te.recipe.DelayedScaling(amax_history_len=16, amax_compute_algo="max"),
+    "current": te.recipe.Float8CurrentScaling,
+    "block": te.recipe.Float8BlockScaling,
 }
 
 
@@ -166,6 +181,14 @@ def parse_args() -> argparse.Namespace:
     )
     p.add_argument("--compile", action="store_true", help="torch.compile every model")
     p.add_argument(
+        "--fp8",
+        nargs="?",
+        const="current",
+        choices=sorted(FP8_RECIPES),
+        default=None,
+        help="also time the fusedlayers models with FP8 GEMMs under this TE recipe",
+    )
+    p.add_argument(
         "--backward-on-calling-thread",
         action="store_true",
         help="run each backward on the training loop's thread instead of autograd's device "
@@ -195,8 +218,11 @@ def flops_per_token(model: torch.nn.Module, c: GPTConfig) -> float:
     return 6 * n + 6 * c.n_layer * c.context_length * c.d_model
 
 
-def bench(model: torch.nn.Module, c: GPTConfig, args: argparse.Namespace) -> dict[str, float]:
-    """Warm up, then time `steps` full training steps (forward, backward, fused AdamW)."""
+def bench(
+    model: torch.nn.Module, c: GPTConfig, args: argparse.Namespace, fp8_recipe=None
+) -> dict[str, float]:
+    """Warm up, then time `steps` full training steps (forward, backward, fused AdamW); with
+    `fp8_recipe` the fusedlayers layers' GEMMs run in FP8."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     step_fn = torch.compile(model) if args.compile else model
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -206,7 +232,8 @@ def bench(model: torch.nn.Module, c: GPTConfig, args: argparse.Namespace) -> dic
     x, y = idx[:, :-1], idx[:, 1:]
 
     def step() -> torch.Tensor:
-        with torch.autocast("cuda", dtype=torch.bfloat16):
+        fp8 = te.fp8_autocast(fp8_recipe=fp8_recipe) if fp8_recipe else contextlib.nullcontext()
+        with torch.autocast("cuda", dtype=torch.bfloat16), fp8:
             loss = lm_loss(step_fn(x), y)
         with torch.autograd.set_multithreading_enabled(not args.backward_on_calling_thread):
             loss.backward()
@@ -332,12 +359,23 @@ def main() -> None:
             label = name if variant == "default" else f"{name}+{variant}"
             model.load_state_dict(initial)
             restored = model.state_dict()
-            stale = [k for k, v in initial.items() if not torch.equal(restored[k], v)]
+            stale = [
+                k
+                for k, v in initial.items()  # `_extra_state`: FP8 metadata, not weights
+                if not k.endswith("_extra_state") and not torch.equal(restored[k], v)
+            ]
             if stale:
                 raise SystemExit(f"{label}: load_state_dict left {len(stale)} tensors: {stale[:5]}")
             with switched(**VARIANTS[variant]):
                 results[label] = bench(model, c, args)
             results[label]["parameters"] = sum(p.numel() for p in model.parameters())
+        if args.fp8 and name.startswith("fusedlayers"):
+            model.load_state_dict(initial)
+            label = f"{name}+fp8-{args.fp8}"
+            results[label] = bench(model, c, args, FP8_RECIPES[args.fp8]())
+            results[label]["parameters"] = sum(p.numel() for p in model.parameters())
+            bf16 = results[name]["tokens_per_s"]
+            results[label]["vs_bf16"] = results[label]["tokens_per_s"] / bf16
         model.cpu()
         torch.cuda.empty_cache()
     plain = results["pytorch_sdpa_cudnn"]
@@ -359,6 +397,9 @@ def main() -> None:
             f"{r['tokens_per_s'] / plain['tokens_per_s']:.3f}x | {r['peak_mem_gib']:.1f} | "
             f"{r['first_loss']:.4f} | {r['final_loss']:.4f} |"
         )
+    for name, r in results.items():
+        if "vs_bf16" in r:
+            print(f"{name}: {r['vs_bf16']:.3f}x the tokens/s of the same model in bf16")
     if args.json:
         config = {k: v for k, v in vars(args).items() if k != "json"}
         write_run(args.json, "gpt", run_header(config=config), result_rows(results, args))
@@ -371,6 +412,7 @@ def result_rows(results: dict[str, dict], args: argparse.Namespace) -> list[dict
         {
             "model": name,
             "provider": "plain" if name == "pytorch_sdpa_cudnn" else "fusedlayers",
+            "fp8": name.rpartition("+fp8-")[2] if "+fp8-" in name else None,
             "mode": "compiled" if args.compile else "eager",
             "config": args.config,
             "batch_size": args.batch_size,

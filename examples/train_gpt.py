@@ -5,13 +5,17 @@
     torchrun --nproc_per_node 2 examples/train_gpt.py --config gpt-50m   # DDP, same global batch
     torchrun --nproc_per_node 4 examples/train_gpt.py --context-parallel 2  # 2 CP x 2 DP ranks
     torchrun --nproc_per_node 2 examples/train_gpt.py --fsdp             # FSDP2 sharding
+    python examples/train_gpt.py --fp8 delayed      # FP8 GEMMs (sm_89+ GPU), TE's DelayedScaling
 
 `--batch-size` is the global batch in sequences: under torchrun each rank computes its slice of the
 same batch a single process would draw, so loss curves are comparable across world sizes. Batches
 are a pure function of (seed, step), which makes `--resume` continue the exact data stream.
 `--context-parallel N` splits every sequence over N consecutive ranks (TE's load-balanced
 chunks); the remaining factor of the world is data parallel. `--fsdp` shards parameters, gradients
-and optimizer state with FSDP2 instead of replicating them with DDP.
+and optimizer state with FSDP2 instead of replicating them with DDP. `--fp8 delayed|current|block`
+runs the layers' GEMMs in FP8 inside `fusedlayers.fp8_autocast` with TE's DelayedScaling,
+Float8CurrentScaling or Float8BlockScaling (HYBRID format for the first two); it needs an sm_89+
+GPU, or `--use-reference` to emulate FP8 (slowly) anywhere.
 
 Writes to `--out-dir`: `last.safetensors` (+ `last.train.safetensors`), `loss.png`, `log.jsonl`.
 
@@ -24,6 +28,7 @@ collective): `--resume` continues from the last periodic checkpoint (`--ckpt-int
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import gzip
 import json
@@ -33,7 +38,6 @@ import signal
 import sys
 import threading
 import time
-from contextlib import nullcontext
 from pathlib import Path
 from typing import NoReturn
 
@@ -60,6 +64,7 @@ from fusedlayers.models.sharded_checkpoint import (  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
+import fusedlayers as te  # noqa: E402
 from fusedlayers.attention.context_parallel import context_parallel_indices  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -94,7 +99,53 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
     p.add_argument("--context-parallel", type=int, default=1, help="ranks that split each sequence")
     p.add_argument("--fsdp", action="store_true", help="shard with FSDP2 instead of DDP")
+    p.add_argument(
+        "--fp8", choices=sorted(FP8_RECIPES), default=None, help="FP8 GEMMs with this TE recipe"
+    )
     return p.parse_args(argv)
+
+
+# --fp8: TE's recipes, as a TE training script would write them.
+FP8_RECIPES = {
+    "delayed": lambda: te.recipe.DelayedScaling(
+        fp8_format=te.recipe.Format.HYBRID, amax_history_len=16, amax_compute_algo="max"
+    ),
+    "current": lambda: te.recipe.Float8CurrentScaling(fp8_format=te.recipe.Format.HYBRID),
+    "block": te.recipe.Float8BlockScaling,
+}
+
+
+class Precision:
+    """The forward's precision, entered once per step (and per evaluation batch): bf16 autocast
+    on CUDA, and with `fp8_recipe` the layers' GEMMs in FP8 (`te.fp8_autocast`). The backward runs
+    after the block, as in TE's examples."""
+
+    def __init__(self, device_type: str, fp8_recipe=None) -> None:
+        self.device_type, self.fp8_recipe = device_type, fp8_recipe
+
+    def __enter__(self) -> Precision:
+        self.stack = contextlib.ExitStack()
+        if self.device_type == "cuda":
+            self.stack.enter_context(torch.autocast("cuda", dtype=torch.bfloat16))
+        if self.fp8_recipe is not None:
+            self.stack.enter_context(te.fp8_autocast(enabled=True, fp8_recipe=self.fp8_recipe))
+        return self
+
+    def __exit__(self, *exc) -> bool | None:
+        return self.stack.__exit__(*exc)
+
+
+def check_fp8(args: argparse.Namespace) -> None:
+    """--fp8 needs FP8 GEMMs on this device, or --use-reference to emulate them."""
+    if args.fp8 is None or args.use_reference:
+        return
+    ok, reason = te.is_fp8_available(return_reason=True)
+    if not args.device.startswith("cuda") or not ok:
+        why = reason if args.device.startswith("cuda") else f"--device {args.device}"
+        raise SystemExit(
+            f"--fp8 needs a CUDA GPU of compute capability 8.9+ (here: {why}); add "
+            "--use-reference to emulate FP8 in PyTorch"
+        )
 
 
 def apply_device_defaults(args: argparse.Namespace) -> None:
@@ -349,6 +400,7 @@ def train(args: argparse.Namespace) -> None:
             f"({args.dp_size} data x {args.cp_size} context parallel, "
             f"{'FSDP2' if args.fsdp else 'DDP' if world > 1 else 'one process'}), "
             f"global batch {args.batch_size} x {config.context_length} tokens"
+            + (f", FP8 GEMMs ({args.fp8} scaling)" if args.fp8 else "")
         )
     loop = dict(model=model, core=core, optimizer=optimizer, data=data, args=args)
     step = run(**loop, step=step, history=history, rank=rank, world=world)
@@ -373,11 +425,7 @@ def run(model, core, optimizer, data, args, step, history, rank, world) -> int:
     way; appends to `history` and returns the step reached. Ctrl-C: see `interrupted`."""
     train_data, val_data = data
     ctx = core.config.context_length
-    autocast = (
-        torch.autocast("cuda", dtype=torch.bfloat16)
-        if args.torch_device.type == "cuda"
-        else nullcontext()
-    )
+    autocast = Precision(args.torch_device.type, args.fp8 and FP8_RECIPES[args.fp8]())
 
     def validate() -> None:
         if args.eval_batches == 0:
@@ -553,6 +601,7 @@ def finish(model: GPT, history: list[dict], args: argparse.Namespace, device) ->
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     apply_device_defaults(args)
+    check_fp8(args)
     if args.threads:
         torch.set_num_threads(args.threads)
     args.out_dir.mkdir(parents=True, exist_ok=True)

@@ -28,8 +28,15 @@ Public API:
                                               parallelism (TE's load-balanced chunks)
     ArgumentError, ArgumentTypeError          what a bad argument raises: a ValueError (TypeError)
                                               and a RuntimeError, as flash-attn's checks raise
+    recipe                                    TE's FP8 recipes (DelayedScaling,
+                                              Float8CurrentScaling, Float8BlockScaling, ...)
+    fp8_autocast, autocast                    the GEMM modules' GEMMs in FP8 inside a block
+    fp8_model_init, quantized_model_init      GEMM modules whose weights are kept in FP8 only
+    is_fp8_available                          whether this GPU runs FP8 GEMMs (and why not)
 """
 
+# `fusedlayers.recipe` is TE's `common.recipe`; a module, so not in __all__.
+from . import recipe as recipe
 from .attention.context_parallel import context_parallel_indices, context_parallel_positions
 from .attention.dot_product_attention import DotProductAttention
 from .attention.functional import (
@@ -45,6 +52,13 @@ from .attention.layouts import get_qkv_layout
 from .attention.packing import split_packed
 from .attention.reference import attention_reference
 from .errors import ArgumentError, ArgumentTypeError
+from .fp8 import (
+    autocast,
+    fp8_autocast,
+    fp8_model_init,
+    is_fp8_available,
+    quantized_model_init,
+)
 from .layers.decode_graph import DecodeGraph
 from .layers.inference import InferenceParams
 from .layers.linear import LayerNormLinear, Linear
@@ -74,9 +88,12 @@ __all__ = [
     "TransformerLayer",
     "apply_rotary_pos_emb",
     "attention_reference",
+    "autocast",
     "context_parallel_indices",
     "context_parallel_positions",
     "flash_attn_func",
+    "fp8_autocast",
+    "fp8_model_init",
     "flash_attn_kvpacked_func",
     "flash_attn_qkvpacked_func",
     "flash_attn_varlen_func",
@@ -84,6 +101,8 @@ __all__ = [
     "flash_attn_varlen_qkvpacked_func",
     "flash_attn_with_kvcache",
     "get_qkv_layout",
+    "is_fp8_available",
+    "quantized_model_init",
     "reference_mode",
     "split_packed",
 ]

@@ -57,6 +57,25 @@ def _contents(path: Path) -> tuple[dict, dict]:
         return {k: f.get_tensor(k) for k in f.keys()}, f.metadata()
 
 
+def test_fp8_training_resumes_exactly_from_its_fp8_metadata(train_gpt, tmp_path):
+    """--fp8 delayed (emulated on the CPU): the checkpoint carries every GEMM module's scales and
+    amax histories as `_extra_state`, so a resumed run casts as the uninterrupted one did."""
+    args = [*ARGS, "--fp8", "delayed", "--use-reference", "--sample-tokens", "4"]
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    train_gpt.main([*args, "--out-dir", str(straight)])
+    train_gpt.main([*args, "--out-dir", str(split), "--stop-at", "3"])
+    weights, _ = _contents(split / "last.safetensors")
+    extra = [k for k in weights if k.endswith("_extra_state")]
+    assert extra and all(weights[k].numel() > 0 for k in extra)
+    train_gpt.main([*args, "--out-dir", str(split), "--resume"])
+    assert _history(split) == _history(straight)
+
+
+def test_fp8_without_an_fp8_gpu_is_a_clear_error(train_gpt, tmp_path):
+    with pytest.raises(SystemExit, match="--fp8 needs a CUDA GPU.*--use-reference"):
+        train_gpt.main([*ARGS, "--device", "cpu", "--fp8", "current", "--out-dir", str(tmp_path)])
+
+
 def test_resume_without_checkpoint_is_a_clear_error(train_gpt, tmp_path):
     with pytest.raises(SystemExit, match="--resume: .*no such checkpoint file"):
         train_gpt.main([*ARGS, "--out-dir", str(tmp_path), "--resume"])

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from fusedlayers import reference_mode
-from fusedlayers.layers.linear import check_extra_state
+from fusedlayers.fp8.extra_state import decode_extra_state
 from fusedlayers.layers.multihead_attention import MultiheadAttention
 from fusedlayers.layers.transformer_layer import TransformerLayer
 from fusedlayers.reference_switch import ReferenceSwitch
@@ -122,20 +122,21 @@ def test_te_checkpoint_loads_strict(config, extra):
             assert torch.equal(value, state[key]), key
 
 
-def test_fp8_extra_state_is_refused():
-    fp8 = {"recipe": "DelayedScaling", "scale_fwd": [1.0], "amax_history_fwd": [[0.0]]}
-    payload = torch.frombuffer(bytearray(pickle.dumps(fp8)), dtype=torch.uint8)
+def test_extra_state_that_is_not_fp8_metadata_is_refused():
+    """FP8 metadata loads (tests/test_fp8_state_dict.py); a payload that is not (here a pickled
+    string) raises, for the modules and for the attention's entry."""
+    payload = torch.frombuffer(bytearray(pickle.dumps("DelayedScaling")), dtype=torch.uint8)
     layer = TransformerLayer(HIDDEN, FFN, HEADS)
     state = layer.state_dict()
     state["layernorm_mlp._extra_state"] = payload
-    with pytest.raises(ValueError, match="FP8"):
+    with pytest.raises(ValueError, match="FP8 metadata"):
         layer.load_state_dict(state)
     state = layer.state_dict()
     state["self_attention.core_attention._extra_state"] = payload
-    with pytest.raises(ValueError, match="FP8"):
+    with pytest.raises(ValueError, match="FP8 metadata"):
         layer.load_state_dict(state)
     for state in _te_extra_states():
-        check_extra_state(state)
+        assert decode_extra_state(state) is None
 
 
 @pytest.mark.parametrize("src", list(FORMS))

@@ -8,6 +8,7 @@ import types
 import pytest
 
 import fusedlayers as te
+from fusedlayers import fp8
 from fusedlayers.attention import layouts
 from fusedlayers.layers import (
     inference,
@@ -31,6 +32,11 @@ TRANSFORMER_ENGINE_NAMES = {
     "apply_rotary_pos_emb": rope.apply_rotary_pos_emb,
     "InferenceParams": inference.InferenceParams,
     "get_qkv_layout": layouts.get_qkv_layout,
+    "fp8_autocast": fp8.fp8_autocast,
+    "autocast": fp8.autocast,
+    "fp8_model_init": fp8.fp8_model_init,
+    "quantized_model_init": fp8.quantized_model_init,
+    "is_fp8_available": fp8.is_fp8_available,
 }
 FLASH_ATTN_NAMES = [
     "flash_attn_func",
@@ -58,6 +64,14 @@ def test_all_lists_exactly_the_public_names():
     assert len(te.__all__) == len(set(te.__all__)), "__all__ repeats a name"
     assert set(te.__all__) == public
     assert {*TRANSFORMER_ENGINE_NAMES, *FLASH_ATTN_NAMES, "DotProductAttention"} <= public
+
+
+def test_recipe_module_at_top_level():
+    """TE's `transformer_engine.common.recipe` is `fusedlayers.recipe`."""
+    import fusedlayers.recipe
+
+    assert te.recipe is fusedlayers.recipe
+    assert te.recipe.DelayedScaling().fp8_format is te.recipe.Format.HYBRID
 
 
 def test_star_import_gives_the_layers():

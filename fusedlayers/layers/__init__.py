@@ -1,6 +1,7 @@
 """TransformerEngine-style layers, built on `fusedlayers.attention` and the kernels.
 
-    linear               `Linear`, `LayerNormLinear` (projections on `F.linear`)
+    gemm_module          the GEMM modules' base: `F.linear`, or FP8 GEMMs inside `fp8_autocast`
+    linear               `Linear`, `LayerNormLinear`
     normalization        `LayerNorm`, `RMSNorm` and the norm front door
     mlp                  `LayerNormMLP` and TE's MLP activations
     rope                 `RotaryPositionEmbedding`, `apply_rotary_pos_emb`

@@ -9,20 +9,18 @@ Parameters (TE names): `weight [out, in]`, `bias [out]`; with `parameters_split`
 sit side by side in one storage; `LayerNormLinear` adds `layer_norm_weight` (and
 `layer_norm_bias` for LayerNorm) in front.
 
-Every TE module checkpoints an `_extra_state` entry (its FP8 metadata). These modules save an
-empty uint8 tensor, as TE does without FP8, and accept TE's entries that carry no FP8 state.
+Inside `fp8_autocast` the GEMM runs in FP8 (`gemm_module.GemmModule`); every module
+checkpoints its FP8 metadata as TE's `_extra_state` entry (an empty uint8 tensor before any FP8
+run, as TE saves it), and loads TE's entries, with or without FP8 state.
 """
 
 from __future__ import annotations
 
-import io
-import pickletools
 from collections.abc import Callable, Mapping, Sequence
 
 import torch
-import torch.nn.functional as F
 
-from ..reference_switch import ReferenceSwitch
+from .gemm_module import GemmModule, linear
 from .normalization import check_normalization, normalize_input
 
 # TE's `get_default_init_method()`: normal(0, 0.023).
@@ -31,56 +29,6 @@ DEFAULT_INIT_STD = 0.023
 
 def default_init_method(weight: torch.Tensor) -> torch.Tensor:
     return torch.nn.init.normal_(weight, mean=0.0, std=DEFAULT_INIT_STD)
-
-
-def _pickle_is_none(data: bytes) -> bool:
-    """True when `data` is a pickle of `None`, decided from its opcodes without unpickling."""
-    try:
-        names = [op.name for op, _, _ in pickletools.genops(data)]
-    except Exception:  # not a pickle at all
-        return False
-    return [n for n in names if n not in ("PROTO", "FRAME")] == ["NONE", "STOP"]
-
-
-def check_extra_state(state, where: str = "_extra_state") -> None:
-    """Accept a TE `_extra_state` that carries no FP8 state; raise on anything else.
-
-    TE writes `torch.empty(0, uint8)` (2.x, no FP8), a uint8 tensor or `BytesIO` holding a
-    serialized `None` (1.x), or a serialized dict of FP8 scales and amax histories (FP8 runs).
-    Pickles are inspected by opcode, never executed; `torch.save` payloads load `weights_only`.
-    """
-    if state is None:
-        return
-    if isinstance(state, io.BytesIO):
-        data = state.getvalue()
-    elif isinstance(state, torch.Tensor):
-        if state.numel() == 0:
-            return
-        data = state.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()
-    else:
-        raise ValueError(f"{where}: unsupported extra state of type {type(state).__name__}")
-    if data.startswith(b"PK"):  # torch.save's zip container
-        try:
-            empty = torch.load(io.BytesIO(data), weights_only=True) is None
-        except Exception:
-            empty = False
-    else:
-        empty = _pickle_is_none(data)
-    if not empty:
-        raise ValueError(
-            f"{where} carries FP8 state ({len(data)} bytes); fusedlayers has no FP8 support. "
-            "Save the checkpoint from a run without FP8, or drop the `_extra_state` entries."
-        )
-
-
-class TEExtraState:
-    """Mixin: `_extra_state` checkpoint entry compatible with TE modules without FP8."""
-
-    def get_extra_state(self) -> torch.Tensor:
-        return torch.empty(0, dtype=torch.uint8)
-
-    def set_extra_state(self, state) -> None:
-        check_extra_state(state, f"{type(self).__name__}._extra_state")
 
 
 class _NoopCat(torch.autograd.Function):
@@ -145,7 +93,7 @@ def split_sizes(out_features: int, parameters_split) -> tuple[list[str], list[in
     return [n.rstrip("_") + "_" for n in names], sizes
 
 
-class _SplitWeights(TEExtraState, ReferenceSwitch):
+class _SplitWeights(GemmModule):
     """Holds `[out, in]` weight (and `[out]` bias) as TE-named row-slices of one buffer."""
 
     def _init_weights(
@@ -179,6 +127,7 @@ class _SplitWeights(TEExtraState, ReferenceSwitch):
                     self.register_parameter(
                         self.bias_names[i], torch.nn.Parameter(bias_buffer.split(sizes)[i])
                     )
+        self._init_fp8()  # after the weights: fp8_model_init casts them
 
     def joined_weight(self) -> torch.Tensor:
         """`[out, in]`, a view over the split parameters when they are still adjacent."""
@@ -189,32 +138,33 @@ class _SplitWeights(TEExtraState, ReferenceSwitch):
             return None
         return join_rows([getattr(self, n) for n in self.bias_names])
 
+    def _gemm_weight_names(self, gemm: int) -> list[str]:
+        return self.weight_names
+
+    def _gemm_weight(self, gemm: int) -> torch.Tensor:
+        return self.joined_weight()
+
     def _repack(self) -> None:
         """Put split parameters that lost adjacency back into one buffer (same Parameters)."""
         for names in (self.weight_names, self.bias_names):
             params = [getattr(self, n) for n in names]
             if len(params) > 1 and not _adjacent(params):
-                packed = torch.cat([p.data for p in params], dim=0)
+                dtype = params[0].dtype
+                # FP8 weights (fp8_model_init) are joined as bytes: not every device cats FP8.
+                raw = torch.uint8 if dtype.itemsize == 1 else dtype
+                packed = torch.cat([p.data.view(raw) for p in params], dim=0)
                 for p, rows in zip(params, packed.split([p.shape[0] for p in params])):
-                    p.data = rows
+                    p.data = rows.view(dtype)
 
-    def _apply(self, fn, recurse=True):
+    def _after_apply(self) -> None:
         # `.to()` / `.cuda()` give every slice its own storage; pack them into one buffer again
         # so the forward keeps joining them without a copy.
-        result = super()._apply(fn, recurse)
         self._repack()
-        return result
 
     def __setstate__(self, state) -> None:
         # `copy.deepcopy` and unpickling copy each parameter on its own: pack them again.
         super().__setstate__(state)
         self._repack()
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """`x [..., in] @ weight[out, in]^T + bias` in x's dtype (parameters cast like TE's AMP)."""
-    bias = None if bias is None else bias.to(x.dtype)
-    return F.linear(x, weight.to(x.dtype), bias)
 
 
 class Linear(_SplitWeights):
@@ -239,12 +189,15 @@ class Linear(_SplitWeights):
             in_features, out_features, bias, init_method, parameters_split, params_dtype, device
         )
 
-    def forward(self, inp: torch.Tensor):
-        """`inp [..., in]` -> `[..., out]` (and the bias `[out]` when `return_bias`)."""
+    def forward(self, inp: torch.Tensor, is_first_microbatch: bool | None = None):
+        """`inp [..., in]` -> `[..., out]` (and the bias `[out]` when `return_bias`); in FP8
+        inside `fp8_autocast`, where `is_first_microbatch` caches the FP8 weight (see
+        `gemm_module`)."""
         bias = self.joined_bias()
+        weight = self.joined_weight()
         if self.return_bias:
-            return linear(inp, self.joined_weight(), None), bias
-        return linear(inp, self.joined_weight(), bias)
+            return self._gemm(inp, weight, None, 0, is_first_microbatch), bias
+        return self._gemm(inp, weight, bias, 0, is_first_microbatch)
 
 
 class LayerNormLinear(_SplitWeights):
@@ -286,9 +239,16 @@ class LayerNormLinear(_SplitWeights):
             in_features, out_features, bias, init_method, parameters_split, params_dtype, device
         )
 
-    def forward(self, inp: torch.Tensor, residual: torch.Tensor | None = None):
+    def forward(
+        self,
+        inp: torch.Tensor,
+        residual: torch.Tensor | None = None,
+        is_first_microbatch: bool | None = None,
+    ):
         """`inp [..., in]` -> `out [..., out]`, then `bias` if `return_bias`, then the normalized
-        input if `return_layernorm_output` (a tuple when anything is added).
+        input if `return_layernorm_output` (a tuple when anything is added). The GEMM runs in
+        FP8 inside `fp8_autocast`, where `is_first_microbatch` caches the FP8 weight (TE's
+        argument; see `gemm_module`).
 
         `residual` (fusedlayers' own, not TE's; inp's shape, dtype and device): the layer runs
         on `residual + inp` and that sum `[..., in]` is returned last, for the block's next
@@ -301,7 +261,9 @@ class LayerNormLinear(_SplitWeights):
         backend = "reference" if self.reference_active else "auto"
         ln_out, inp = normalize_input(inp, residual, *norm_args, backend=backend)
         bias = self.joined_bias()
-        out = linear(ln_out, self.joined_weight(), None if self.return_bias else bias)
+        out = self._gemm(
+            ln_out, self.joined_weight(), None if self.return_bias else bias, 0, is_first_microbatch
+        )
         outputs = (out,)
         if self.return_bias:
             outputs += (bias,)
@@ -312,4 +274,4 @@ class LayerNormLinear(_SplitWeights):
         return outputs if len(outputs) > 1 else out
 
 
-__all__ = ["Linear", "LayerNormLinear", "check_extra_state", "default_init_method"]
+__all__ = ["Linear", "LayerNormLinear", "default_init_method", "linear"]

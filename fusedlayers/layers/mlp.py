@@ -28,8 +28,8 @@ import torch.nn.functional as F
 
 from .._backend import choose_backend
 from .._logging import debug_enabled, log_decision
-from ..reference_switch import ReferenceSwitch
-from .linear import TEExtraState, default_init_method, linear
+from .gemm_module import GemmModule
+from .linear import default_init_method
 from .normalization import check_normalization, normalize_input
 
 try:
@@ -126,10 +126,12 @@ def apply_activation(x: torch.Tensor, activation: str, backend: str = "auto") ->
     return fused_activation(x, activation)
 
 
-class LayerNormMLP(TEExtraState, ReferenceSwitch):
+class LayerNormMLP(GemmModule):
     """TE's `LayerNormMLP(hidden_size, ffn_hidden_size, eps, bias, normalization, activation,
     init_method, output_layer_init_method, return_bias, return_layernorm_output,
     zero_centered_gamma, params_dtype, device)`."""
+
+    num_gemms = 2  # FC1 (TE's GEMM 1), FC2 (GEMM 2): TE's FP8 metadata layout
 
     def __init__(
         self,
@@ -177,10 +179,21 @@ class LayerNormMLP(TEExtraState, ReferenceSwitch):
         with torch.no_grad():
             (init_method or default_init_method)(self.fc1_weight)
             (output_layer_init_method or default_init_method)(self.fc2_weight)
+        self._init_fp8()  # after the weights: fp8_model_init casts them
 
-    def forward(self, inp: torch.Tensor, residual: torch.Tensor | None = None):
+    def _gemm_weight_names(self, gemm: int) -> list[str]:
+        return ["fc1_weight" if gemm == 0 else "fc2_weight"]
+
+    def forward(
+        self,
+        inp: torch.Tensor,
+        residual: torch.Tensor | None = None,
+        is_first_microbatch: bool | None = None,
+    ):
         """`inp [..., hidden]` -> `out [..., hidden]`, then `fc2_bias` if `return_bias`, then the
-        normalized input if `return_layernorm_output` (a tuple when anything is added).
+        normalized input if `return_layernorm_output` (a tuple when anything is added). FC1 and
+        FC2 run in FP8 inside `fp8_autocast`, where `is_first_microbatch` caches their FP8
+        weights (TE's argument; see `gemm_module`).
 
         `residual` (fusedlayers' own, not TE's; inp's shape and dtype): the MLP runs on
         `residual + inp` and that sum is returned last, for the block's next residual add. On
@@ -191,12 +204,10 @@ class LayerNormMLP(TEExtraState, ReferenceSwitch):
         )  # fmt: skip
         backend = "reference" if self.reference_active else "auto"
         ln_out, inp = normalize_input(inp, residual, *norm_args, backend=backend)
-        hidden = apply_activation(
-            linear(ln_out, self.fc1_weight, self.fc1_bias),
-            self.activation,
-            backend="reference" if self.reference_active else "auto",
-        )
-        out = linear(hidden, self.fc2_weight, None if self.return_bias else self.fc2_bias)
+        fc1_out = self._gemm(ln_out, self.fc1_weight, self.fc1_bias, 0, is_first_microbatch)
+        hidden = apply_activation(fc1_out, self.activation, backend=backend)
+        fc2_bias = None if self.return_bias else self.fc2_bias
+        out = self._gemm(hidden, self.fc2_weight, fc2_bias, 1, is_first_microbatch)
         outputs = (out,)
         if self.return_bias:
             outputs += (self.fc2_bias,)

@@ -32,10 +32,11 @@ from ..attention.dot_product_attention import DotProductAttention
 from ..attention.packing import split_packed
 from ..attention.validation import is_whole
 from ..errors import ArgumentError, ArgumentTypeError
+from ..fp8.extra_state import decode_extra_state
 from ..reference_switch import ReferenceSwitch
 from .cached_attention import self_attention_with_cache
 from .inference import InferenceParams
-from .linear import LayerNormLinear, Linear, check_extra_state
+from .linear import LayerNormLinear, Linear
 from .qkv_storage import QKVSpec, install_qkv_storage_hooks, storage_form
 from .rope import apply_rotary_pos_emb, rotate_qk
 
@@ -282,32 +283,36 @@ class MultiheadAttention(ReferenceSwitch):
         kv_spec = QKVSpec(("key", "value"), (groups, groups), groups, head_dim)
         install_qkv_storage_hooks(self.key_value, kv_spec, form)
 
-    def _project(self, hidden_states, encoder_output, residual, rotated: bool):
+    def _project(self, hidden_states, encoder_output, residual, rotated: bool, first=None):
         """-> q, k, v views (see `split_qkv`), the normalized input (or None) and, with a
         `residual`, the sum `residual + hidden_states` the input norm ran on (else None).
-        `rotated`: q and k go through RoPE before attention."""
+        `rotated`: q and k go through RoPE before attention. `first`: is_first_microbatch."""
         heads, groups = self.num_attention_heads, self.num_gqa_groups
         head_dim, interleaved = self.hidden_size_per_attention_head, self.qkv_weight_interleaved
         if self.attention_type == "self":
             if self.input_layernorm:
-                mixed, ln_out, total = self._normed(self.layernorm_qkv, hidden_states, residual)
+                mixed, ln_out, total = self._normed(
+                    self.layernorm_qkv, hidden_states, residual, first
+                )
             else:
-                mixed, ln_out, total = self.qkv(hidden_states), None, None
+                mixed, ln_out, total = self.qkv(hidden_states, first), None, None
             q, k, v = split_qkv(mixed, heads, groups, head_dim, interleaved, not rotated)
             return q, k, v, ln_out, total
         if encoder_output is None:
             raise ValueError("cross-attention needs encoder_output")
-        k, v = split_kv(self.key_value(encoder_output), groups, head_dim, interleaved)
+        k, v = split_kv(self.key_value(encoder_output, first), groups, head_dim, interleaved)
         if self.input_layernorm:
-            query, ln_out, total = self._normed(self.layernorm_query, hidden_states, residual)
+            query, ln_out, total = self._normed(
+                self.layernorm_query, hidden_states, residual, first
+            )
         else:
-            query, ln_out, total = self.query_layer(hidden_states), None, None
+            query, ln_out, total = self.query_layer(hidden_states, first), None, None
         return query.view(*query.shape[:-1], heads, head_dim), k, v, ln_out, total
 
-    def _normed(self, projection: LayerNormLinear, hidden_states, residual):
+    def _normed(self, projection: LayerNormLinear, hidden_states, residual, first=None):
         """`projection(hidden_states, residual=residual)` unpacked: (output, normalized input
         or None, the residual sum or None)."""
-        outputs = projection(hidden_states, residual=residual)
+        outputs = projection(hidden_states, residual=residual, is_first_microbatch=first)
         if not isinstance(outputs, tuple):
             return outputs, None, None
         ln_out = outputs[1] if self.return_layernorm_output else None
@@ -357,6 +362,7 @@ class MultiheadAttention(ReferenceSwitch):
         cu_seqlens_q_padded: torch.Tensor | None = None,
         cu_seqlens_kv_padded: torch.Tensor | None = None,
         residual: torch.Tensor | None = None,
+        is_first_microbatch: bool | None = None,
     ):
         """Attention block; shapes per `qkv_format` in the module docstring.
 
@@ -371,6 +377,10 @@ class MultiheadAttention(ReferenceSwitch):
         `input_layernorm`): the block runs on `residual + hidden_states`, the add fused into the
         input norm on the kernel path (`apply_add_normalization`), and that sum is returned
         last, for the next residual add of a pre-LN block.
+
+        `is_first_microbatch` (TE's): inside `fp8_autocast`, the projections' FP8 weights are
+        cast and kept (True), reused (False) or cast at every call (None). The attention itself
+        runs in the activation dtype.
 
         Returns `out`, then the projection bias if `return_bias`, then the normalized input if
         `input_layernorm and return_layernorm_output`, then the residual sum if `residual` is
@@ -390,8 +400,9 @@ class MultiheadAttention(ReferenceSwitch):
         if self.qkv_format == "thd" and self.attention_type == "self" and cu_seqlens_kv is None:
             cu_seqlens_kv, max_seqlen_kv = cu_seqlens_q, max_seqlen_q
             cu_seqlens_kv_padded = cu_seqlens_q_padded
+        rotated = rotary_pos_emb is not None
         q, k, v, ln_out, total = self._project(
-            hidden_states, encoder_output, residual, rotated=rotary_pos_emb is not None
+            hidden_states, encoder_output, residual, rotated, is_first_microbatch
         )
         if inference_params is not None and self.attention_type == "self":
             if self.core_attention.cp_group is not None:
@@ -405,7 +416,7 @@ class MultiheadAttention(ReferenceSwitch):
                 core_attention_bias=core_attention_bias, alibi_slopes=alibi_slopes,
                 checkpoint_core_attention=checkpoint_core_attention,
             )  # fmt: skip
-            return self._finish(context, ln_out, total)
+            return self._finish(context, ln_out, total, is_first_microbatch)
         if rotary_pos_emb is not None:
             # Positions count from each sequence's first row in memory (padded offsets if any).
             cu_q = cu_seqlens_q if cu_seqlens_q_padded is None else cu_seqlens_q_padded
@@ -430,12 +441,12 @@ class MultiheadAttention(ReferenceSwitch):
         context = self.core_attention(
             q, k, v, checkpoint_core_attention=checkpoint_core_attention, **options
         )
-        return self._finish(context, ln_out, total)
+        return self._finish(context, ln_out, total, is_first_microbatch)
 
-    def _finish(self, context, ln_out, total):
+    def _finish(self, context, ln_out, total, first=None):
         """Output projection, plus its bias, the normalized input and the residual sum when
-        asked for."""
-        projected = self.proj(context)
+        asked for. `first`: is_first_microbatch."""
+        projected = self.proj(context, first)
         outputs = projected if self.return_bias else (projected,)
         if self.input_layernorm and self.return_layernorm_output:
             outputs += (ln_out,)
@@ -475,13 +486,14 @@ def _check_arguments(
 
 
 def _check_core_attention_extra_state(module, state_dict, prefix, *_args) -> None:
-    # TE 2.x checkpoints carry `core_attention._extra_state` (FP8 attention metadata), TE 1.x
-    # ones do not. Accept it when it holds no FP8 state; drop it when DotProductAttention keeps
-    # no extra state of its own, since torch would call it unexpected under strict loading.
+    # TE 2.x checkpoints carry `core_attention._extra_state` (FP8 attention metadata, present in
+    # FP8 runs even with fp8_dpa off), TE 1.x ones do not. The attention here keeps no FP8
+    # state: an entry that reads as FP8 metadata (or none) is dropped, since torch would call it
+    # unexpected under strict loading; anything else raises.
     key = f"{prefix}core_attention._extra_state"
     if key not in state_dict:
         return
-    check_extra_state(state_dict[key], key)
+    decode_extra_state(state_dict[key], key)
     if type(module.core_attention).set_extra_state is torch.nn.Module.set_extra_state:
         del state_dict[key]
 

@@ -245,6 +245,7 @@ class TransformerLayer(ReferenceSwitch):
         max_seqlen_kv: int | None = None,
         residual: torch.Tensor | None = None,
         return_residual: bool = False,
+        is_first_microbatch: bool | None = None,
     ):
         """One layer; `hidden_states` and the output are `[s, b, hidden]` / `[b, s, hidden]` /
         `[t, hidden]` per `attn_input_format`.
@@ -260,6 +261,9 @@ class TransformerLayer(ReferenceSwitch):
         `return_residual=True` returns `(mlp_out, residual)`, both hidden_states' shape, instead
         of their sum: the MLP's output after hidden dropout and the residual it joins, for the
         next layer's `residual=` or a final norm's `residual=` to add inside its kernel.
+
+        `is_first_microbatch` (TE's): inside `fp8_autocast`, every projection's FP8 weight is
+        cast and kept (True), reused (False) or cast at every call (None).
         """
         fmt, hidden = self.attn_input_format, self.self_attention.hidden_size
         check_hidden_states(hidden_states, "hidden_states", hidden, fmt, "attn_input_format")
@@ -274,6 +278,10 @@ class TransformerLayer(ReferenceSwitch):
         mask_type = self.self_attn_mask_type if self_attn_mask_type is None else self_attn_mask_type
         window_size = self.window_size if window_size is None else window_size
         thd = self.attn_input_format == "thd"
+        # Passed on only when given, so blocks whose forward predates it keep working.
+        microbatch = (
+            {} if is_first_microbatch is None else {"is_first_microbatch": is_first_microbatch}
+        )
         hidden_states, residual = residual_for_fusion(hidden_states, residual)
         self_outputs = self.self_attention(
             hidden_states,
@@ -291,6 +299,7 @@ class TransformerLayer(ReferenceSwitch):
             max_seqlen_q=max_seqlen_q,
             max_seqlen_kv=max_seqlen_q if thd else None,
             residual=residual,
+            **microbatch,
         )
         if residual is not None or (
             self.apply_residual_connection_post_layernorm and not self.output_layernorm
@@ -312,8 +321,11 @@ class TransformerLayer(ReferenceSwitch):
                 cu_seqlens_kv=cu_seqlens_kv,
                 max_seqlen_q=max_seqlen_q,
                 max_seqlen_kv=max_seqlen_kv,
+                **microbatch,
             )
-        mlp_out, residual = self._add_then(self.layernorm_mlp, attention_out, residual)
+        mlp_out, residual = self._add_then(
+            self.layernorm_mlp, attention_out, residual, **microbatch
+        )
         if return_residual:
             return F.dropout(mlp_out, p=self.hidden_dropout, training=self.training), residual
         output = self._residual(mlp_out, residual)
