@@ -19,7 +19,8 @@ class GPTConfig:
 
     Fields left at `None` are derived in `__post_init__`: `n_kv_head` defaults to `n_head` (MHA),
     `d_ff` to 4 * d_model (8/3 * d_model rounded up to a multiple of 64 for gated activations).
-    `head_dim` is always derived. Named sizes: `GPTConfig.named("tiny" | "gpt-50m" | "gpt-125m")`.
+    `head_dim` is always derived. Named sizes: `GPTConfig.named(name)` for "tiny", "gpt-50m",
+    "gpt-125m" and "gpt-1.3b".
     """
 
     vocab_size: int = 256
@@ -101,4 +102,7 @@ NAMED_SIZES: dict[str, dict[str, Any]] = {
     "gpt-50m": dict(n_layer=10, n_head=10, d_model=640, context_length=1024),
     # GPT-2 small's shape (12 x 768) with RoPE and SwiGLU: the throughput benchmark model.
     "gpt-125m": dict(n_layer=12, n_head=12, d_model=768, context_length=2048, vocab_size=50304),
+    # GPT-3 XL's shape (24 x 2048, head_dim 128): GEMMs large enough for FP8 to pay
+    # (`benchmark_gpt.py --config gpt-1.3b --fp8`).
+    "gpt-1.3b": dict(n_layer=24, n_head=16, d_model=2048, context_length=2048, vocab_size=50304),
 }

@@ -31,7 +31,13 @@ def test_config_derived_fields_and_validation():
 
 
 @pytest.mark.parametrize(
-    "name, low, high", [("tiny", 0.7e6, 1e6), ("gpt-50m", 45e6, 55e6), ("gpt-125m", 115e6, 135e6)]
+    "name, low, high",
+    [
+        ("tiny", 0.7e6, 1e6),
+        ("gpt-50m", 45e6, 55e6),
+        ("gpt-125m", 115e6, 135e6),
+        ("gpt-1.3b", 1.25e9, 1.45e9),
+    ],
 )
 def test_named_sizes(name, low, high):
     with torch.device("meta"):
