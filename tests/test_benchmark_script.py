@@ -614,6 +614,23 @@ def test_tuning_runners_launch_the_kernels(device, causal, monkeypatch):
             assert torch.allclose(a, r, atol=1e-4)
 
 
+def test_tuning_backward_candidates_each_get_their_own_plan(device, monkeypatch):
+    """tune_attention's two-pass runner reads the swapped table entry for every candidate: the
+    backward's plan per call signature does not key on the table, so a plan kept from the first
+    candidate would run its tiles for all the others (an H200 sweep timed 14 alike)."""
+    import tune_attention as ta
+
+    read = []
+    real = _flash_bwd.bwd_config
+    monkeypatch.setattr(_flash_bwd, "bwd_config", lambda *a, **kw: read.append(a) or real(*a, **kw))
+    g = torch.Generator().manual_seed(3)
+    q, k, v, dout = (torch.randn(1, 24, 2, 64, generator=g).to(device) for _ in range(4))
+    for cfg in ((16, 16, 4, 1, 16, 16, 4, 1), (32, 16, 4, 1, 16, 32, 4, 1)):
+        ta.backward_runner(q, k, v, dout, False, cfg)()
+    assert len(read) == 2
+    assert not _flash_bwd._PLANS  # no candidate's plan is left for later calls
+
+
 def test_autotune_note_names_new_picks_and_their_timings(monkeypatch):
     """A provider whose first call autotuned the forward gets a note with the pick and the
     candidates' measured times; one that reused earlier picks gets none; a pick answered from the

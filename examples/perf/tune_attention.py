@@ -160,11 +160,16 @@ def backward_runner(q, k, v, dout, causal: bool, cfg: tuple, atomic: bool = Fals
     def run():
         saved = _flash_bwd.ATOMIC_DQ_DEVICES, table[bucket]
         _flash_bwd.ATOMIC_DQ_DEVICES, table[bucket] = devices, cfg
+        # The backward keeps a launch plan per call signature, and the table entry is not part
+        # of its key: without clearing, every candidate after the first would run the first's
+        # tiles (a sweep on an H200 timed 14 candidates alike to 0.5%).
+        _flash_bwd._PLANS.clear()
         try:
             return flash_attention_backward(dout, q, k, v, out, lse, **mask,
                                             deterministic=not atomic)[:3]  # fmt: skip
         finally:
             _flash_bwd.ATOMIC_DQ_DEVICES, table[bucket] = saved
+            _flash_bwd._PLANS.clear()  # no plan of a candidate's tiles outlives it
 
     return run
 
