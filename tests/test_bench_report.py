@@ -213,8 +213,8 @@ def test_other_sections_and_the_missing_kind(page):
     text = page[1]
     gpt = _section(text, "GPT training")
     assert (
-        "| fusedlayers[bshd] | eager | 8 x 2048 | 50.0 | 327,680 | 25.0% | 1.20x | 17.5 | "
-        "10.9713 | 7.5000 |"
+        "| fusedlayers[bshd] | eager | gpt-test, 8 x 2048 | 50.0 | 327,680 | 25.0% | 1.20x | "
+        "17.5 | 10.9713 | 7.5000 |"
     ) in gpt
     generate = _section(text, "Generation")
     # vs plain in the same mode: eager 4.0 / 5.0, the graph against compiled 0.6 / 0.5.
@@ -339,3 +339,20 @@ def test_transformers_section_from_a_run(tmp_path):
     assert "| sdpa | eager | no | 100.0 | 1,000 | 10.0 | 1.000x |" in section
     assert "| fusedlayers | eager | no | 80.0 | 1,000 | 10.0 | 1.250x |" in section
     assert "| sdpa-repeat | eager | no | 125.0 | 1,000 | 10.0 | 0.800x |" in section
+
+
+def test_gpt_rows_compare_within_their_model_size():
+    """Two model sizes at one batch and mode: each fusedlayers row's `vs plain` is against the
+    plain model of its own size (the 1.3b row paired with the 125m plain row would read 0.17x)."""
+
+    def row(config, provider, ms):
+        model = "fusedlayers[bshd]" if provider == "fusedlayers" else "pytorch_sdpa_cudnn"
+        return dict(model=model, provider=provider, config=config, mode="eager", batch_size=8,
+                    context_length=2048, ms_per_step=ms, tokens_per_s=1.0, mfu=0.1,
+                    peak_mem_gib=1.0, first_loss=11.0, final_loss=5.0)  # fmt: skip
+
+    rows = [row("gpt-125m", "plain", 60.0), row("gpt-125m", "fusedlayers", 50.0),
+            row("gpt-1.3b", "plain", 372.0), row("gpt-1.3b", "fusedlayers", 310.0)]  # fmt: skip
+    lines = tables.gpt_table(rows)
+    assert any("| gpt-125m, 8 x 2048 | 50.0 |" in line and "| 1.20x |" in line for line in lines)
+    assert any("| gpt-1.3b, 8 x 2048 | 310.0 |" in line and "| 1.20x |" in line for line in lines)

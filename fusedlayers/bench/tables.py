@@ -252,8 +252,10 @@ def attention_other(rows: list[dict]) -> list[str]:
 
 
 def gpt_group(row: dict) -> tuple:
+    """What a row is compared within: mode, model size, batch and thread."""
     return (
         row.get("mode", "eager"),
+        row.get("config", ""),
         row.get("batch_size"),
         row.get("context_length"),
         bool(row.get("backward_on_calling_thread")),
@@ -284,13 +286,13 @@ def gpt_model_name(row: dict) -> str:
 
 def gpt_table(rows: list[dict]) -> list[str]:
     """ms/step, tokens/s, MFU, the plain model's time over ours, memory and losses per model."""
-    head = ["model", "mode", "batch", "ms/step", "tokens/s", "MFU", "vs plain", "peak GiB"]
+    head = ["model", "mode", "size, batch", "ms/step", "tokens/s", "MFU", "vs plain", "peak GiB"]
     head += ["first loss", "final loss"]
     body = []
     for row in gpt_sorted(rows):
         plain = _gpt_plain(rows, row)
         vs = f"{plain['ms_per_step'] / row['ms_per_step']:.2f}x" if plain else "-"
-        batch = f"{row.get('batch_size')} x {row.get('context_length')}"
+        batch = f"{row.get('config', '?')}, {row.get('batch_size')} x {row.get('context_length')}"
         body.append(
             [gpt_model_name(row), _gpt_mode(row), batch, f"{row['ms_per_step']:.1f}"]
             + [f"{row['tokens_per_s']:,.0f}", f"{row['mfu']:.1%}", vs]
