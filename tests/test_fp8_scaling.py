@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from fusedlayers import recipe
+from fusedlayers.fp8 import scaling
 from fusedlayers.fp8.scaling import (
     delayed_update,
     dequantize,
@@ -152,3 +153,54 @@ def test_transposes_are_exact():
     torch.testing.assert_close(dequantize(transpose(blocks)), dequantize(blocks).t())
     with pytest.raises(ValueError, match="1x128"):
         transpose(quantize_blocks(x, E4M3, (1, 128), None))
+
+
+def test_fused_casts_are_bitwise_the_eager_ones(monkeypatch):
+    """The compiled cast and amax CUDA runs (`FUSED_CASTS`) against the eager ones, here on the
+    CPU's compiler: the same bytes for both formats, with saturated values and a NaN amax, and
+    one graph for several shapes."""
+    monkeypatch.setattr(scaling, "_fused", lambda t: True)
+    g = torch.Generator().manual_seed(11)
+    for dtype, scale in ((torch.float8_e4m3fn, 40.0), (torch.float8_e5m2, 8000.0)):
+        for shape in ((96, 64), (257, 48)):
+            t = (torch.randn(shape, generator=g) * 4).to(torch.bfloat16)
+            q = scaling.quantize(t, dtype, torch.tensor(scale))
+            want = (
+                (t.float() * scale).clamp(-scaling.fp8_max(dtype), scaling.fp8_max(dtype)).to(dtype)
+            )
+            assert q.data.view(torch.uint8).equal(want.view(torch.uint8)), (dtype, shape)
+            assert (q.data.float().abs() == scaling.fp8_max(dtype)).any()  # some saturated
+            assert scaling.amax(t).equal(t.abs().amax().float())
+    t[3, 5] = float("nan")
+    assert scaling.amax(t).isnan()
+
+
+def test_fused_casts_hold_views_layouts_and_the_recompile_limit(monkeypatch, caplog):
+    """The layers cast views of bases shaped differently per layer (activations and gradients
+    reshaped to 2-D, QKV column slices, [s, b, h] buffers, transposes): the compiled cast gives
+    the eager bytes for each, compiles per layout rather than per base (a view was guarded on
+    its base: the ninth base failed a GPT-1.3B step), and past TorchDynamo's recompile limit
+    runs eager with a warning instead of failing."""
+    import torch._dynamo
+
+    monkeypatch.setattr(scaling, "_fused", lambda t: True)
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 2)
+    monkeypatch.setattr(scaling, "_warned_eager", False)
+    torch._dynamo.reset()
+    scaling._COMPILED.clear()
+    g = torch.Generator().manual_seed(5)
+
+    def views(i):
+        b, s, h = 2 + i % 3, 3 + i, 8 * (i + 1)
+        yield torch.randn(b, s, h, generator=g).view(-1, h)
+        sbh = torch.empty_strided((b, s, h), (h, b * h, 1)).copy_(torch.randn(b, s, h, generator=g))
+        yield sbh[0]
+        yield torch.randn(b, s, 3 * h, generator=g).view(-1, 3 * h)[:, h : 2 * h]
+        yield torch.randn(b * s, 4 * h, generator=g).t()
+
+    for i in range(5):
+        for view in views(i):
+            q = scaling.quantize(view, torch.float8_e4m3fn, torch.tensor(3.0))
+            want = (view * 3.0).clamp(-448, 448).to(torch.float8_e4m3fn)
+            assert q.data.view(torch.uint8).equal(want.view(torch.uint8)), (i, view.shape)
+    assert "compiled cast failed" in caplog.text  # the limit of 2 was passed: eager took over

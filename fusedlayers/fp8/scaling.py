@@ -6,11 +6,18 @@ scales and amaxes are fp32. A `Quantized` tensor is the FP8 data with its scale_
 per-tensor scaling, or one per block (`block = (rows, cols)`, 1x128 or 128x128) for block scaling.
 
 Every function here runs on any device; the GEMM path (`gemm.py`) and the CPU tests share them,
-so the emulation and the GPU path cast identically.
+so the emulation and the GPU path cast identically. On CUDA the per-tensor cast and amax run as
+`torch.compile`d functions (`FUSED_CASTS`): in eager PyTorch a cast is five passes over the
+tensor with fp32 intermediates (upcast, scale, clamp, convert; abs and max for the amax), the
+likely reason (not profiled) FP8 ran GPT-1.3B at 0.66-0.68x bf16; compiled, each is one pass. The
+compiled functions compute the same operations in the same order, so their results are bitwise
+those of the eager ones (tests/test_fp8_scaling.py).
 """
 
 from __future__ import annotations
 
+import logging
+import os
 from dataclasses import dataclass
 
 import torch
@@ -45,11 +52,66 @@ def fp8_max(dtype: torch.dtype) -> float:
     return float(torch.finfo(dtype).max)
 
 
+# `FUSEDLAYERS_FP8_FUSED_CASTS=0` keeps the eager casts on CUDA too (A/B runs).
+FUSED_CASTS = os.environ.get("FUSEDLAYERS_FP8_FUSED_CASTS", "1") not in ("", "0")
+
+
+def _amax_eager(t: torch.Tensor) -> torch.Tensor:
+    return t.abs().amax().float()
+
+
+def _scaled_cast_eager(t: torch.Tensor, scale: torch.Tensor, limit: float, dtype: torch.dtype):
+    # Saturate as TE's casts do: torch's cast sends out-of-range values to NaN (E4M3) or inf.
+    return (t.float() * scale).clamp(-limit, limit).to(dtype)
+
+
+_COMPILED: dict = {}
+
+
+def _compiled(fn):
+    """`fn` compiled for every shape (dynamic), made on first use: `torch.compile` imports
+    TorchDynamo, a second of `import fusedlayers` that no CPU or bf16 run needs."""
+    compiled = _COMPILED.get(fn)
+    if compiled is None:
+        compiled = _COMPILED[fn] = torch.compile(fn, dynamic=True, fullgraph=True)
+    return compiled
+
+
+def _fused(t: torch.Tensor) -> bool:
+    return FUSED_CASTS and t.is_cuda
+
+
+_logger = logging.getLogger(__name__)
+_warned_eager = False
+
+
+def _run(fn, t: torch.Tensor, *args):
+    """`fn(t, *args)`, compiled where `_fused(t)`. `t.detach()` drops a view's link to its base:
+    compiled, a view is guarded on its base's strides, so the layers' differently shaped bases
+    each compiled again, and the ninth (TorchDynamo's recompile limit) failed a GPT-1.3B step.
+    A call the compiler refuses all the same (more layouts and dtypes than that limit) runs
+    eager, bitwise the same result, with one warning."""
+    global _warned_eager
+    if not _fused(t):
+        return fn(t, *args)
+    try:
+        return _compiled(fn)(t.detach(), *args)
+    except Exception as error:  # noqa: BLE001 - eager is exact; an error of its own raises there
+        if not _warned_eager:
+            _warned_eager = True
+            _logger.warning(
+                "fusedlayers FP8: a compiled cast failed (%s); that call and any "
+                "other the compiler refuses run eager",
+                type(error).__name__,
+            )
+        return fn(t, *args)
+
+
 def amax(t: torch.Tensor) -> torch.Tensor:
     """max |t| as a 0-d fp32 tensor (0 for an empty tensor); NaN propagates."""
     if t.numel() == 0:
         return torch.zeros((), dtype=torch.float32, device=t.device)
-    return t.detach().abs().amax().float()
+    return _run(_amax_eager, t.detach())
 
 
 def scale_from_amax(a: torch.Tensor, max_value: float, qparams: QParams | None = None):
@@ -77,7 +139,7 @@ def _cast(scaled: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def quantize(t: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor) -> Quantized:
     """Per-tensor cast: `t [rows, cols]` times the 0-d fp32 `scale`, saturated, to `dtype`."""
     scale = scale.float()
-    data = _cast(t.float() * scale, dtype).contiguous()
+    data = _run(_scaled_cast_eager, t, scale, fp8_max(dtype), dtype).contiguous()
     return Quantized(data, torch.reciprocal(scale))
 
 
