@@ -119,10 +119,14 @@ CONFIG_FIELDS = ("BLOCK_M1", "BLOCK_N1", "WARPS1", "STAGES1", "BLOCK_M2", "BLOCK
 #   and (64, 128, 8, 2) 3.80 / 2.08; dQ (128, 64, 8, 3) against (128, 64, 8, 2) 3.93 / 2.21.
 # - d=64: dK/dV (32, 128, 4, 3) 4.00 / 2.29 against (64, 64, 4, 3) 3.94 / 2.46; dQ (128, 64, 4, 3)
 #   3.76 / 2.24 against (64, 64, 4, 3) 4.04 / 2.22. (64, 128, 4, 3) spills badly: 14.8 ms.
+# - d=160-256, one entry (H200, 2026-11-28, code eaf0db4, bench/h200-2026-11-28/tune-bwd-wide.log;
+#   forward+backward in bench/attention-head-dims-wide.json):
+#   dQ (128, 32, 8, 2) 1.25-1.39x faster than the old (64, 32, 8, 2) at each of 160, 192 and 256,
+#   causal and not; dK/dV (64, 64, 8, 2) 1.14x at 256, within 3% of the best at 160 and 192.
 BWD_CONFIGS: dict[int, tuple[int, ...]] = {
     64: (32, 128, 4, 3, 128, 64, 4, 3),
     128: (32, 64, 4, 3, 128, 64, 8, 3),
-    256: (32, 64, 8, 2, 64, 32, 8, 2),
+    256: (64, 64, 8, 2, 128, 32, 8, 2),
 }
 # Causal-like launches (a right window bound) on sequences up to SHORT_SEQLEN (the longer of
 # max_len_q and max_len_k) take these entries: with few key blocks per sequence, smaller blocks
@@ -162,7 +166,7 @@ ATOMIC_CONFIG_FIELDS = CONFIG_FIELDS[:4]
 BWD_ATOMIC_CONFIGS: dict[int, tuple[int, ...]] = {
     64: (64, 128, 8, 3),
     128: (64, 128, 8, 3),
-    256: BWD_CONFIGS[256][:4],
+    256: (32, 64, 8, 2),
 }
 # Where the non-deterministic backward takes the atomic-dQ path: "never" (the default until
 # examples/perf/bench_backward.py shows it faster on the H100 and tests/gpu/test_backward_gpu.py

@@ -60,10 +60,9 @@ INTRO = """\
 the report's code, not this file (a test checks that the two agree). -->
 
 fusedlayers' attention kernels against PyTorch's SDPA backends and FlexAttention, and a GPT
-built from fusedlayers' layers against the same model in plain PyTorch, each measured side by
-side in one process on one GPU. Every number comes from a JSON run in [bench/]({bench}); the
-Setup line under each section names its GPU, software, commit, date and command. How the kernels
-got here is in git history and [docs/performance.md](docs/performance.md).
+built from fusedlayers' layers against the same model in plain PyTorch, side by side in one
+process on one GPU. Every number comes from a JSON run in [bench/]({bench}), whose Setup line
+names its GPU, software, commit, date and command ([docs/performance.md](docs/performance.md)).
 
 On your GPU, `python -m fusedlayers.bench attention --quick` (about two minutes on an H100)
 prints the attention summary and writes its JSON and plots to `bench-out/`.
