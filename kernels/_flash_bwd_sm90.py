@@ -548,9 +548,9 @@ def dq_accumulator(q, zeroed: bool = True):
     preprocess to zero (`_flash_bwd`, `ZERO_DQ`: it does so where every row belongs to a
     sequence; the rows behind q's are never read).
 
-    `tma_view` describes a grid of at least one box of rows however short the tensor is; TMA
-    clips its writes only at the grid's end, so a reduce into a shorter buffer would add (zeros)
-    past its end, and x + 0.0 is not bitwise x for -0.0 or a NaN payload.
+    Its TMA grid (`tma_view`) is at least one box of rows however short q is: TMA clips its
+    writes only at the grid's end, so a reduce into a shorter buffer would add (zeros) past its
+    end, and x + 0.0 is not bitwise x for -0.0 or a NaN payload.
     """
     row_elems = q.shape[-1] * q.shape[-2]
     rows = q.numel() // row_elems if row_elems else 0
@@ -668,7 +668,7 @@ def _launch_plan(
         descriptor_maker(t, view, [rows, d])
         for t, view, rows in zip((q, k, v, dout), views, (block_m, BLOCK_N, BLOCK_N, block_m))
     )
-    dq_view = tma_view(dq_acc, varlen=geom.varlen, block_rows=DQ_BOX[0])
+    dq_view = tma_view(dq_acc, geom.varlen, DQ_BOX[0], storage_rows=DQ_BOX[0])
     descriptors += (descriptor_maker(dq_acc, dq_view, list(DQ_BOX), _dq_layout()),)
     signature, slot = launch_binding(signature, order_pairs)
     return _LaunchPlan(grid, descriptors, ints, order_pairs, constexprs, signature, slot)

@@ -338,13 +338,14 @@ if GLUON_AVAILABLE:
 
 def plan_views(q, k, v, varlen: bool):
     """The TMA grids of q, k and v, or None when any of them cannot take this path (a pair
-    outside `SUPPORTED_DIMS`, storage TMA cannot read, or rows narrower than the tile's box)."""
+    outside `SUPPORTED_DIMS`, storage TMA cannot read, rows narrower than the tile's box, or
+    fewer rows than one box: `tma_view`)."""
     if (q.shape[-1], v.shape[-1]) not in SUPPORTED_DIMS:
         return None
     width_qk, width_v = widths(q.shape[-1], v.shape[-1])
     block_n = TILES[width_qk][0]
     views = (
-        tma_view(q, varlen, WARPGROUP_ROWS * CONSUMERS[width_qk]),
+        tma_view(q, varlen, WARPGROUP_ROWS),  # q is read in one box per warpgroup
         tma_view(k, varlen, block_n),
         tma_view(v, varlen, block_n),
     )
@@ -460,7 +461,9 @@ def _launch_plan(q, k, v, out, lse, geom, causal, bottom_right, signature) -> _L
     # Causal tiles differ in length: a persistent causal launch takes them from a counter.
     dynamic = persistent and causal
     views = plan_views(q, k, v, geom.varlen)
-    out_view = tma_view(out, geom.varlen, WARPGROUP_ROWS)
+    # TMA stores only rows inside their sequence (rows reaching past it take masked stores
+    # from registers), so out may be shorter than one box.
+    out_view = tma_view(out, geom.varlen, WARPGROUP_ROWS, storage_rows=WARPGROUP_ROWS)
     if views is None or out_view is None:  # `dispatch.sm90_forward_plan` sends these elsewhere
         raise ValueError(
             f"sm_90 forward: TMA cannot read q {q.stride()}, k {k.stride()}, v {v.stride()} "

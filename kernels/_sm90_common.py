@@ -119,7 +119,9 @@ if GLUON_AVAILABLE:
             _partition_barrier()
 
 
-def tma_view(t: torch.Tensor, varlen: bool, block_rows: int) -> tuple[list, list] | None:
+def tma_view(
+    t: torch.Tensor, varlen: bool, block_rows: int, storage_rows: int | None = None
+) -> tuple[list, list] | None:
     """(shape, strides) of the 2-D TMA grid over t's storage, or None when TMA cannot read t.
 
     The grid's rows are `stride_s` elements wide (t's sequence stride); head h of sequence z
@@ -127,6 +129,12 @@ def tma_view(t: torch.Tensor, varlen: bool, block_rows: int) -> tuple[list, list
     pitch, and each head's d contiguous elements must sit inside one grid row (no wrap): true
     for bshd-like storage (stride_b a multiple of stride_s, heads within a row) and sbhd-like
     storage (every batch entry and head within one row), packed views of either included.
+
+    A grid shorter than one box of `block_rows` rows is None: TMA zero-fills only past the
+    grid's end, so a grid stretched to one box would read (or write) the memory behind t, and
+    reads past an allocation fault when that memory is unmapped. `storage_rows`: the rows the
+    caller knows are allocated behind t's start (`dq_accumulator` pads to one box), or, for a
+    tensor TMA only ever writes rows of t into, `block_rows` (the forward's output).
     """
     elem = t.element_size()
     heads, d = t.shape[-2], t.shape[-1]
@@ -148,8 +156,11 @@ def tma_view(t: torch.Tensor, varlen: bool, block_rows: int) -> tuple[list, list
         return None
     last_origin = (n_batch - 1) * stride_b + (heads - 1) * stride_h
     rows = last_origin // stride_s + n_seq
-    # TMA zero-fills boxes past the last row; at least one full box keeps tiny inputs legal.
-    return [max(rows, block_rows), stride_s], [stride_s, 1]
+    if rows < block_rows:
+        if storage_rows is None or storage_rows < block_rows:
+            return None
+        rows = block_rows
+    return [rows, stride_s], [stride_s, 1]
 
 
 _GL_DTYPES = {}

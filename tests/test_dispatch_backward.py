@@ -73,9 +73,9 @@ def test_plan_covers_what_the_kernel_does(monkeypatch):
 )
 @pytest.mark.parametrize("zeroed", [True, False], ids=["zeroed", "for-the-preprocess"])
 def test_dq_accumulator_has_a_whole_tma_box_behind_it(shape, zeroed):
-    # The TMA reduce-add writes whole boxes of DQ_BOX[0] rows wherever the grid allows, and
-    # `tma_view` claims at least that many rows: the storage must really have them, whether the
-    # accumulator comes zero-filled or is left for the backward's preprocess to zero.
+    # The TMA reduce-add writes whole boxes of DQ_BOX[0] rows wherever the grid allows, and the
+    # backward's grid claims at least that many rows (`storage_rows`): the storage must really
+    # have them, whether the accumulator comes zero-filled or is left for the preprocess to zero.
     q = torch.randn(shape, dtype=torch.float16)
     acc = _flash_bwd_sm90.dq_accumulator(q, zeroed=zeroed)
     assert acc.shape == q.shape and acc.dtype == torch.float32 and acc.is_contiguous()
@@ -85,22 +85,27 @@ def test_dq_accumulator_has_a_whole_tma_box_behind_it(shape, zeroed):
     storage_rows = acc.untyped_storage().nbytes() // (4 * row)
     rows = q.numel() // row
     assert storage_rows >= max(rows, _flash_bwd_sm90.DQ_BOX[0])
-    view = _flash_fwd_sm90.tma_view(acc, len(shape) == 3, _flash_bwd_sm90.DQ_BOX[0])
+    box = _flash_bwd_sm90.DQ_BOX[0]
+    view = _flash_fwd_sm90.tma_view(acc, len(shape) == 3, box, storage_rows=box)
     if rows:
         assert view is not None and view[0][0] <= storage_rows
 
 
 def test_d64_steps_128_rows_and_64_stays_selectable(monkeypatch):
-    """d = 64's backward steps over 128 query rows (`TILES_M128`), whose Q/dO TMA grids hold at
-    least one 128-row box; `TILES[64] = (64, 2)` selects the 64-row step, with 64-row boxes."""
+    """d = 64's backward steps over 128 query rows (`TILES_M128`) in 128-row Q/dO boxes, so it
+    takes no q shorter than one box (TMA would read past its storage: `tma_view`);
+    `TILES[64] = (64, 2)` selects the 64-row step, whose 64-row boxes take such a q."""
     assert _flash_bwd_sm90.TILES[64] == _flash_bwd_sm90.TILES_M128[64]
     assert _flash_bwd_sm90.TILES_M128[64][0] == 128
-    q = torch.randn(1, 40, 2, 64, dtype=torch.bfloat16)
-    views = _flash_bwd_sm90.plan_views(q, q, q, q, False)
-    assert views[0][0][0] == 128 and views[3][0][0] == 128  # q and dout: one 128-row box
+    k = torch.randn(1, 300, 2, 64, dtype=torch.bfloat16)
+    q = torch.randn(1, 200, 2, 64, dtype=torch.bfloat16)
+    views = _flash_bwd_sm90.plan_views(q, k, k, q, False)
+    assert views[0][0][0] == 200 and views[3][0][0] == 200  # q and dout: their own rows
+    assert views[1][0][0] == 300
+    short = torch.randn(1, 100, 2, 64, dtype=torch.bfloat16)
+    assert _flash_bwd_sm90.plan_views(short, k, k, short, False) is None
     monkeypatch.setitem(_flash_bwd_sm90.TILES, 64, (64, 2))
-    assert _flash_bwd_sm90.plan_views(q, q, q, q, False)[0][0][0] == 64
-    assert views[1][0][0] == _flash_bwd_sm90.BLOCK_N
+    assert _flash_bwd_sm90.plan_views(short, k, k, short, False)[0][0][0] == 100
 
 
 def _recorded_bwd_launches(monkeypatch, calls):

@@ -24,7 +24,7 @@ def _origin(t, z, h, view, varlen=False):
 
 def _check_grid(t, varlen=False):
     """Every element of t sits where the grid says: row-major index row * width + col."""
-    view = sm90.tma_view(t, varlen, 128)
+    view = sm90.tma_view(t, varlen, 16)
     assert view is not None
     (rows, width), (pitch, one) = view
     assert pitch == width and one == 1
@@ -65,15 +65,35 @@ def test_tma_view_covers_common_layouts():
 
 def test_tma_view_rejects_what_tma_cannot_read():
     rows_196 = torch.randn(2, 33, 196, dtype=torch.float16)[..., :192].unflatten(-1, (3, 64))
-    assert sm90.tma_view(rows_196, False, 128) is None  # row pitch 392 bytes: not 16-aligned
+    assert sm90.tma_view(rows_196, False, 16) is None  # row pitch 392 bytes: not 16-aligned
     rows_200 = torch.randn(2, 33, 200, dtype=torch.float16)[..., :192].unflatten(-1, (3, 64))
-    assert sm90.tma_view(rows_200, False, 128) is not None  # 400 bytes: aligned
+    assert sm90.tma_view(rows_200, False, 16) is not None  # 400 bytes: aligned
     base = torch.randn(2 * 33 * 3 * 64 + 1)[1:].view(2, 33, 3, 64)
-    assert sm90.tma_view(base, False, 128) is None  # misaligned base
+    assert sm90.tma_view(base, False, 16) is None  # misaligned base
     # Heads farther apart than one sequence row: head 1 would wrap into the next grid row.
     odd = torch.randn(2, 3, 33, 64).transpose(1, 2)  # bhsd storage viewed as bshd
-    assert sm90.tma_view(odd, False, 128) is None
-    assert sm90.tma_view(torch.randn(2, 33, 3, 64).transpose(-1, -2), False, 128) is None
+    assert sm90.tma_view(odd, False, 16) is None
+    assert sm90.tma_view(torch.randn(2, 33, 3, 64).transpose(-1, -2), False, 16) is None
+
+
+def test_tma_view_never_reaches_past_the_storage():
+    """A grid shorter than one box would make TMA read the memory behind the tensor (zeros come
+    only past the grid's end), which faults where that memory is unmapped: an H200 run crashed
+    with an illegal address. Such tensors get no grid (the portable kernels take the call),
+    unless the caller vouches for one box of storage (`storage_rows`)."""
+    x = torch.randn(2, 33, 3, 64)  # 66 rows of the grid, batch entries one after the other
+    assert sm90.tma_view(x, False, 66)[0] == [66, 192]
+    assert sm90.tma_view(x, False, 67) is None
+    assert sm90.tma_view(x[:, :1], False, 64) is None  # a decode-like q: 2 rows
+    assert sm90.tma_view(torch.randn(40, 3, 64), True, 64) is None  # 40 tokens, varlen
+    assert sm90.tma_view(x, False, 128, storage_rows=128)[0] == [128, 192]
+    assert sm90.tma_view(x, False, 128, storage_rows=100) is None
+    q, k = (
+        torch.randn(1, 63, 2, 64, dtype=torch.float16),
+        torch.randn(1, 2048, 2, 64, dtype=torch.float16),
+    )
+    assert sm90.plan_views(q, k, k, False) is None  # 63 query rows: under one 64-row box
+    assert sm90.plan_views(torch.randn(1, 64, 2, 64, dtype=torch.float16), k, k, False) is not None
 
 
 def test_dispatcher_never_picks_sm90_off_the_gpu():

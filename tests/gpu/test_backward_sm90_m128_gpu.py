@@ -58,10 +58,11 @@ CASES = [
     Case(b=2, s_q=777, s_k=300, h=8, h_kv=2, d=D, dtype=torch.bfloat16, window=(-1, 0)),
     Case(b=2, s_q=777, s_k=300, h=8, h_kv=2, d=D, dtype=torch.bfloat16, window=(-1, 0),
          bottom_right=False),
-    # Fewer queries than one step: 97 (the second warpgroup's rows partly valid), 40 (none).
+    # Fewer queries than one step: 97 (the second warpgroup's rows partly valid), 40 (none),
+    # 1; batches large enough for one 128-row TMA box in all (fewer fall back: `tma_view`).
     Case(b=3, s_q=97, s_k=1025, h=6, h_kv=1, d=D, dtype=torch.float16),
-    Case(b=2, s_q=40, s_k=200, h=2, h_kv=2, d=D, dtype=torch.bfloat16, window=(-1, 0)),
-    Case(b=2, s_q=1, s_k=513, h=4, h_kv=2, d=D, dtype=torch.bfloat16, window=(-1, 0)),
+    Case(b=4, s_q=40, s_k=200, h=2, h_kv=2, d=D, dtype=torch.bfloat16, window=(-1, 0)),
+    Case(b=128, s_q=1, s_k=129, h=4, h_kv=2, d=D, dtype=torch.bfloat16, window=(-1, 0)),
     Case(b=2, s_q=129, s_k=65, h=2, h_kv=2, d=D, dtype=torch.bfloat16),
     # Right padding, varlen, varlen with gaps (random lengths up to the max).
     Case(b=4, s_q=700, s_k=900, h=4, h_kv=2, d=D, dtype=torch.bfloat16, layout="seqlens",

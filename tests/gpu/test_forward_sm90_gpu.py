@@ -69,7 +69,8 @@ CASES = [
     Case(b=2, s_q=777, s_k=300, h=8, h_kv=2, d=64, dtype=torch.bfloat16, window=(-1, 0),
          bottom_right=False),
     Case(b=3, s_q=97, s_k=1025, h=6, h_kv=1, d=64, dtype=torch.float16),
-    Case(b=2, s_q=1, s_k=513, h=4, h_kv=2, d=128, dtype=torch.bfloat16, window=(-1, 0)),
+    # One query a sequence: 64 rows in all, one TMA box (fewer fall back: FALLBACK_CASES).
+    Case(b=64, s_q=1, s_k=513, h=4, h_kv=2, d=128, dtype=torch.bfloat16, window=(-1, 0)),
     # Right padding, varlen, varlen with gaps (random lengths up to the max).
     Case(b=4, s_q=700, s_k=900, h=4, h_kv=2, d=128, dtype=torch.bfloat16, layout="seqlens",
          window=(-1, 0)),
@@ -316,6 +317,8 @@ FALLBACK_CASES = [
     # d = 160 (a 256-wide box).
     Case(b=2, s_q=300, s_k=300, h=1, h_kv=1, d=96, dtype=torch.bfloat16),
     Case(b=2, s_q=600, s_k=900, h=4, h_kv=1, d=160, dtype=torch.bfloat16, window=(-1, 0)),
+    # Fewer query rows than one TMA box (2): TMA would read the memory behind q.
+    Case(b=2, s_q=1, s_k=513, h=4, h_kv=2, d=128, dtype=torch.bfloat16, window=(-1, 0)),
 ]
 
 
