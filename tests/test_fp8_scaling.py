@@ -184,7 +184,6 @@ def test_fused_casts_hold_views_layouts_and_the_recompile_limit(monkeypatch, cap
     import torch._dynamo
 
     monkeypatch.setattr(scaling, "_fused", lambda t: True)
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 2)
     monkeypatch.setattr(scaling, "_warned_eager", False)
     torch._dynamo.reset()
     scaling._COMPILED.clear()
@@ -198,9 +197,12 @@ def test_fused_casts_hold_views_layouts_and_the_recompile_limit(monkeypatch, cap
         yield torch.randn(b, s, 3 * h, generator=g).view(-1, 3 * h)[:, h : 2 * h]
         yield torch.randn(b * s, 4 * h, generator=g).t()
 
-    for i in range(5):
-        for view in views(i):
-            q = scaling.quantize(view, torch.float8_e4m3fn, torch.tensor(3.0))
-            want = (view * 3.0).clamp(-448, 448).to(torch.float8_e4m3fn)
-            assert q.data.view(torch.uint8).equal(want.view(torch.uint8)), (i, view.shape)
+    # TorchDynamo's own patch: a monkeypatch of its config hides the setting once undone.
+    with torch._dynamo.config.patch(recompile_limit=2):
+        for i in range(5):
+            for view in views(i):
+                q = scaling.quantize(view, torch.float8_e4m3fn, torch.tensor(3.0))
+                want = (view * 3.0).clamp(-448, 448).to(torch.float8_e4m3fn)
+                assert q.data.view(torch.uint8).equal(want.view(torch.uint8)), (i, view.shape)
+    torch._dynamo.reset()
     assert "compiled cast failed" in caplog.text  # the limit of 2 was passed: eager took over

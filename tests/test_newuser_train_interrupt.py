@@ -108,11 +108,18 @@ def test_ctrl_c_finishes_the_step_in_progress_first(
 ):
     """A real SIGINT in the middle of step 4: the step completes (no half-applied optimizer
     update), then step 5 is saved."""
-    _interrupt_at(train_gpt, monkeypatch, 4, lambda: signal.raise_signal(signal.SIGINT))
-    code, out = _main_exits(train_gpt, [*ARGS, "--seed", seed, "--out-dir", str(tmp_path)], capsys)
-    assert code == 130 and "interrupted: saved step 5" in out, out
-    assert _saved_step(tmp_path) == 5
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # handler restored
+    # Python's own handler during the run, as in a terminal (a suite started in the background
+    # by a shell has SIGINT ignored); the run must put it back.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        _interrupt_at(train_gpt, monkeypatch, 4, lambda: signal.raise_signal(signal.SIGINT))
+        argv = [*ARGS, "--seed", seed, "--out-dir", str(tmp_path)]
+        code, out = _main_exits(train_gpt, argv, capsys)
+        assert code == 130 and "interrupted: saved step 5" in out, out
+        assert _saved_step(tmp_path) == 5
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # handler restored
+    finally:
+        signal.signal(signal.SIGINT, previous)
     monkeypatch.undo()
     _resume_matches(train_gpt, seed, tmp_path, straight, capsys)
 
