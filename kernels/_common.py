@@ -316,6 +316,18 @@ def scores_log2(
     return s
 
 
+@triton.jit
+def delta_minus_dlse(delta, lse, dlse):
+    """The backward's delta with the LSE's upstream gradient folded in: delta - dlse.
+
+    d lse_i / d s_ij = P_ij, so dlse adds P * dlse to dS = P * (dP - delta): the same as
+    running the backward with delta - dlse (natural-log units, as the LSE is stored; dS is the
+    gradient of the natural-log scores in every kernel). A row with no visible key (LSE -inf)
+    has P = 0 and keeps its delta: a NaN or inf dlse there would turn 0 * (dP - delta) into NaN.
+    """
+    return delta - tl.where(lse == float("-inf"), 0.0, dlse)
+
+
 # --------------------------------------------------------------------------------------------------
 # Dropout
 # --------------------------------------------------------------------------------------------------

@@ -7,7 +7,8 @@ Shapes (see docs/internals.md):
            out/dout [t_q, h_q, d_v], lse [h_q, t_q]
     dbias [b, h_q, s_q, s_k] (varlen: b sequences, max lengths, positions within each sequence)
 
-Two schemes, both reading delta = rowsum(dO * O) (fp32):
+Two schemes, both reading delta = rowsum(dO * O) (fp32), minus the LSE's upstream gradient dlse
+when the loss reads the LSE (`_common.delta_minus_dlse`: that is the whole of the LSE's gradient):
 
 - Two-pass (`deterministic=True`, or whenever dBias is requested): the preprocess, dK/dV (one
   program per key block and KV head, looping over the GQA group's query heads), then dQ (one
@@ -42,6 +43,7 @@ from ._common import (
     attention_signature,
     causal_order_heads,
     cdiv,
+    delta_minus_dlse,
     dim_mask,
     empty,
     head_row_bytes,
@@ -65,13 +67,15 @@ from .dispatch import backward_path, sm90_backward_plan, sm90_kernels
 
 @triton.jit
 def _flash_bwd_preprocess_kernel(
-    OUT, DO, DELTA, DQ_ACC, CU_Q, OFF_Q, LENS_Q,
+    OUT, DO, DELTA, LSE, DLSE, DQ_ACC, CU_Q, OFF_Q, LENS_Q,
     stride_ob, stride_os, stride_oh, stride_dob, stride_dos, stride_doh,
     stride_lb, stride_lh, stride_ls, stride_ab, stride_as, stride_ah, H_Q, MAX_Q, D_QK, D_V,
     BLOCK_M: tl.constexpr, HEAD_DIM_QK: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     PAD_QK: tl.constexpr, PAD_V: tl.constexpr, SEQ_MODE_Q: tl.constexpr, ZERO_DQ: tl.constexpr,
+    HAS_DLSE: tl.constexpr,
 ):  # fmt: skip
-    """delta[z, h, i] = sum_d dO[i, h, d] * O[i, h, d] in fp32, laid out like the LSE; with
+    """delta[z, h, i] = sum_d dO[i, h, d] * O[i, h, d] in fp32, laid out like the LSE (minus
+    DLSE[z, h, i], laid out the same way, with HAS_DLSE; LSE and DLSE read only then); with
     ZERO_DQ also the same rows of the fp32 dQ accumulator DQ_ACC (strides `stride_a*`) set to 0,
     so the schemes that sum dQ with atomics need no separate fill of it. Short two-pass calls
     skip it: their dQ pass computes delta (`DELTA_IN_DQ_MAX_LEN`).
@@ -93,8 +97,12 @@ def _flash_bwd_preprocess_kernel(
     o = load_tile(o_ptrs, row_ok, d_ok, True, PAD_V, 0).to(tl.float32)
     do_ptrs = DO + z * stride_dob + h * stride_doh + rows[:, None] * stride_dos + offs_d[None, :]
     do = load_tile(do_ptrs, row_ok, d_ok, True, PAD_V, 0).to(tl.float32)
-    delta_ptrs = DELTA + z * stride_lb + h * stride_lh + rows * stride_ls
-    tl.store(delta_ptrs, tl.sum(o * do, axis=1), mask=row_ok)
+    lse_at = z * stride_lb + h * stride_lh + rows * stride_ls
+    delta = tl.sum(o * do, axis=1)
+    if HAS_DLSE:
+        lse = tl.load(LSE + lse_at, mask=row_ok, other=0.0)
+        delta = delta_minus_dlse(delta, lse, tl.load(DLSE + lse_at, mask=row_ok, other=0.0))
+    tl.store(DELTA + lse_at, delta, mask=row_ok)
     if ZERO_DQ:
         offs_k = tl.arange(0, HEAD_DIM_QK)
         acc_ptrs = DQ_ACC + z * stride_ab + h * stride_ah + rows[:, None] * stride_as
@@ -337,6 +345,7 @@ def flash_attention_backward(
     dq: torch.Tensor | None = None,
     dk: torch.Tensor | None = None,
     dv: torch.Tensor | None = None,
+    dlse: torch.Tensor | None = None,
     forward_signature: tuple | None = None,
     signature: tuple | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -360,15 +369,31 @@ def flash_attention_backward(
     strides with stride(-1) == 1 (e.g. views of one packed gradient buffer); the kernels write
     into them (zeroing rows no sequence owns) and they are returned in place of new ones.
 
+    `dlse`: the upstream gradient of the LSE (the shape of `lse`, any dtype and strides), or
+    None when the loss does not read the LSE. It is folded into delta wherever delta is computed
+    (`_common.delta_minus_dlse`: the preprocess, or the dQ pass of short calls), so every scheme
+    takes it at the cost of one more load per row; rows with LSE -inf ignore it. Its presence
+    changes the launches, so it is part of the launch signature.
+
     `forward_signature`: the forward's `_common.attention_signature` of these inputs and
     arguments, when the caller kept it (the eager route does); computed here otherwise.
 
     `signature`: this backward's launch signature, for a caller that can vouch for it more
     cheaply than the tensors can: it must differ wherever any tensor argument's
-    `_launch.tensor_signature` or any switch above differs. The eager route made out, lse and
-    the given dq/dk/dv itself, so their signatures follow from the forward's and its
-    packed-gradient plan, and it keys the backward by those and dout's (`attention_ops`).
+    `_launch.tensor_signature` or any switch above differs (`dlse` included: absent, or its
+    tensor signature). The eager route made out, lse and the given dq/dk/dv itself, so their
+    signatures follow from the forward's and its packed-gradient plan, and it keys the backward
+    by those, dout's and dlse's (`attention_ops`).
     """
+    if dlse is not None:
+        if dlse.shape != lse.shape:
+            raise ValueError(
+                f"dlse of shape {tuple(dlse.shape)} must have the LSE's shape {tuple(lse.shape)}"
+            )
+        # Laid out like the contiguous LSE (and delta): the kernels read it with their strides.
+        # Its signature (below, or the caller's) is that of the tensor given: whether this makes
+        # a new fp32 contiguous tensor follows from its dtype, shape and strides.
+        dlse = dlse.to(torch.float32).contiguous()
     if signature is None:
         if forward_signature is None:
             forward_signature = attention_signature(**locals())
@@ -376,7 +401,8 @@ def flash_attention_backward(
         # the forward's inputs and arguments, plus the tensors and switches only the backward
         # has. The plan is keyed by it and by the settings `_make_plan` reads.
         signature = call_signature(
-            (dout, out, lse, dq, dk, dv), (forward_signature, bias_requires_grad, deterministic)
+            (dout, out, lse, dq, dk, dv, dlse),
+            (forward_signature, bias_requires_grad, deterministic),
         )
     key = (
         signature, ATOMIC_DQ_DEVICES, GROUP_SPLITS_OVERRIDE, DELTA_IN_DQ_MAX_LEN, backward_path(),
@@ -395,6 +421,7 @@ def flash_attention_backward(
             bias_requires_grad=bias_requires_grad, deterministic=deterministic,
             window_left=window_left, window_right=window_right, bias=bias,
             alibi_slopes=alibi_slopes, softcap=softcap, dropout_p=dropout_p,
+            has_dlse=dlse is not None,
         )  # fmt: skip
         remember(_PLANS, key, plan, MAX_PLANS)
     dk = _new_grad(k, plan.owns_k, dk)
@@ -405,21 +432,24 @@ def flash_attention_backward(
     # Without a bias, ALiBi or dQ accumulator the kernels never read that pointer: q stands in.
     bias_ptr = bias if bias is not None else q
     alibi_ptr = alibi_slopes if alibi_slopes is not None else q
+    # Without an LSE gradient the kernels never read that pointer either (HAS_DLSE off).
+    dlse_ptr = dlse if dlse is not None else q
     tail = (seed, offset)
     if plan.delta_in_dq:
         # Short two-pass calls: the dQ pass computes delta = rowsum(dO * O) and the dK/dV pass,
         # after it, reads it; no preprocess launch.
         delta = torch.empty_like(lse)
-        dq, dbias = _launch_dq(plan, q, k, v, dout, out, lse, delta, dq, bias, bias_ptr,
-                               alibi_ptr, seq_ptrs, tail, signature)  # fmt: skip
+        dq, dbias = _launch_dq(plan, q, k, v, dout, out, lse, delta, dlse_ptr, dq, bias,
+                               bias_ptr, alibi_ptr, seq_ptrs, tail, signature)  # fmt: skip
         _launch_dkdv(plan, (q, k, v, dout, lse, delta), dk, dv, (bias_ptr, alibi_ptr, q),
                      seq_ptrs, tail, signature)  # fmt: skip
         return dq, dk, dv, dbias
     if not (plan.sm90 or plan.atomic):
-        delta = _preprocess(plan.preprocess, out, dout, lse, q, seq_ptrs, signature)
+        delta = _preprocess(plan.preprocess, out, dout, lse, dlse_ptr, q, seq_ptrs, signature)
         _launch_dkdv(plan, (q, k, v, dout, lse, delta), dk, dv, (bias_ptr, alibi_ptr, q),
                      seq_ptrs, tail, signature)  # fmt: skip
-        dq, dbias = _launch_dq(plan, q, k, v, dout, out, lse, delta, dq, bias, bias_ptr,
+        # delta already holds dlse: this dQ pass does not read it (HAS_DLSE off in its plan).
+        dq, dbias = _launch_dq(plan, q, k, v, dout, out, lse, delta, q, dq, bias, bias_ptr,
                                alibi_ptr, seq_ptrs, tail, signature)  # fmt: skip
         return dq, dk, dv, dbias
     # The fp32 dQ accumulator of the schemes that sum dQ with atomics, zeroed by the preprocess
@@ -429,7 +459,7 @@ def flash_attention_backward(
     sm90 = sm90_kernels("_flash_bwd_sm90")  # loaded on first use (`dispatch`)
     dq_acc = sm90.dq_accumulator(q, zeroed=not zero_dq)
     delta = _preprocess(
-        plan.preprocess, out, dout, lse, dq_acc if zero_dq else q, seq_ptrs, signature
+        plan.preprocess, out, dout, lse, dlse_ptr, dq_acc if zero_dq else q, seq_ptrs, signature
     )
     if plan.sm90:
         # One launch for dQ, dK and dV on Hopper (`dispatch`); dQ sums by TMA reduce-adds.
@@ -446,17 +476,19 @@ def flash_attention_backward(
 
 
 def _launch_dq(
-    plan, q, k, v, dout, out, lse, delta, dq, bias, bias_ptr, alibi_ptr, seq_ptrs, tail, signature
+    plan, q, k, v, dout, out, lse, delta, dlse, dq, bias, bias_ptr, alibi_ptr, seq_ptrs, tail,
+    signature,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
     """The two-pass scheme's dQ pass: (dq, dbias), allocated here unless dq is given. It reads
-    delta, or computes and stores it where the plan says so (`BackwardPlan.delta_in_dq`)."""
+    delta, or computes and stores it where the plan says so (`BackwardPlan.delta_in_dq`), minus
+    `dlse` where its plan has HAS_DLSE (q stands in for dlse otherwise)."""
     dq = _new_grad(q, plan.owns_q, dq)
     dbias = None
     if plan.dbias_shape is not None:
         # Zeros: the dQ pass writes dBias only on the key blocks some query of each block sees.
         dbias = torch.zeros(plan.dbias_shape, dtype=bias.dtype, device=bias.device)
     launch_planned(_flash_bwd_dq_kernel, plan.dq,
-        q, k, v, dout, out, lse, delta, dq, bias_ptr, dbias if dbias is not None else q,
+        q, k, v, dout, out, lse, delta, dlse, dq, bias_ptr, dbias if dbias is not None else q,
         alibi_ptr, *seq_ptrs, *plan.dq.ints, *tail, signature=signature,
     )  # fmt: skip
     return dq, dbias
@@ -511,10 +543,12 @@ def group_splits(programs: int, group: int, device: torch.device, causal: bool) 
 def _make_plan(
     dout, q, k, v, out, lse, dq, dk, dv, geo, *, softmax_scale, window_left, window_right,
     bottom_right, bias, bias_requires_grad, alibi_slopes, softcap, dropout_p, deterministic,
+    has_dlse,
 ) -> BackwardPlan:  # fmt: skip
     """The backward's plan for this call's signature: which kernels run, and every grid, stride,
     scalar and constexpr of their launches. Reads shapes, strides, dtypes and devices only;
-    buffers the launcher allocates are stood in for by meta tensors with their strides."""
+    buffers the launcher allocates are stood in for by meta tensors with their strides.
+    `has_dlse`: the call has an LSE gradient, which the launch that computes delta subtracts."""
     varlen, h_q, h_kv = geo.varlen, q.shape[-2], k.shape[-2]
     max_q, max_k = geo.q.max_len, geo.k.max_len
     sm90_here = sm90_backward_plan(
@@ -545,7 +579,8 @@ def _make_plan(
          *strides4(_meta(q.shape), varlen)[:3], h_q, max_q, d_qk, d_v),
         dict(BLOCK_M=PREPROCESS_BLOCK_M, HEAD_DIM_QK=next_pow2_dim(d_qk),
              HEAD_DIM_V=next_pow2_dim(d_v), PAD_QK=next_pow2_dim(d_qk) != d_qk,
-             PAD_V=next_pow2_dim(d_v) != d_v, SEQ_MODE_Q=geo.q.mode, ZERO_DQ=zero_dq),
+             PAD_V=next_pow2_dim(d_v) != d_v, SEQ_MODE_Q=geo.q.mode, ZERO_DQ=zero_dq,
+             HAS_DLSE=has_dlse),
         launch_slot(),
     )  # fmt: skip
     head_dim = max(d_qk, d_v)
@@ -590,6 +625,9 @@ def _make_plan(
              *ints),
             dict(BLOCK_M=cfg["BLOCK_M2"], BLOCK_N=cfg["BLOCK_N2"],
                  WRITE_DBIAS=dbias_shape is not None, **opts, DELTA_IN_DQ=delta_in_dq,
+                 # Only a dQ pass that computes delta folds dlse in; otherwise its delta,
+                 # from the preprocess, already holds it.
+                 HAS_DLSE=delta_in_dq and has_dlse,
                  num_warps=cfg["WARPS2"], num_stages=cfg["STAGES2"]),
             launch_slot(),
         )  # fmt: skip
@@ -652,13 +690,15 @@ def _strides(q, k, v, dout, lse, varlen: bool) -> tuple[int, ...]:
 
 
 def _preprocess(
-    launch_plan: PlannedLaunch, out, dout, lse, dq_acc, seq_ptrs, signature
+    launch_plan: PlannedLaunch, out, dout, lse, dlse, dq_acc, seq_ptrs, signature
 ) -> torch.Tensor:  # fmt: skip
-    """delta = rowsum(dout * out) in fp32, shaped and strided like the (contiguous) LSE; zeroes
-    `dq_acc` too where the plan says so (`ZERO_DQ`; otherwise q stands in for it)."""
+    """delta = rowsum(dout * out) (- dlse where the plan has HAS_DLSE) in fp32, shaped and
+    strided like the (contiguous) LSE; zeroes `dq_acc` too where the plan says so (`ZERO_DQ`).
+    q stands in for dlse and dq_acc where the plan does not read them."""
     delta = torch.empty_like(lse)
     launch_planned(_flash_bwd_preprocess_kernel, launch_plan,
-        out, dout, delta, dq_acc, seq_ptrs[0], seq_ptrs[2], seq_ptrs[4], *launch_plan.ints,
+        out, dout, delta, lse, dlse, dq_acc, seq_ptrs[0], seq_ptrs[2], seq_ptrs[4],
+        *launch_plan.ints,
         signature=signature,
     )  # fmt: skip
     return delta

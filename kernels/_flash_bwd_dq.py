@@ -1,9 +1,10 @@
 """Flash-attention backward, dQ half: one program per (query block, query head, sequence).
 
 Each program recomputes its score tiles against every key block it can see and sums dQ in
-registers; on short sequences it first computes its rows' delta = rowsum(dO * O) for the dK/dV
-pass that then follows it (`DELTA_IN_DQ`). It is also the one writer of dBias: every (i, j)
-score element belongs to exactly one of these programs, so no atomics are needed there either.
+registers; on short sequences it first computes its rows' delta = rowsum(dO * O) (minus the
+LSE's upstream gradient, `HAS_DLSE`) for the dK/dV pass that then follows it (`DELTA_IN_DQ`).
+It is also the one writer of dBias: every (i, j) score element belongs to exactly one of these
+programs, so no atomics are needed there either.
 """
 
 import triton
@@ -11,6 +12,7 @@ import triton.language as tl
 
 from ._common import (
     LOG2E,
+    delta_minus_dlse,
     diagonal_offset,
     dim_mask,
     dropout_keep,
@@ -148,7 +150,7 @@ def _dq_rows(
 # ORDER_PAIRS only orders the programs: one compiled kernel for every value.
 @triton.jit(do_not_specialize=["ORDER_PAIRS"])
 def _flash_bwd_dq_kernel(
-    Q, K, V, DO, OUT, LSE, DELTA, DQ, BIAS, DBIAS, ALIBI,
+    Q, K, V, DO, OUT, LSE, DELTA, DLSE, DQ, BIAS, DBIAS, ALIBI,
     CU_Q, CU_K, OFF_Q, OFF_K, LENS_Q, LENS_K,
     stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh, stride_dob, stride_dos, stride_doh,
@@ -164,6 +166,7 @@ def _flash_bwd_dq_kernel(
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
     WRITE_DBIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr, DELTA_IN_DQ: tl.constexpr,
+    HAS_DLSE: tl.constexpr,
 ):  # fmt: skip
     """dQ (and dBias) for one query block of one query head; head h reads KV head h // group.
 
@@ -171,7 +174,9 @@ def _flash_bwd_dq_kernel(
     DELTA_IN_DQ: each program computes its rows' delta = rowsum(dO * O) (fp32) from OUT and
     stores it to DELTA (laid out like the LSE) for the dK/dV pass, which then runs after this
     one, in place of the preprocess; every row of a sequence belongs to one program, which runs
-    whatever its rows see. Otherwise it reads DELTA, which the preprocess wrote (OUT unread).
+    whatever its rows see. HAS_DLSE (with DELTA_IN_DQ only) subtracts the LSE's upstream gradient
+    DLSE (laid out like the LSE) from it. Otherwise it reads DELTA, which the preprocess wrote
+    (OUT and DLSE unread).
     """
     # A 1-D grid, query blocks fastest: batch * heads may pass the 65535 limit of grid axis 1, and
     # neighbouring programs share one head's K/V in L2.
@@ -220,6 +225,8 @@ def _flash_bwd_dq_kernel(
         o_ptrs = OUT + z * stride_ob + h * stride_oh + rows[:, None] * stride_os
         o = load_tile(o_ptrs + offs_dv[None, :], row_ok, dv_ok, True, PAD_V, 0)
         delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
+        if HAS_DLSE:
+            delta = delta_minus_dlse(delta, lse, tl.load(DLSE + lse_at, mask=row_ok, other=0.0))
         tl.store(DELTA + lse_at, delta, mask=row_ok)
     else:
         delta = tl.load(DELTA + lse_at, mask=row_ok, other=0.0)

@@ -37,8 +37,9 @@ of every query head of its GQA group that can see them (FlashAttention-3's backw
   barriers: 199,152 bytes with P^T in registers (P^T in shared memory adds 32 KiB: 231,936 of
   the 232,448 a block may have); a third stage would need 512 bytes more than the block has.
 `_flash_bwd` allocates the accumulator (`dq_accumulator`), computes delta = rowsum(dO * O)
-first and zeroes the accumulator in the same launch (`_flash_bwd._preprocess`), and scales and
-casts it afterwards (its atomic-dQ epilogue).
+(minus the LSE's upstream gradient, when the loss reads the LSE) first and zeroes the
+accumulator in the same launch (`_flash_bwd._preprocess`), and scales and casts it afterwards
+(its atomic-dQ epilogue). So this kernel takes an LSE gradient with no change of its own.
 
 Tiles are addressed as in the forward (`_sm90_common.tma_view`): one 2-D TMA grid over
 each operand's storage, any layout whose heads sit inside one storage row. Rows past a
@@ -584,9 +585,10 @@ def backward_sm90(
     `dispatch.sm90_backward_plan`): writes dk / dv (any strides with stride(-1) == 1;
     rows past a sequence's end are left alone) and adds the unscaled dQ into `dq_acc` (fp32,
     from `dq_accumulator`, zeroed). `lse`, `delta`: contiguous fp32 as the portable backward
-    has them. `signature`: the backward's launch signature (`_flash_bwd`); with it everything
-    but the TMA descriptors' tensors and the pointers is planned once per signature
-    (`_launch_plan`) and the launch goes straight to the compiled kernel after the first."""
+    has them (delta with any LSE gradient already folded in). `signature`: the backward's
+    launch signature (`_flash_bwd`); with it everything but the TMA descriptors' tensors and
+    the pointers is planned once per signature (`_launch_plan`) and the launch goes straight
+    to the compiled kernel after the first."""
     plan = planned(
         _PLANS, signature, (bool(causal), bool(bottom_right), _settings(q.shape[-1])),
         lambda: _launch_plan(

@@ -15,7 +15,11 @@ The ops' outputs and gradients are always contiguous: the fake implementations p
 that, and the real ones make it true whatever buffers the launchers allocate. The eager route
 differs in one way: q/k/v that are views tiling one packed buffer get their gradients as views of
 one new buffer laid out the same way (kernels/_packed.py), so the packed gradient needs no copy.
-The LSE is not differentiable (the kernels have no gradient for it).
+The LSE is differentiable too, on every route that can return it with a gradient (the op's
+autograd formula, the eager Function with or without a `PlannedCall`): its upstream gradient
+`dlse` (the backward op's last argument) is folded into the backward's delta = rowsum(dO * O),
+which is exactly its contribution (`_flash_bwd.flash_attention_backward`). A loss that does
+not read the LSE passes no dlse, and its backward launches as before.
 """
 
 import inspect
@@ -131,8 +135,10 @@ def _backward_impl(
     dropout_p: float,
     rng_state: Tensor | None,
     deterministic: bool,
+    dlse: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Backward attention: (dq, dk, dv, dbias); dbias is empty [0] unless `bias_requires_grad`.
+    `dlse`: the LSE's upstream gradient (the LSE's shape), None when the loss does not read it.
 
     dbias, when asked for, has the shape of `bias` ([b, h_q, s_q, s_k], before autograd sums it
     over the broadcast dims of the expanded view the caller passed). dq, dk, dv are new
@@ -237,21 +243,21 @@ _NO_GRADS = ((None,) * (_BIAS - 3), (None,) * (len(_FWD_ARGS) - _BIAS - 1))
 
 def _setup_context(ctx, inputs, output) -> None:
     out, lse = output
-    # The kernels have no LSE gradient: marking it non-differentiable makes a loss built on it
-    # fail loudly ("does not require grad") instead of silently dropping that term.
-    ctx.mark_non_differentiable(lse)
+    # An output the loss does not read gets None in the backward, not a tensor of zeros: a loss
+    # on out alone passes no dlse (no zero fill of lse's size, no dlse work in the kernels).
+    ctx.set_materialize_grads(False)
     ctx.save_for_backward(out, lse, *_SAVED_TENSORS(inputs))
     ctx.scalars = dict(zip(_SCALAR_INPUTS, _SAVED_SCALARS(inputs)))
     bias = inputs[_BIAS]
     ctx.bias_requires_grad = bias is not None and bias.requires_grad
 
 
-def _backward(ctx, dout, _dlse, backward_op=flash_attn_bwd):
+def _backward(ctx, dout, dlse, backward_op=flash_attn_bwd):
     out, lse, *saved = ctx.saved_tensors
     tensors = dict(zip(_TENSOR_INPUTS, saved))
     dq, dk, dv, dbias = backward_op(
         # Autograd may pass an expanded (stride 0) gradient; the kernels need stride(-1) == 1.
-        dout.contiguous(),
+        _dout(dout, out),
         tensors.pop("q"),
         tensors.pop("k"),
         tensors.pop("v"),
@@ -260,12 +266,19 @@ def _backward(ctx, dout, _dlse, backward_op=flash_attn_bwd):
         bias_requires_grad=ctx.bias_requires_grad,
         **tensors,
         **ctx.scalars,
+        dlse=dlse,
     )
     dbias = dbias if ctx.bias_requires_grad else None
     return (dq, dk, dv, *_NO_GRADS[0], dbias, *_NO_GRADS[1])  # one per forward input
 
 
 flash_attn_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _dout(dout: Tensor | None, out: Tensor) -> Tensor:
+    """out's upstream gradient as the kernels read it: contiguous (autograd may pass an expanded,
+    stride-0 one), and zeros where the loss reads only the LSE (None: not materialized)."""
+    return torch.zeros_like(out) if dout is None else dout.contiguous()
 
 
 class _EagerFlashAttention(torch.autograd.Function):
@@ -285,16 +298,16 @@ class _EagerFlashAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, bias, args, planned):
-        # lse never has a gradient and out's is always given (a backward runs only when some
-        # output has one): without this autograd would allocate and zero-fill one the size of
-        # lse for every backward, an allocation and a kernel launch on its device thread.
+        # An output the loss does not read gets None, not zeros: without this autograd would
+        # allocate and zero-fill a gradient the size of lse for every backward of a loss on out
+        # alone (an allocation and a kernel launch on its device thread), and the kernels would
+        # fold those zeros into delta.
         ctx.set_materialize_grads(False)
         ctx.grad_plan = plan_packed_grads(q, k, v)
         if planned is not None:
             # No tensor arguments besides q, k and v (`plan_call`), so the backward's tensor
             # keywords all stay None, and its other keywords were made with the plan.
             out, lse = _launch_forward(q, k, v, planned.launch)
-            ctx.mark_non_differentiable(lse)
             ctx.save_for_backward(out, lse, q, k, v)
             ctx.bias_requires_grad = False
             ctx.options = planned.backward
@@ -306,23 +319,23 @@ class _EagerFlashAttention(torch.autograd.Function):
         return out, lse
 
     @staticmethod
-    def backward(ctx, dout, _dlse):
+    def backward(ctx, dout, dlse):
         out, lse, q, k, v, *saved = ctx.saved_tensors
         # The saved tensors after q, k and v, but rng_state (last): the forward read its seed.
         tensors = dict(zip(_TENSOR_INPUTS[3:-1], saved))
         # q/k/v tiling one packed buffer get their gradients as views of one new buffer.
         dq, dk, dv = packed_grad_buffers(ctx.grad_plan, q, k, v)
-        # Autograd may pass an expanded (stride 0) gradient; the kernels need stride(-1) == 1.
-        dout = dout.contiguous()
+        dout = _dout(dout, out)
         options = ctx.options
         # out and lse came from this forward, dq/dk/dv from its packed-gradient plan: their
-        # signatures follow from the forward's and the plan, so only dout's is new.
+        # signatures follow from the forward's and the plan, so only dout's and dlse's (None
+        # where the loss does not read the LSE) are new.
         signature = (
-            tensor_signature(dout), options["forward_signature"], ctx.grad_plan,
-            options["bias_requires_grad"], options["deterministic"],
+            tensor_signature(dout), tensor_signature(dlse), options["forward_signature"],
+            ctx.grad_plan, options["bias_requires_grad"], options["deterministic"],
         )  # fmt: skip
         dq, dk, dv, dbias = flash_attention_backward(
-            dout, q, k, v, out, lse, **tensors, **options, dq=dq, dk=dk, dv=dv,
+            dout, q, k, v, out, lse, **tensors, **options, dq=dq, dk=dk, dv=dv, dlse=dlse,
             signature=signature,
         )  # fmt: skip
         if ctx.bias_requires_grad:
@@ -378,7 +391,7 @@ def flash_attention(
     rng_state: Tensor | None = None,
     deterministic: bool = False,
 ) -> tuple[Tensor, Tensor]:
-    """Flash attention on validated input; differentiable in q, k, v and bias.
+    """Flash attention on validated input; out and lse are differentiable in q, k, v and bias.
 
     Args:
         q, k, v: dense q [b, s_q, h_q, d_qk], k [b, s_k, h_kv, d_qk], v [b, s_k, h_kv, d_v], or
@@ -406,7 +419,9 @@ def flash_attention(
         out: dense [b, s_q, h_q, d_v] / varlen [t_q, h_q, d_v], dtype of q; rows with no
             visible key are 0.
         lse: fp32 dense [b, h_q, s_q] / varlen [h_q, t_q], natural log; -inf on empty rows.
-            Not differentiable (requires_grad is False).
+            Differentiable: a loss may read it (attention sinks scale out by sigmoid(lse - s)).
+            With dropout it is the LSE of the scores before dropout, as the forward uses it.
+            Rows with LSE -inf get zero gradients whatever their upstream gradient holds.
     """
     dtype = q.dtype
     if _compat.upcast_bf16(dtype):  # the interpreter's bf16 dot is wrong: compute in fp32

@@ -9,6 +9,9 @@ the input-dtype tensors, with results in the input dtype.
 Layout legend: dense q [b, s_q, h, d], k/v [b, s_k, h_kv, d(_v)]; varlen q [t_q, h, d],
 k/v [t_k, h_kv, d(_v)]; bias broadcast to [b, h, s_q, s_k]; LSE dense [b, h, s_q] / varlen
 [h, t_q].
+
+Gradients are those of sum(out * dout), plus sum(lse * dlse) for `Case(lse_grad=True)`: a loss
+that reads the LSE too (attention sinks do), whose gradient the backward folds into delta.
 """
 
 from __future__ import annotations
@@ -53,6 +56,7 @@ class Case:
     bias: None or a broadcast pattern over [b, h, s_q, s_k], e.g. "1hss", "111s", passed to the
     kernel as an expand()ed view. alibi: None, "batch" ([b, h] slopes) or "shared" ([1, h]
     expanded over the batch, stride 0). empty_k: make the last sequence's key length 0 (varlen).
+    lse_grad: the loss reads the LSE too (a random fp32 `dlse`, the LSE's upstream gradient).
     """
 
     b: int = 2
@@ -74,6 +78,7 @@ class Case:
     deterministic: bool = False
     empty_k: bool = False
     seed: int = 0
+    lse_grad: bool = False
 
     @property
     def scale(self) -> float:
@@ -125,8 +130,9 @@ def _offsets(lens: list[int], g: torch.Generator) -> tuple[torch.Tensor, int]:
 def make_inputs(case: Case, device: str | torch.device) -> dict:
     """Fresh random (never zero) inputs for `case` in its dtype, plus the sequence metadata.
 
-    Keys: q, k, v, dout, bias_leaf (the un-expanded bias or None), alibi_slopes, and the kernel's
-    sequence arguments (cu_seqlens_q/k, seq_offsets_q/k, max_seqlen_q/k, seqlens_q/k).
+    Keys: q, k, v, dout, dlse (fp32, laid out like the LSE, or None unless `case.lse_grad`),
+    bias_leaf (the un-expanded bias or None), alibi_slopes, and the kernel's sequence arguments
+    (cu_seqlens_q/k, seq_offsets_q/k, max_seqlen_q/k, seqlens_q/k).
     """
     g = torch.Generator().manual_seed(case.seed)
     d_v = case.d_v or case.d
@@ -173,6 +179,11 @@ def make_inputs(case: Case, device: str | torch.device) -> dict:
         rows = case.b if case.alibi == "batch" else 1
         jitter = 0.5 + torch.rand(rows, case.h, generator=g)
         inputs["alibi_slopes"] = (geometric * jitter).to(device=device, dtype=torch.float32)
+    # Drawn last, so the other inputs of a case are the same with and without it.
+    inputs["dlse"] = None
+    if case.lse_grad:
+        lse_shape = (case.h, shape_q[0]) if case.varlen else (case.b, case.h, case.s_q)
+        inputs["dlse"] = randn(*lse_shape, dtype=torch.float32)
     return {**inputs, **meta}
 
 
@@ -216,9 +227,14 @@ def _leaves(inputs: dict, dtype: torch.dtype) -> dict:
     return leaves
 
 
-def _grads(out: torch.Tensor, leaves: dict, dout: torch.Tensor) -> dict:
+def _grads(out: torch.Tensor, lse: torch.Tensor, leaves: dict, inputs: dict) -> dict:
+    """Gradients of sum(out * dout) (+ sum(lse * dlse) where `inputs["dlse"]` is given)."""
     names = [n for n in ("q", "k", "v", "bias") if n in leaves]
-    grads = torch.autograd.grad(out, [leaves[n] for n in names], dout.to(out.dtype))
+    outputs, upstream = [out], [inputs["dout"].to(out.dtype)]
+    if inputs.get("dlse") is not None:
+        outputs.append(lse)
+        upstream.append(inputs["dlse"].to(lse.dtype))
+    grads = torch.autograd.grad(outputs, [leaves[n] for n in names], upstream)
     return {f"d{n}": gr for n, gr in zip(names, grads)}
 
 
@@ -248,7 +264,7 @@ def run_kernel(case: Case, inputs: dict, rng_state=None, backward: bool = True) 
     )
     result = dict(out=out.detach(), lse=lse.detach())
     if backward:
-        result.update(_grads(out, leaves, inputs["dout"]))
+        result.update(_grads(out, lse, leaves, inputs))
     return result
 
 
@@ -275,7 +291,7 @@ def run_reference(case: Case, inputs: dict, dtype: torch.dtype, keep=None) -> di
         dropout_mask=keep,
         return_lse=True,
     )
-    return dict(out=out.detach(), lse=lse.detach(), **_grads(out, leaves, inputs["dout"]))
+    return dict(out=out.detach(), lse=lse.detach(), **_grads(out, lse, leaves, inputs))
 
 
 def max_error(actual: torch.Tensor, expected: torch.Tensor) -> float:

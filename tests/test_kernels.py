@@ -273,9 +273,11 @@ def test_torch_compile_fullgraph(device):
     eager_out, eager_lse = attend(*leaves, 0.0)
     out, lse = compiled(*leaves, 0.0)
     assert torch.equal(out, eager_out) and torch.equal(lse, eager_lse)
-    assert not (lse.requires_grad or eager_lse.requires_grad)  # no LSE gradient exists
-    grads = torch.autograd.grad(out, leaves, inputs["dout"])
-    eager_grads = torch.autograd.grad(eager_out, leaves, inputs["dout"])
+    assert lse.requires_grad and eager_lse.requires_grad  # the LSE is differentiable too
+    dlse = torch.randn(lse.shape, generator=torch.Generator().manual_seed(1)).to(lse)
+    upstream = (inputs["dout"], dlse)
+    grads = torch.autograd.grad((out, lse), leaves, upstream)
+    eager_grads = torch.autograd.grad((eager_out, eager_lse), leaves, upstream)
     for a, b in zip(grads, eager_grads):
         assert torch.equal(a, b)
     # The rng_state draw (torch.randint) is traced too: seeded compiled runs repeat.

@@ -276,9 +276,10 @@ def test_eager_backward_signs_dout(bwd_plans):
 
 
 def test_eager_backward_gets_no_zero_filled_lse_gradient():
-    """lse has no gradient (non-differentiable), and the eager route asks autograd not to
+    """A loss on out alone gives lse no gradient, and the eager route asks autograd not to
     materialize one: no zero fill of lse's size per backward (an allocation and a kernel
-    launch on autograd's device thread), and the gradients stay the reference's."""
+    launch on autograd's device thread, and a dlse of zeros for the kernels to fold in), and
+    the gradients stay the reference's."""
     from fusedlayers.kernels import flash_attention
     from torch.utils._python_dispatch import TorchDispatchMode
 

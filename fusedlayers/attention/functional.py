@@ -22,8 +22,10 @@ as in flash-attn >= 2.1: with s_q=2, s_k=5 the mask is
 `softcap * tanh(s / softcap)` to the scaled scores (0 = off; negative, NaN or inf raise).
 `softmax_scale` is None (1/sqrt(d)) or a finite number > 0; zero, negative, NaN and inf raise,
 where flash-attn would compute with them. With `return_attn_probs=True` the functions
-return `(out, softmax_lse, None)`: the LSE is fp32 `[b, h, s_q]` (varlen `[h, t_q]`); the third
-entry, flash-attn's debug-only dropout pattern, is not produced.
+return `(out, softmax_lse, None)`: the LSE is fp32 `[b, h, s_q]` (varlen `[h, t_q]`) and, unlike
+flash-attn's (whose backward drops its gradient without a word), differentiable: a loss may read
+it, as attention sinks do (`out * sigmoid(lse - sink)`), and q, k and v get that term's gradient.
+The third entry, flash-attn's debug-only dropout pattern, is not produced.
 These functions always run the Triton kernels: CUDA tensors, or CPU tensors under
 `TRITON_INTERPRET=1`; the modules pick the reference path on machines without CUDA.
 """
