@@ -26,6 +26,7 @@ from transformers.masking_utils import (  # noqa: E402
     sdpa_mask,
 )
 
+from fusedlayers.errors import ArgumentError  # noqa: E402
 from fusedlayers.integrations import _transformers_masks as masks  # noqa: E402
 from fusedlayers.integrations import transformers as fl_hf  # noqa: E402
 
@@ -163,28 +164,114 @@ def _sink_eager(q, k, v, sinks, scale, visible):
     return (probs @ v).transpose(1, 2)
 
 
-@pytest.mark.parametrize("dense", [False, True])
-def test_sinks_forward_and_gradients(dense):
+# Padding per sequence (1 = real token) for each mask form the adapter serves differently.
+SINK_PADDING = {
+    "none": [[1] * 7, [1] * 7],
+    "left": [[1] * 7, [0, 0] + [1] * 5],
+    "right": [[1] * 7, [1] * 5 + [0, 0]],
+}
+SINK_FORMS = [("left", False), ("right", False), ("none", False), ("left", True)]
+
+
+@pytest.mark.parametrize("backend", ["reference", "kernel"])
+@pytest.mark.parametrize("padding, dense", SINK_FORMS, ids=["left", "right", "none", "dense"])
+def test_sinks_forward_and_gradients(padding, dense, backend, monkeypatch):
+    """out * sigmoid(lse - s_aux) on every route, against gpt-oss's formula in fp64: the output
+    and the gradients of q, k, v and the sinks (the kernels' through their differentiable LSE)."""
+    spy = tt.RouteSpy(monkeypatch)
     torch.manual_seed(8)
     b, h, hg, s, d = 2, 4, 2, 7, 16
     q, k, v = (torch.randn(b, n, s, d, requires_grad=True) for n in (h, hg, hg))
     sinks = torch.randn(h, requires_grad=True)
     causal = torch.ones(s, s, dtype=torch.bool).tril()
-    padding = torch.tensor([[1] * s, [0, 0] + [1] * (s - 2)], dtype=torch.bool)
-    visible = causal & padding[:, None, None, :]
+    real_tokens = torch.tensor(SINK_PADDING[padding], dtype=torch.bool)
+    visible = causal & real_tokens[:, None, None, :]
     module = torch.nn.Module()
     module.is_causal = True
-    layout = masks.build_layout(masks.Pattern(True, None, None), b, s, s, 0, 0, padding)
+    pattern = masks.Pattern(True, None, None)
+    layout = masks.build_layout(pattern, b, s, s, 0, 0, real_tokens)
     mask = visible if dense else layout
-    got, _ = fl_hf.attention_forward(module, q, k, v, mask, scaling=0.3, s_aux=sinks)
+    got, _ = fl_hf.attention_forward(
+        module, q, k, v, mask, scaling=0.3, s_aux=sinks, backend=backend
+    )
     want = _sink_eager(q, k, v, sinks, 0.3, visible)
-    real = padding[:, :, None, None].expand_as(want)  # padding queries: unspecified
+    real = real_tokens[:, :, None, None].expand_as(want)  # padding queries: unspecified
     grad_out = torch.randn_like(want)
     grads = torch.autograd.grad((got.double() * grad_out * real).sum(), (q, k, v, sinks))
     grads_want = torch.autograd.grad((want * grad_out * real).sum(), (q, k, v, sinks))
     torch.testing.assert_close(got.double()[real], want[real], atol=1e-5, rtol=1e-5)
     for g, w in zip(grads, grads_want):
         torch.testing.assert_close(g.double(), w.double(), atol=1e-5, rtol=1e-5)
+    if not dense:
+        assert spy.routes and spy.routes[-1].endswith("+ sinks"), spy.routes
+
+
+@pytest.mark.parametrize("backend", ["reference", "kernel"])
+def test_sinks_on_packed_sequences(backend, monkeypatch):
+    """Sequences packed in one row (restarting position ids, no mask): the thd route's LSE
+    [h, t] comes back as [b, s, h] for the sinks, with gradients of q, k, v and the sinks."""
+    spy = tt.RouteSpy(monkeypatch)
+    torch.manual_seed(9)
+    lengths = (4, 3, 5)
+    b, h, hg, s, d = 1, 4, 2, sum(lengths), 16
+    q, k, v = (torch.randn(b, n, s, d, requires_grad=True) for n in (h, hg, hg))
+    sinks = torch.randn(h, requires_grad=True)
+    positions = torch.cat([torch.arange(n) for n in lengths]).view(1, s)
+    segment = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    visible = (segment[:, None] == segment[None, :]) & torch.ones(s, s, dtype=torch.bool).tril()
+    module = torch.nn.Module()
+    module.is_causal = True
+    got, _ = fl_hf.attention_forward(
+        module, q, k, v, None, scaling=0.3, s_aux=sinks, backend=backend, position_ids=positions
+    )
+    want = _sink_eager(q, k, v, sinks, 0.3, visible.view(1, 1, s, s))
+    grad_out = torch.randn_like(want)
+    grads = torch.autograd.grad((got.double() * grad_out).sum(), (q, k, v, sinks))
+    grads_want = torch.autograd.grad((want * grad_out).sum(), (q, k, v, sinks))
+    torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+    for g, w in zip(grads, grads_want):
+        torch.testing.assert_close(g.double(), w.double(), atol=1e-5, rtol=1e-5)
+    assert spy.routes == ["packed: thd + sinks"], spy.routes
+
+
+@pytest.mark.parametrize("backend", ["reference", "kernel"])
+def test_sinks_on_a_row_without_keys_give_zero(backend):
+    """A query that sees no key outputs 0 with a sink, as gpt-oss's eager does (the sink takes
+    the whole row), and its gradients stay finite: the kernels' LSE is -inf there, and the
+    backward drops that row's LSE gradient. The other rows match gpt-oss's formula."""
+    torch.manual_seed(3)
+    b, h, hg, s, d = 1, 2, 1, 4, 16
+    q, k, v = (torch.randn(b, n, s, d, requires_grad=True) for n in (h, hg, hg))
+    sinks = torch.randn(h, requires_grad=True)
+    visible = torch.ones(b, 1, s, s, dtype=torch.bool).tril()
+    visible[..., 1, :] = False  # query 1 sees nothing
+    got, _ = fl_hf.attention_forward(
+        torch.nn.Module(), q, k, v, visible, scaling=0.3, s_aux=sinks, backend=backend
+    )
+    assert torch.equal(got[:, 1], torch.zeros_like(got[:, 1]))
+    grads = torch.autograd.grad(got.sum(), (q, k, v, sinks))
+    assert all(torch.isfinite(g).all() for g in grads)
+    want = _sink_eager(q, k, v, sinks, 0.3, visible)  # the sink alone: row 1 is 0 there too
+    grads_want = torch.autograd.grad(want.sum(), (q, k, v, sinks))
+    torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+    for g, w in zip(grads, grads_want):
+        torch.testing.assert_close(g.double(), w.double(), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "s_aux, message",
+    [
+        (torch.zeros(3), r"shape \(4,\).*float32 of shape \(3,\)"),
+        (torch.zeros(4, dtype=torch.int64), r"shape \(4,\).*int64"),
+        ([0.0] * 4, "must be a tensor"),
+    ],
+    ids=["shape", "dtype", "list"],
+)
+def test_bad_sinks_are_refused(s_aux, message):
+    q = torch.randn(1, 4, 3, 16)
+    k = torch.randn(1, 2, 3, 16)
+    with pytest.raises(ArgumentError, match=message):
+        fl_hf.attention_forward(torch.nn.Module(), q, k, k, None, s_aux=s_aux)
 
 
 def test_unknown_tensor_keyword_is_refused():
@@ -212,7 +299,8 @@ def test_dropout_applies_in_training_only():
 
 
 @pytest.mark.parametrize(
-    "family, side", [("llama", "left"), ("mistral", "right"), ("gemma2", "left")]
+    "family, side",
+    [("llama", "left"), ("mistral", "right"), ("gemma2", "left"), ("gpt_oss", "right")],
 )
 def test_kernels_logits_and_gradients(family, side, monkeypatch):
     spy = tt.RouteSpy(monkeypatch)
@@ -224,9 +312,11 @@ def test_kernels_logits_and_gradients(family, side, monkeypatch):
     tt.assert_two_x(got[0], compared[0], oracle[0], f"{family} logits (kernels)", FP32_ATOL)
     tt.assert_grads_two_x(got[2], compared[2], oracle[2], FP32_ATOL)
     assert spy.saw(f"{side} padding")
+    if family == "gpt_oss":  # sinks through the kernels' differentiable LSE
+        assert all(route.endswith("+ sinks") for route in spy.routes), spy.routes
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma2"])
+@pytest.mark.parametrize("family", ["llama", "gemma2", "gpt_oss"])
 def test_kernels_generate_takes_the_decode_kernel(family, monkeypatch):
     spy = tt.RouteSpy(monkeypatch)
     model, comparator = tt.tiny_model(family)

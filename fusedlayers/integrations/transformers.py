@@ -39,12 +39,15 @@ i reads KV head i // (h / hg)):
 - A 4-D mask (a user's own, or a pattern not recognized): bool (True = attend) or additive
   float, as sdpa takes it, applied as a dense mask/bias by the same front end. `position_bias`
   is added as a bias the same way.
-- `s_aux` (attention sinks, one logit per head in the softmax's denominator, gpt-oss): the
-  kernels have no sink term, so these calls take the reference path (logged once): the output is
-  rescaled by `sigmoid(lse - s_aux)`, exact with gradients; with a dense mask the sink is a key
-  of zeros with the sink as its bias.
+- `s_aux` (attention sinks, gpt-oss: one logit per query head, `[h]`, added to every softmax
+  row's denominator as `exp(s_aux)`): each route above, and the dense one, runs as without sinks
+  and rescales its output by `Z / (Z + exp(s_aux)) = sigmoid(lse - s_aux)`, with lse the row's
+  log-sum-exp over the keys. That is exact, and the LSE is differentiable on the kernels as on
+  the reference path, so q, k, v and s_aux all get their gradients. Rows with no visible key
+  (lse = -inf) output 0, as eager does when only the sink is left.
 - `output_attentions=True`: the dense reference path, returning the weights
-  `exp(scores - lse)` (pre-dropout).
+  `exp(scores - lse)` (pre-dropout; with sinks, the sink's share is left out of the weights, as
+  in gpt-oss's eager).
 - A tensor keyword this adapter does not know (`sinks`, `indices`, ...) raises
   NotImplementedError naming it: it would otherwise be ignored.
 
@@ -145,6 +148,20 @@ def _check_keywords(kwargs: dict) -> None:
                 "changes the attention, which this adapter would otherwise ignore); use "
                 "attn_implementation='eager' or 'sdpa' for this model"
             )
+
+
+def _check_sinks(s_aux, q: torch.Tensor) -> None:
+    """s_aux: one floating-point logit per query head, on q's device."""
+    h = q.shape[2]
+    if not isinstance(s_aux, torch.Tensor):
+        raise ArgumentError(f"s_aux must be a tensor of {h} sink logits, got {type(s_aux)}")
+    if tuple(s_aux.shape) != (h,) or not s_aux.is_floating_point():
+        raise ArgumentError(
+            f"s_aux must be a floating-point tensor of shape ({h},), one sink logit per query "
+            f"head, got {s_aux.dtype} of shape {tuple(s_aux.shape)}"
+        )
+    if s_aux.device != q.device:
+        raise ArgumentError(f"s_aux is on {s_aux.device}, the query on {q.device}")
 
 
 # --------------------------------------------------------------------------- the mask side
@@ -303,7 +320,7 @@ def _front(q, k, v, call: _Call, backend: str, **kw):
 def _decode_fits(q, k, v, layout: MaskLayout, call: _Call) -> bool:
     """Whether `flash_attn_with_kvcache` serves this call exactly (module docstring)."""
     s_q = q.shape[1]
-    if call.dropout > 0 or call.sinks is not None or layout.form not in ("full", "left"):
+    if call.dropout > 0 or layout.form not in ("full", "left"):
         return False
     if not layout.causal or s_q > DECODE_MAX_QUERIES or s_q >= layout.kv_used:
         return False
@@ -319,47 +336,61 @@ def _decode_fits(q, k, v, layout: MaskLayout, call: _Call) -> bool:
 def _structured(q, k, v, layout: MaskLayout, call: _Call):
     """Attention on a MaskLayout without a dense mask; (out [b, s_q, h, d_v], route)."""
     b, s_q, h = q.shape[:3]
-    sinks = call.sinks is not None
-    backend = "reference" if sinks else call.backend
     spec = flash_attn_spec(False, layout.window)  # the window already holds causality
-    lse = None
     if _decode_fits(q, k, v, layout, call):
         pads = layout.left_pads() if layout.form == "left" else None
-        out = flash_attn_with_kvcache(
+        sinks = call.sinks is not None
+        result = flash_attn_with_kvcache(
             q, k, v, cache_seqlens=layout.kv_used, cache_leftpad=pads,
             softmax_scale=call.scale, causal=True, window_size=layout.window,
-            softcap=call.softcap,
+            softcap=call.softcap, return_softmax_lse=sinks,
         )  # fmt: skip
-        return out, "decode: flash_attn_with_kvcache"
+        route = "decode: flash_attn_with_kvcache"
+        if not sinks:
+            return result, route
+        out, lse = result
+        return _with_sinks(out, lse.transpose(1, 2), call), route + " + sinks"
     if layout.form == "packed":
         cu, n = layout.segments, layout.max_segment
         out, lse = _front(
             q.reshape(b * s_q, h, -1), k.reshape(b * s_q, k.shape[2], -1),
-            v.reshape(b * s_q, v.shape[2], -1), call, backend, qkv_format="thd",
+            v.reshape(b * s_q, v.shape[2], -1), call, call.backend, qkv_format="thd",
             cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=n, max_seqlen_kv=n, mask_spec=spec,
         )  # fmt: skip
         out, lse, route = out.view(b, s_q, h, -1), lse.t().reshape(b, s_q, h), "packed: thd"
     elif layout.kv_valid is None:
         used = layout.kv_used
-        out, lse = _front(q, k[:, :used], v[:, :used], call, backend, mask_spec=spec)
+        out, lse = _front(q, k[:, :used], v[:, :used], call, call.backend, mask_spec=spec)
         lse, route = lse.transpose(1, 2), "no padding: bshd"
     elif layout.form == "right":
         cu, used = layout.right_padded_cu(), layout.kv_used
         padded = MaskSpec(layout.window, bottom_right=True, padding=True, arbitrary=False)
         out, lse = _front(
-            q, k[:, :used], v[:, :used], call, backend, mask_spec=padded, cu_seqlens_q=cu,
+            q, k[:, :used], v[:, :used], call, call.backend, mask_spec=padded, cu_seqlens_q=cu,
             cu_seqlens_kv=cu,
         )  # fmt: skip
         lse, route = lse.transpose(1, 2), "right padding: bshd with lengths"
     else:
-        out, lse = _unpadded(q, k, v, layout, call, backend, spec)
+        out, lse = _unpadded(q, k, v, layout, call, call.backend, spec)
         route = f"{layout.form} padding: gathered to thd"
-    if sinks:
-        # The sink adds exp(s_aux) to each row's denominator: out * Z / (Z + e^s_aux).
-        weight = torch.sigmoid(lse - call.sinks.float().view(1, 1, h))
-        out = (out.float() * weight.unsqueeze(-1)).to(out.dtype)
-        route += " + sinks (reference path)"
-    return out, route
+    if call.sinks is not None:
+        route += " + sinks"
+    return _with_sinks(out, lse, call), route
+
+
+def _with_sinks(out: torch.Tensor, lse: torch.Tensor, call: _Call) -> torch.Tensor:
+    """out [b, s_q, h, d_v] rescaled for the call's sinks, given lse [b, s_q, h] (natural log,
+    fp32); `out` itself without sinks.
+
+    A sink adds exp(s_aux) to each row's softmax denominator Z = exp(lse), which scales the row
+    by Z / (Z + exp(s_aux)) = sigmoid(lse - s_aux): exact, and differentiable in out, lse and
+    s_aux. A row with no visible key has lse = -inf and weight 0, as the sink alone would give.
+    """
+    if call.sinks is None:
+        return out
+    h = out.shape[2]
+    weight = torch.sigmoid(lse - call.sinks.float().view(1, 1, h))
+    return (out.float() * weight.unsqueeze(-1)).to(out.dtype)
 
 
 def _unpadded(q, k, v, layout: MaskLayout, call: _Call, backend: str, spec):
@@ -389,42 +420,28 @@ def _dense(q, k, v, mask, position_bias, call: _Call, want_weights: bool):
         bias = mask
     if position_bias is not None:
         bias = position_bias if bias is None else bias + position_bias
-    if call.sinks is not None or want_weights:
-        return _dense_reference(q, k, v, visible, bias, call, want_weights)
+    if want_weights:
+        return _dense_reference(q, k, v, visible, bias, call)
     kw = {}
     if visible is not None:
         kw.update(attn_mask_type="arbitrary", attention_mask=~visible)
     if bias is not None:
         kw.update(core_attention_bias_type="post_scale_bias", core_attention_bias=bias)
-    out, _ = _front(q, k, v, call, call.backend, **kw)
-    return out, None
+    out, lse = _front(q, k, v, call, call.backend, **kw)
+    return _with_sinks(out, lse.transpose(1, 2), call), None
 
 
-def _dense_reference(q, k, v, visible, bias, call: _Call, want_weights: bool):
-    """The reference path under a dense mask; the sink is a key of zeros whose bias is s_aux.
-    Returns (out, weights [b, h, s_q, s_k] or None)."""
-    b, s_q, h = q.shape[:3]
-    s_k, hg = k.shape[1], k.shape[2]
-    masked = None if visible is None else ~visible
-    full_bias = bias
-    if call.sinks is not None:
-        k = torch.cat((k, k.new_zeros(b, 1, hg, k.shape[-1])), dim=1)
-        v = torch.cat((v, v.new_zeros(b, 1, hg, v.shape[-1])), dim=1)
-        keys = torch.zeros(b, h, s_q, s_k, device=q.device) if bias is None else bias.float()
-        sink = call.sinks.float().view(1, h, 1, 1).expand(b, h, s_q, 1)
-        full_bias = torch.cat((keys.expand(b, h, s_q, s_k), sink), dim=-1)
-        if masked is not None:
-            masked = masked.expand(b, masked.shape[1], s_q, s_k)
-            masked = torch.cat((masked, masked.new_zeros(b, masked.shape[1], s_q, 1)), dim=-1)
+def _dense_reference(q, k, v, visible, bias, call: _Call):
+    """The reference path under a dense mask, with the weights (`output_attentions`):
+    (out, weights [b, h, s_q, s_k]); with sinks, both scaled by sigmoid(lse - s_aux), so the
+    weights leave the sink's share out, as gpt-oss's eager does."""
+    h, hg = q.shape[2], k.shape[2]
     scale = q.shape[-1] ** -0.5 if call.scale is None else float(call.scale)
     out, lse = attention_reference(
-        q, k, v, softmax_scale=scale, attn_mask=masked, bias=full_bias, softcap=call.softcap,
-        dropout_p=call.dropout, return_lse=True,
+        q, k, v, softmax_scale=scale, attn_mask=None if visible is None else ~visible,
+        bias=bias, softcap=call.softcap, dropout_p=call.dropout, return_lse=True,
     )  # fmt: skip
-    if not want_weights:
-        return out, None
-    group = h // hg
-    keys = k[:, :s_k].float().repeat_interleave(group, dim=2)
+    keys = k.float().repeat_interleave(h // hg, dim=2)
     scores = torch.einsum("bqhd,bkhd->bhqk", q.float(), keys) * scale
     if call.softcap > 0:
         scores = call.softcap * torch.tanh(scores / call.softcap)
@@ -432,9 +449,11 @@ def _dense_reference(q, k, v, visible, bias, call: _Call, want_weights: bool):
         scores = scores + bias.float()
     if visible is not None:
         scores = scores.masked_fill(~visible, float("-inf"))
-    lse = lse.unsqueeze(-1)
-    weights = torch.where(torch.isfinite(lse), torch.exp(scores - lse), 0.0)  # no key: 0
-    return out, weights.to(q.dtype)
+    rows = lse.unsqueeze(-1)
+    weights = torch.where(torch.isfinite(rows), torch.exp(scores - rows), 0.0)  # no key: 0
+    if call.sinks is not None:
+        weights = weights * torch.sigmoid(rows - call.sinks.float().view(1, h, 1, 1))
+    return _with_sinks(out, lse.transpose(1, 2), call), weights.to(q.dtype)
 
 
 def attention_forward(
@@ -467,10 +486,7 @@ def attention_forward(
     mask = _layout_of(attention_mask, q, k, causal, sliding_window, call, kwargs)
     want_weights = bool(kwargs.get("output_attentions"))
     if s_aux is not None:
-        _note(
-            "sinks", "s_aux (attention sinks): the kernels have no sink term; reference path",
-            warn=_kernel_expected(q, call),
-        )  # fmt: skip
+        _check_sinks(s_aux, q)
     if isinstance(mask, MaskLayout) and mask.dense_reason and not want_weights:
         _note(f"dense:{mask.dense_reason}", f"{mask.dense_reason}: a dense mask serves it")
     if isinstance(mask, MaskLayout) and (
@@ -482,7 +498,8 @@ def attention_forward(
             _note("weights", "output_attentions=True: the dense reference path returns them",
                   warn=_kernel_expected(q, call))  # fmt: skip
         out, weights = _dense(q, k, v, mask, position_bias, call, want_weights)
-        log_decision(tag + " dense", f"dense mask/bias, backend={call.backend}")
+        sinks = " + sinks" if s_aux is not None else ""
+        log_decision(tag + " dense", f"dense mask/bias{sinks}, backend={call.backend}")
         return out, weights
     out, route = _structured(q, k, v, mask, call)
     log_decision(tag + " " + route, f"{route}; {mask.describe()}; backend={call.backend}")
