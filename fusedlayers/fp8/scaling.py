@@ -86,16 +86,18 @@ _warned_eager = False
 
 
 def _run(fn, t: torch.Tensor, *args):
-    """`fn(t, *args)`, compiled where `_fused(t)`. `t.detach()` drops a view's link to its base:
-    compiled, a view is guarded on its base's strides, so the layers' differently shaped bases
+    """`fn(t.detach(), *args)`, compiled where `_fused(t)` (FP8 data and amaxes take no
+    gradient). `detach()` also drops a view's link to its base: compiled, a view is guarded on
+    its base's strides, so the layers' differently shaped bases
     each compiled again, and the ninth (TorchDynamo's recompile limit) failed a GPT-1.3B step.
     A call the compiler refuses all the same (more layouts and dtypes than that limit) runs
     eager, bitwise the same result, with one warning."""
     global _warned_eager
+    t = t.detach()
     if not _fused(t):
         return fn(t, *args)
     try:
-        return _compiled(fn)(t.detach(), *args)
+        return _compiled(fn)(t, *args)
     except Exception as error:  # noqa: BLE001 - eager is exact; an error of its own raises there
         if not _warned_eager:
             _warned_eager = True
@@ -111,7 +113,7 @@ def amax(t: torch.Tensor) -> torch.Tensor:
     """max |t| as a 0-d fp32 tensor (0 for an empty tensor); NaN propagates."""
     if t.numel() == 0:
         return torch.zeros((), dtype=torch.float32, device=t.device)
-    return _run(_amax_eager, t.detach())
+    return _run(_amax_eager, t)
 
 
 def scale_from_amax(a: torch.Tensor, max_value: float, qparams: QParams | None = None):
@@ -128,12 +130,6 @@ def scale_from_amax(a: torch.Tensor, max_value: float, qparams: QParams | None =
     if qparams.power_2_scale:
         scale = torch.exp2(torch.floor(torch.log2(scale)))
     return scale
-
-
-def _cast(scaled: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    # Saturate as TE's casts do: torch's cast sends out-of-range values to NaN (E4M3) or inf.
-    limit = fp8_max(dtype)
-    return scaled.clamp_(-limit, limit).to(dtype)
 
 
 def quantize(t: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor) -> Quantized:
@@ -154,7 +150,8 @@ def quantize_blocks(
     padded = F.pad(t.float(), (0, pad_cols, 0, pad_rows))
     tiles = padded.view((rows + pad_rows) // br, br, (cols + pad_cols) // bc, bc)
     scale = scale_from_amax(tiles.abs().amax(dim=(1, 3)), fp8_max(dtype), qparams)
-    data = _cast(tiles * scale[:, None, :, None], dtype).view_as(padded)
+    data = _scaled_cast_eager(tiles, scale[:, None, :, None], fp8_max(dtype), dtype)
+    data = data.view_as(padded)
     return Quantized(data[:rows, :cols].contiguous(), torch.reciprocal(scale), block)
 
 
