@@ -20,10 +20,12 @@ Offers:
     decode_attention(q, k_cache, v_cache, seqlens_k, *, ...) -> (out, lse)
         Split-KV ("flash-decoding") inference forward for few queries over a contiguous or paged
         KV cache (kernels/_flash_decode.py); `check_page_size` states its page-size rule;
-        lse is None with `return_lse=False` (one allocation fewer).
+        lse is None with `return_lse=False` (one allocation fewer). Under torch.compile it is
+        the torch.library op `fusedlayers::decode_attention` (kernels/decode_ops.py).
     rotate_and_append(q, k, v, k_cache, v_cache, seqlens, *, ...) -> (q, seqlens + s_new)
         A decode step's rotary embedding and KV-cache writes in one launch, lengths advanced on
-        the device (kernels/_cache_append.py).
+        the device (kernels/_cache_append.py); under torch.compile the op
+        `fusedlayers::rotate_and_append`, which mutates the caches.
     dropout_keep_mask(rng_state, b, h, s_q, s_k, p, device) -> bool [b, h, s_q, s_k]
         The keep-mask the kernels draw for a given (seed, offset), for tests and the reference.
     layer_norm(x, weight, bias, eps, *, rms, zero_centered_gamma) -> y
@@ -56,14 +58,14 @@ The kernels assume validated input; `fusedlayers` checks and normalizes everythi
 
 from ._activation import ACTIVATIONS as _ACTIVATIONS
 from ._activation import SUPPORTED_DTYPES as ACTIVATION_DTYPES
-from ._cache_append import rotate_and_append
 from ._dropout import dropout_keep_mask
-from ._flash_decode import check_page_size, decode_attention
+from ._flash_decode import check_page_size
 from ._norm import MAX_HIDDEN as MAX_NORM_HIDDEN
 from ._norm import SUPPORTED_DTYPES as NORM_DTYPES
 from ._rope import SUPPORTED_DTYPES as ROPE_DTYPES
 from .activation_ops import fused_activation
 from .attention_ops import flash_attention
+from .decode_ops import decode_attention, rotate_and_append
 from .dispatch import backward_path, forward_path, set_backward_path, set_forward_path
 from .norm_ops import add_layer_norm, layer_norm
 from .rope_ops import rope, rope_pair

@@ -306,11 +306,12 @@ def reference(case: KVCase, inputs: dict, dtype: torch.dtype) -> tuple[torch.Ten
     return torch.stack(outs), torch.stack(lses)
 
 
-def check_kv_case(case: KVCase, device) -> dict:
-    """Run the call; check the cache contents and out/LSE against the fp64 oracle."""
+def check_kv_case(case: KVCase, device, call=call_kernel) -> dict:
+    """Run the call (`call(case, inputs)`, `call_kernel`'s form); check the cache contents and
+    out/LSE against the fp64 oracle."""
     inputs = make_kv_inputs(case, device)
     before = (inputs["k_cache"].cpu().clone(), inputs["v_cache"].cpu().clone())
-    out, lse = call_kernel(case, inputs)
+    out, lse = call(case, inputs)
     check_cache(case, inputs, before)
     high_out, high_lse = reference(case, inputs, torch.float64)
     low_out, low_lse = reference(case, inputs, case.dtype)

@@ -64,6 +64,25 @@ def test_matches_reference(case, combine, monkeypatch):
     check_kv_case(case, "cpu")
 
 
+def _compiled_call(case: KVCase, inputs: dict):
+    """`call_kernel` traced whole by torch.compile (fullgraph: no graph break)."""
+
+    def step(**tensors):
+        return call_kernel(case, tensors)
+
+    torch._dynamo.reset()
+    return torch.compile(step, fullgraph=True, backend="aot_eager")(**inputs)
+
+
+# The decode entries are custom ops under torch.compile (kernels/decode_ops.py): tracing the
+# launchers broke on their host reads and, on a GPU, on CUDA-graphed module buffers
+# (transformers' static-cache generate). Plain decode; paged append with left padding; rotary
+# into pages.
+@pytest.mark.parametrize("case", [CASES[0], CASES[5], CASES[17]], ids=lambda c: c.label())
+def test_compiled_call_matches_reference(case):
+    check_kv_case(case, "cpu", call=_compiled_call)
+
+
 def test_append_never_writes_past_the_capacity():
     """The fused append leaves rows at or past the cache's capacity alone, even when a caller
     (a CUDA graph replayed once too often) asks for them: the cache is a view into a larger

@@ -31,7 +31,10 @@ device, and the options) run once per signature: a repeat of a call that passed 
 (`_CHECKED`), and any change to a shape, a stride, a dtype or an option checks in full again.
 Under CUDA graph capture nothing can be read back: the device-value checks are skipped (validate
 the step eagerly first), and the rest of the call (rotary, append, attention) holds no host
-sync, so a whole decode step captures and replays with new values in cache_seqlens.
+sync, so a whole decode step captures and replays with new values in cache_seqlens. Under
+torch.compile they are skipped too (a traced graph cannot branch on device values); the append
+and the attention are custom ops there (`fusedlayers.kernels.decode_ops`), so a compiled model
+with a static cache (transformers' `generate`) calls the same kernels.
 
 The kernels run on CUDA tensors, or on CPU tensors under TRITON_INTERPRET=1 (like the functional
 API). No backward.
@@ -424,7 +427,11 @@ def flash_attn_with_kvcache(
     # windowed (query i at cache_seqlens + i).
     local = causal or tuple(window_size) != (-1, -1)
     rotary = None if tables is None else (tables[0].shape[0], max(s_new, s_q) if local else s_new)
-    if not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
+    # Values on the device are read on the host only in eager calls: a CUDA graph capture
+    # cannot sync, and torch.compile cannot trace a branch on them (as flash-attn, which checks
+    # none of these values, the caller then vouches for them).
+    capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
+    if not (torch.compiler.is_compiling() or capturing):
         _check_device_values(
             seqlens, host_len, s_new, capacity, cache_leftpad, cache_batch_idx, k_cache.shape[0],
             block_table, k_cache.shape[0], page_size,
