@@ -52,3 +52,29 @@ def test_padded_batches_mask_the_loss_and_flags_override_tiny():
         assert (b["labels"][pad] == -100).all() and (b["labels"][~pad] >= 0).all()
         # right padding: every row is real tokens, then padding
         assert torch.equal(b["attention_mask"].sort(1, descending=True).values, b["attention_mask"])
+
+
+def test_tiny_generate_run_writes_both_implementations(tmp_path):
+    """examples/benchmark_transformers_generate.py --tiny: both implementations generate every
+    new token of every row from the same prompts, with the same tokens (the CPU reference path
+    in fp32), and the run's JSON and its report table are complete."""
+    import benchmark_transformers_generate as bg
+
+    from fusedlayers.bench import tables
+
+    out = tmp_path / "gen.json"
+    run = bg.main(["--tiny", "--json", str(out)])
+    assert read_run(out)["kind"] == "transformers_generate" == run["kind"]
+    assert {"date", "gpu", "torch", "transformers", "commit", "command"} <= set(run["header"])
+    rows = run["rows"]
+    assert [(r["batch_size"], r["attn_implementation"]) for r in rows] == [
+        (1, "sdpa"), (1, "fusedlayers"), (2, "sdpa"), (2, "fusedlayers"),
+    ]  # fmt: skip
+    for r in rows:
+        assert r["seconds_median"] > 0 and r["first_s"] > 0
+        expected = r["batch_size"] * bg.TINY["new_tokens"] / r["seconds_median"]
+        assert r["new_tokens_per_s"] == pytest.approx(expected)
+        assert r["same_tokens_as_sdpa"] == 1.0
+    assert rows[0]["speedup_vs_sdpa"] == 1.0
+    table = "\n".join(tables.transformers_generate_table(rows))
+    assert "| 2 | fusedlayers |" in table

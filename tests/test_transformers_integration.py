@@ -327,6 +327,28 @@ def test_kernels_generate_takes_the_decode_kernel(family, monkeypatch):
     assert spy.saw("decode: flash_attn_with_kvcache")
 
 
+def test_kernels_static_cache_generate_compiles_whole():
+    """generate with a static cache compiles the decode steps (on a GPU by itself; here
+    `_compile_all_devices`). With fullgraph=True a graph break anywhere raises, so the steps run
+    on the decode kernel's custom op with no break in the attention function; the tokens match
+    sdpa's."""
+    from torch._dynamo.utils import counters
+    from transformers import CompileConfig
+
+    model, comparator = tt.tiny_model("llama")
+    ids, mask = tt.padded_batch((7, 4), 7, "left", seed=12)
+    kw = dict(cache_implementation="static")
+    want = tt.greedy(tt.variant(model, comparator, torch.float32), ids, mask, 5, **kw)
+    config = CompileConfig(fullgraph=True, backend="aot_eager", mode=None)
+    config._compile_all_devices = True
+    torch._dynamo.reset()
+    counters.clear()
+    got = tt.greedy(tt.variant(model, tt.KERNEL_NAME, torch.float32), ids, mask, 5,
+                    compile_config=config, **kw)  # fmt: skip
+    assert counters["stats"]["unique_graphs"] >= 1  # the steps were compiled
+    tt.assert_same_greedy(got, want, tt.variant(model, tt.ORACLE, torch.float64), ids, mask, 1e-4)
+
+
 def test_kernels_packed_sequences(monkeypatch):
     spy = tt.RouteSpy(monkeypatch)
     model, _ = tt.tiny_model("qwen2")

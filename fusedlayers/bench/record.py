@@ -27,7 +27,8 @@ import sys
 from pathlib import Path
 
 KINDS = (
-    "attention", "decode", "generate", "gpt", "context_parallel", "dynamic_shapes", "transformers"
+    "attention", "decode", "generate", "gpt", "context_parallel", "dynamic_shapes", "transformers",
+    "transformers_generate",
 )  # fmt: skip
 _HERE = Path(__file__).resolve()
 

@@ -41,6 +41,7 @@ ROW_KEYS: dict[str, Callable[[dict], tuple]] = {
     "context_parallel": lambda r: (r.get("seqlen"), bool(r.get("fresh_inputs")), r["pass"]),
     "dynamic_shapes": lambda r: (r["loop"], r["provider"]),
     "transformers": lambda r: (r["run"], r["mode"], r["padding"]),
+    "transformers_generate": lambda r: (r["batch_size"], r["attn_implementation"]),
 }
 COMMANDS = {
     "attention": "python -m fusedlayers.bench attention --out bench",
@@ -52,6 +53,8 @@ COMMANDS = {
     "dynamic_shapes": "python examples/benchmark_dynamic_shapes.py --cold-cache "
     "--json bench/dynamic_shapes.json",
     "transformers": "python examples/benchmark_transformers.py --json bench/transformers.json",
+    "transformers_generate": "python examples/benchmark_transformers_generate.py "
+    "--json bench/transformers_generate.json",
 }
 INTRO = """\
 # Benchmarks
@@ -335,6 +338,11 @@ transformers_section = _table_section("transformers", "Hugging Face transformers
     '`attn_implementation="sdpa"` and `"fusedlayers"`, in one process. Attention is a small',
     "share of such a step (head dim 64, GQA 32/8): the step time follows the matmuls.",
 ], tables.transformers_table)  # fmt: skip
+transformers_generate_section = _table_section(
+    "transformers_generate", "Hugging Face transformers generation", [
+    "Greedy `generate` with a static cache, which compiles the decode step (CUDA graphs), on a",
+    "Llama of the same width (`examples/benchmark_transformers_generate.py`); prefill included.",
+], tables.transformers_generate_table)  # fmt: skip
 
 
 # The head dims (d_qk, d_v) whose cells the attention table lists: the standard sweep's.
@@ -349,6 +357,7 @@ SECTIONS = {
     "context_parallel": context_parallel_section,
     "dynamic_shapes": dynamic_shapes_section,
     "transformers": transformers_section,
+    "transformers_generate": transformers_generate_section,
 }
 
 

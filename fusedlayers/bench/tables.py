@@ -463,3 +463,14 @@ def transformers_table(rows: list[dict]) -> list[str]:
                      f"{row['ms_per_step_median']:.1f}", f"{row['tokens_per_s']:,.0f}",
                      f"{row['peak_mem_gib']:.1f}", ratio])  # fmt: skip
     return table(head, body)
+
+
+def transformers_generate_table(rows: list[dict]) -> list[str]:
+    """Per batch size and attention: seconds per generate, new tokens/s against sdpa's, the
+    graph breaks of the compiled step, the share of tokens equal to sdpa's."""
+    head = ["batch", "attention", "s (median)", "new tokens/s", "vs sdpa", "graph breaks",
+            "same tokens"]  # fmt: skip
+    body = [[str(r["batch_size"]), r["attn_implementation"], f"{r['seconds_median']:.3f}",
+             f"{r['new_tokens_per_s']:,.0f}", f"{r['speedup_vs_sdpa']:.3f}x",
+             str(r["graph_breaks"]), f"{r['same_tokens_as_sdpa']:.0%}"] for r in rows]  # fmt: skip
+    return table(head, body)
