@@ -302,6 +302,7 @@ class BackwardPlan(NamedTuple):
     owns_q: bool  # every row of q / k belongs to a sequence (else gradients start at 0)
     owns_k: bool
     atomic: bool  # dQ summed with atomics in the dK/dV pass (`use_atomic_dq`)
+    dq_width: int  # the dQ accumulator's columns a head: d_qk, or the sm_90 tiles' width
     delta_in_dq: bool  # the two-pass dQ pass computes delta and runs first (`DELTA_IN_DQ_MAX_LEN`)
     splits: int  # programs per GQA group in the dK/dV pass (`group_splits`)
     dbias_shape: tuple[int, ...] | None
@@ -457,7 +458,7 @@ def flash_attention_backward(
     # preprocess's tensor arguments follow from the signature and that switch.
     zero_dq = plan.preprocess.kwargs["ZERO_DQ"]
     sm90 = sm90_kernels("_flash_bwd_sm90")  # loaded on first use (`dispatch`)
-    dq_acc = sm90.dq_accumulator(q, zeroed=not zero_dq)
+    dq_acc = sm90.dq_accumulator(q, zeroed=not zero_dq, width=plan.dq_width)
     delta = _preprocess(
         plan.preprocess, out, dout, lse, dlse_ptr, dq_acc if zero_dq else q, seq_ptrs, signature
     )
@@ -469,10 +470,10 @@ def flash_attention_backward(
             softmax_scale=softmax_scale, causal=window_right == 0, bottom_right=bottom_right,
             signature=signature,
         )  # fmt: skip
-        return _scaled_dq(dq_acc, dq, q.dtype, softmax_scale), dk, dv, None
+        return _scaled_dq(dq_acc, dq, q, softmax_scale), dk, dv, None
     _launch_dkdv(plan, (q, k, v, dout, lse, delta), dk, dv, (bias_ptr, alibi_ptr, dq_acc),
                  seq_ptrs, tail, signature)  # fmt: skip
-    return _scaled_dq(dq_acc, dq, q.dtype, softmax_scale), dk, dv, None
+    return _scaled_dq(dq_acc, dq, q, softmax_scale), dk, dv, None
 
 
 def _launch_dq(
@@ -507,14 +508,23 @@ _SEQ_ARGS = (
 
 
 def _scaled_dq(
-    dq_acc: torch.Tensor, dq: torch.Tensor | None, dtype: torch.dtype, softmax_scale: float
+    dq_acc: torch.Tensor, dq: torch.Tensor | None, q: torch.Tensor, softmax_scale: float
 ) -> torch.Tensor:
-    """The atomic schemes' dQ epilogue: softmax_scale x the fp32 accumulator, cast to `dtype`
-    (q's) on the store, one elementwise pass; into `dq` when given, else a new tensor (fp32:
-    the accumulator itself, in place). The caller zero-fills the accumulator: the kernels only
-    add, and rows no program reaches (padding, rows past seqlens_q) must come out 0."""
+    """The atomic schemes' dQ epilogue: softmax_scale x the fp32 accumulator's first d columns
+    (q's head dim; the sm_90 backward's accumulator may be wider, its padding holding
+    garbage: `dq_accumulator`), cast to q's dtype on the store, one elementwise pass; into `dq`
+    when given, else a new tensor shaped like q (fp32 and as wide: the accumulator itself, in
+    place). The caller zero-fills the accumulator: the kernels only add, and rows no program
+    reaches (padding, rows past seqlens_q) must come out 0."""
+    d = q.shape[-1]
+    padded = dq_acc.shape[-1] != d
+    if padded:
+        dq_acc = dq_acc[..., :d]
     if dq is None:
-        dq = dq_acc if dtype == torch.float32 else torch.empty_like(dq_acc, dtype=dtype)
+        if q.dtype == torch.float32 and not padded:
+            dq = dq_acc
+        else:
+            dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     torch.mul(dq_acc, softmax_scale, out=dq)
     return dq
 
@@ -570,13 +580,16 @@ def _make_plan(
     d_qk, d_v = q.shape[-1], v.shape[-1]
     atomic = use_atomic_dq(q, deterministic, dbias_shape is not None)
     # The schemes that sum dQ into an fp32 accumulator (`dq_accumulator`) have the preprocess
-    # zero it where every row belongs to a sequence (its grid visits every owned row); else
-    # the launcher allocates it zero-filled.
+    # zero it where every row belongs to a sequence (its grid visits every owned row; its
+    # first d_qk columns, all that is read); else the launcher allocates it zero-filled. The
+    # sm_90 kernel's is as wide as its tiles (d = 80, 96: 128 columns a head).
     zero_dq = (sm90_here or atomic) and geo.q.owns_all_rows
+    dq_width = sm90_kernels("_flash_bwd_sm90").tile_width(d_qk) if sm90_here else d_qk
+    acc_meta = _meta((*q.shape[:-1], dq_width))
     preprocess = PlannedLaunch(
         (cdiv(max_q, PREPROCESS_BLOCK_M) * geo.batch * h_q,),
         (*strides4(out, varlen)[:3], *strides4(dout, varlen)[:3], *lse_strides(lse, varlen),
-         *strides4(_meta(q.shape), varlen)[:3], h_q, max_q, d_qk, d_v),
+         *strides4(acc_meta, varlen)[:3], h_q, max_q, d_qk, d_v),
         dict(BLOCK_M=PREPROCESS_BLOCK_M, HEAD_DIM_QK=next_pow2_dim(d_qk),
              HEAD_DIM_V=next_pow2_dim(d_v), PAD_QK=next_pow2_dim(d_qk) != d_qk,
              PAD_V=next_pow2_dim(d_v) != d_v, SEQ_MODE_Q=geo.q.mode, ZERO_DQ=zero_dq,
@@ -638,7 +651,8 @@ def _make_plan(
     return BackwardPlan(
         sm90=sm90_here, pointers=pointers, geometry=shape_only_geometry(geo),
         owns_q=geo.q.owns_all_rows,
-        owns_k=geo.k.owns_all_rows, atomic=atomic, delta_in_dq=delta_in_dq, splits=splits,
+        owns_k=geo.k.owns_all_rows, atomic=atomic, dq_width=dq_width, delta_in_dq=delta_in_dq,
+        splits=splits,
         dbias_shape=dbias_shape,
         preprocess=preprocess, dkdv=dkdv, dq=dq_launch,
     )  # fmt: skip

@@ -17,8 +17,8 @@ of every query head of its GQA group that can see them (FlashAttention-3's backw
   - LSE), dS^T = P^T (dP^T - delta). P^T feeds dV from registers (`P_FROM_REGISTERS`); dS^T
   reaches the dK and dQ products through shared memory.
   Both warpgroups write their dS^T rows into one [128 keys, BLOCK_M] tile (double-buffered, an
-  mbarrier both arrive on), from which this key block's dQ share dS K is computed (d = 128:
-  each warpgroup 64 of the columns; d = 64: the warpgroups take turns) and added into an fp32
+  mbarrier both arrive on), from which this key block's dQ share dS K is computed (128-wide
+  tiles: each warpgroup 64 of the columns; d = 64: the warpgroups take turns) and added into an fp32
   dQ accumulator by one TMA reduce-add per share from shared memory (FlashAttention-3's bulk
   reduction; the consumers issue no atomics). dK and dV sum over the group's heads in
   registers: no atomics, no partial sums.
@@ -47,10 +47,21 @@ sequence's end (keys of the last key block, queries of the last query block) rea
 there, NaN included: they are zeroed in shared memory before any product (0 x NaN is NaN) and
 masked out of P; their dQ/dK/dV rows are never written.
 
-Covered: fp16/bf16, d = d_v in {64, 128}, MHA/GQA/MQA, no mask / causal (both alignments),
-dense, right-padded and varlen. dQ is not bitwise reproducible (the order of the fp32 atomic
-adds varies), so `deterministic=True` takes the portable two-pass backward, as does everything
-else not covered (`dispatch.sm90_backward_plan`).
+Head dims between tile widths run on the next width up (`tile_width`), as in the forward: d = 80
+and 96 run d = 128's configuration, 128-wide tiles (the same registers and shared memory: dK and
+dV 2 x 64 registers a thread). Their 128-wide TMA boxes read columns past d (the next head's
+data, or TMA's zero fill at a row's end; anything, NaN included), so S^T and dP^T take the dim's
+own columns only (two products: 64 + 16 for 80, 64 + 32 for 96, `_key_major_product`); dK and dV
+columns past d sum that garbage and are never stored (masked stores); dQ's are added into the
+accumulator's padding, which is `tile_width(d)` columns a head (`dq_accumulator`) and read back
+to d columns only (`_flash_bwd._scaled_dq`).
+
+Covered: fp16/bf16, d = d_v in {64, 80, 96, 128} (`SUPPORTED_DIMS`), MHA/GQA/MQA, no mask /
+causal (both alignments), dense, right-padded and varlen; at 80 and 96 only storage whose rows
+are at least a 128-wide box (one KV head of 96 columns in rows 96 wide is not: `plan_views`). dQ
+is not bitwise reproducible (the order of the fp32 atomic adds varies), so `deterministic=True`
+takes the portable two-pass backward, as does everything else not covered
+(`dispatch.sm90_backward_plan`).
 
 Precision: as the portable backward. Products accumulate in fp32; P^T and dS^T are rounded to
 the input dtype for the dV, dK and dQ products; dK leaves multiplied by the softmax scale, dQ
@@ -60,6 +71,7 @@ is scaled in the epilogue.
 from __future__ import annotations
 
 import functools
+import math
 from typing import NamedTuple
 
 import torch
@@ -72,6 +84,7 @@ from ._common import (
     empty,
     head_row_bytes,
     lse_strides,
+    next_pow2,
     planned,
     strides4,
     zeros,
@@ -81,6 +94,7 @@ from ._sm90_common import GLUON_AVAILABLE, descriptor_maker, launch_binding, tma
 
 if GLUON_AVAILABLE:
     from ._flash_bwd_sm90_steps import (
+        _key_major_product,
         _opaque_zero,
         _owns_dq,
         _reduce_dq,
@@ -111,7 +125,7 @@ CONSUMER_WARPS = 4
 # Registers as in the forward: two consumer warpgroups and a four-warp producer, 168 x 384
 # threads fill the register file; the producer keeps 24, each consumer gets 240.
 MAX_REGISTERS = 168
-# (BLOCK_M query rows per step, NUM_STAGES) per head dim. d = 128: 64-row steps, the score tiles
+# (BLOCK_M query rows per step, NUM_STAGES) per tile width. d = 128: 64-row steps, the score tiles
 # [64 keys, 64 queries] a warpgroup; the dK and dV accumulators take 2 x 64 registers a thread
 # (FlashAttention-3's choice), leaving none for wider steps. Shared memory: K, V, two dS^T
 # tiles, the dQ staging tiles and NUM_STAGES x (Q, dO): 194 KiB with P^T in registers (210 with
@@ -140,7 +154,19 @@ DQ_WAIT_LATE = {128: True, 64: True}
 # bandwidth the consumers wait on (Nsight Compute: MIO-queue stalls lead theirs at d=128), for
 # 16 more registers a thread held until dV lands.
 P_FROM_REGISTERS = {128: True, 64: True}
-SUPPORTED_DIMS = tuple((d, d) for d in TILES)  # (d_qk, d_v) pairs
+# The tables here are per tile width (`tile_width`): d = 80 and 96 run on d = 128's tiles, 128
+# columns wide, as in the forward. Their S^T and dP^T take the dim's own columns only (two
+# products, `_key_major_product`); the tiles' other columns (the next head's, or TMA's zero fill
+# at a row's end: anything, NaN included) reach only dK, dV and dQ columns past d, which are
+# never stored (dK, dV) or land in the accumulator's padding (`dq_accumulator`). The registers
+# and shared memory are d = 128's. Covered: (d_qk, d_v) pairs.
+SUPPORTED_DIMS = ((64, 64), (80, 80), (96, 96), (128, 128))
+
+
+def tile_width(d: int) -> int:
+    """The width of head dim d's tiles (its TMA boxes, and the key of the tables above): the
+    next power of two, as in the forward (`_flash_fwd_sm90.widths`)."""
+    return next_pow2(d)
 
 
 if GLUON_AVAILABLE:
@@ -197,13 +223,15 @@ if GLUON_AVAILABLE:
     @gluon.jit
     def _consumer(
         args, WG: gl.constexpr, DQ_FIRST: gl.constexpr, WAIT_LATE: gl.constexpr,
-        P_IN_REGS: gl.constexpr,
+        P_IN_REGS: gl.constexpr, HEAD_DIM: gl.constexpr,
     ):  # fmt: skip
         """One warpgroup: dK and dV of its 64 keys, and its half of each step's dQ share (its
-        64 columns at d = 128, every other step's share at d = 64, its 64 rows of each step's
-        at BLOCK_M = 128). `args` is the producer's argument list (a partition's constants
-        must sit at the top of its own); DQ_FIRST: see `DQ_BEFORE_DK`; WAIT_LATE: see
-        `DQ_WAIT_LATE`; P_IN_REGS: see `P_FROM_REGISTERS`."""
+        64 columns of 128-wide tiles, every other step's share at d = 64, its 64 rows of each
+        step's at BLOCK_M = 128). `args` is the producer's argument list (a partition's
+        constants must sit at the top of its own); DQ_FIRST: see `DQ_BEFORE_DK`; WAIT_LATE:
+        see `DQ_WAIT_LATE`; P_IN_REGS: see `P_FROM_REGISTERS`; HEAD_DIM: q's and v's head dim,
+        at most the tiles' width (`tile_width`): the columns S^T and dP^T sum over and dK and dV
+        store."""
         descs, smem, bars, seq, strides, ptrs, scales = args
         q_smem, k_smem, v_smem, do_smem, lse_smem, delta_smem, ds_smem, p_smem, dq_smem = smem
         kv_bar, ready, empty, ds_ready = bars
@@ -216,18 +244,22 @@ if GLUON_AVAILABLE:
         qk_scale, sm_scale = scales
         NUM_STAGES: gl.constexpr = q_smem.type.shape[0]
         BLOCK_M: gl.constexpr = q_smem.type.shape[1]
-        HEAD_DIM: gl.constexpr = q_smem.type.shape[2]
+        WIDTH: gl.constexpr = q_smem.type.shape[2]  # the tiles' columns (`tile_width`)
         BLOCK_N: gl.constexpr = k_smem.type.shape[1]
         KEYS: gl.constexpr = BLOCK_N // 2
-        # Each step's dQ share dS K is [BLOCK_M, d]. BLOCK_M = 64, d = 128: each warpgroup
-        # computes 64 of the columns (its accumulator beside dK and dV must stay at 32
-        # registers); BLOCK_M = 64, d = 64: the warpgroups take turns computing all of it, one
-        # step each; BLOCK_M = 128 (d = 64 only): each warpgroup computes 64 of the rows.
+        # Each step's dQ share dS K is [BLOCK_M, WIDTH]. BLOCK_M = 64, 128-wide tiles: each
+        # warpgroup computes 64 of the columns (its accumulator beside dK and dV must stay at
+        # 32 registers; at d = 80 and 96 the second one's columns past d come from the K
+        # tile's garbage and land in the accumulator's padding); BLOCK_M = 64, d = 64: the
+        # warpgroups take turns computing all of it, one step each; BLOCK_M = 128 (d = 64
+        # only): each warpgroup computes 64 of the rows.
         DQ_COLS: gl.constexpr = 64
         SPLIT_ROWS: gl.constexpr = BLOCK_M == 128
-        gl.static_assert(BLOCK_M == 64 or (BLOCK_M == 128 and HEAD_DIM == 64))
-        ALTERNATE: gl.constexpr = HEAD_DIM == DQ_COLS and not SPLIT_ROWS
-        dq_col0: gl.constexpr = WG * DQ_COLS if HEAD_DIM > DQ_COLS else 0
+        gl.static_assert(BLOCK_M == 64 or (BLOCK_M == 128 and WIDTH == 64))
+        gl.static_assert(WIDTH // 2 < HEAD_DIM and HEAD_DIM <= WIDTH)
+        gl.static_assert(not SPLIT_ROWS or HEAD_DIM == WIDTH)  # `_scores_by_halves`: whole tiles
+        ALTERNATE: gl.constexpr = WIDTH == DQ_COLS and not SPLIT_ROWS
+        dq_col0: gl.constexpr = WG * DQ_COLS if WIDTH > DQ_COLS else 0
         dq_row0: gl.constexpr = WG * 64 if SPLIT_ROWS else 0
         ZERO_CHUNK: gl.constexpr = 128 if SPLIT_ROWS else 16
         dtype: gl.constexpr = q_smem.dtype
@@ -236,7 +268,7 @@ if GLUON_AVAILABLE:
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_M, 16]
         )
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16]
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, WIDTH, 16]
         )
         dq_layout: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, DQ_COLS, 16]
@@ -250,8 +282,9 @@ if GLUON_AVAILABLE:
         q_vec: gl.constexpr = gl.SliceLayout(0, s_layout)
         zero_s = gl.zeros([KEYS, BLOCK_M], gl.float32, s_layout)
         zero_dq = gl.zeros([64, DQ_COLS], gl.float32, dq_layout)
-        dk = gl.zeros([KEYS, HEAD_DIM], gl.float32, acc_layout)
-        dv = gl.zeros([KEYS, HEAD_DIM], gl.float32, acc_layout)
+        # dK and dV over the tiles' whole width: columns past HEAD_DIM are never stored.
+        dk = gl.zeros([KEYS, WIDTH], gl.float32, acc_layout)
+        dv = gl.zeros([KEYS, WIDTH], gl.float32, acc_layout)
         # The key block's steps that need the mask: query blocks reaching past len_q, every step
         # of a key block reaching past len_k, and (causal) blocks starting below the last key's
         # diagonal row.
@@ -276,7 +309,7 @@ if GLUON_AVAILABLE:
             # both warpgroups' rows); P^T the dV product too unless P_IN_REGS. The compiler
             # drops p_smem when nothing uses it.
             p_wg = p_smem.index(res).slice(WG * KEYS, KEYS)
-            if HEAD_DIM == DQ_COLS:
+            if WIDTH == DQ_COLS:
                 k_dq = k_res
             else:
                 k_dq = k_res.slice(WG * DQ_COLS, DQ_COLS, dim=1)
@@ -308,12 +341,11 @@ if GLUON_AVAILABLE:
                 else:
                     dv_tok = pending
             else:
-                s_tok = warpgroup_mma(
-                    k_wg, q_t.permute((1, 0)), zero_s, use_acc=False, is_async=True
-                )
-                dp_tok = warpgroup_mma(
-                    v_wg, do_t.permute((1, 0)), zero_s, use_acc=False, is_async=True
-                )
+                # S^T = K Q^T and dP^T = V dO^T over the dim's own columns (two products each
+                # at d = 80 and 96; the waits below count groups from the latest, so an extra
+                # earlier one changes nothing).
+                s_tok = _key_major_product(k_wg, q_t, zero_s, HEAD_DIM)
+                dp_tok = _key_major_product(v_wg, do_t, zero_s, HEAD_DIM)
                 if not WAIT_LATE:
                     # The previous step's dQ reduce has read `dq_wg` before it is stored into
                     # again (at this step's end, after the P^T barrier below orders every thread
@@ -416,7 +448,8 @@ if GLUON_AVAILABLE:
             stride_dvb, stride_dvh, stride_dvs = (stride_dvb + fresh, stride_dvh + fresh,
                                                   stride_dvs + fresh)  # fmt: skip
         out_r = start_n + WG * KEYS + gl.arange(0, KEYS, layout=gl.SliceLayout(1, acc_layout))
-        out_c = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, acc_layout))
+        out_c = gl.arange(0, WIDTH, layout=gl.SliceLayout(0, acc_layout))
+        # Columns past HEAD_DIM (d = 80, 96) summed the tiles' garbage: never stored.
         out_mask = gl.expand_dims(out_r < len_k, 1) & gl.expand_dims(out_c < HEAD_DIM, 0)
         row_at = (start_k + out_r).to(gl.int64)
         dk_base = z64 * stride_dkb + h_kv.to(gl.int64) * stride_dkh
@@ -441,7 +474,8 @@ if GLUON_AVAILABLE:
         WAIT_LATE: gl.constexpr, P_IN_REGS: gl.constexpr,
     ):  # fmt: skip
         """One program: BLOCK_N keys of one (sequence, KV head), over its GQA group's queries;
-        order_pairs: the causal launch order's interleave (`_interleaved_tile`)."""
+        order_pairs: the causal launch order's interleave (`_interleaved_tile`); HEAD_DIM: q's
+        (and v's) head dim; the tiles are as wide as the descriptors' boxes (`tile_width`)."""
         # Key blocks vary fastest (neighbours share the group's Q and dO in L2); under a causal
         # mask the first key blocks see the most queries, and they start first.
         pid = gl.program_id(0)
@@ -474,10 +508,11 @@ if GLUON_AVAILABLE:
         total = group * m_count  # may be 0: dK = dV = 0 are still written
 
         dtype: gl.constexpr = q_desc.dtype
-        q_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_M, HEAD_DIM], q_desc.layout)
-        do_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_M, HEAD_DIM], do_desc.layout)
-        k_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_N, HEAD_DIM], k_desc.layout)
-        v_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_N, HEAD_DIM], v_desc.layout)
+        WIDTH: gl.constexpr = q_desc.block_type.shape[1]  # the tiles' (`tile_width`)
+        q_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_M, WIDTH], q_desc.layout)
+        do_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_M, WIDTH], do_desc.layout)
+        k_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_N, WIDTH], k_desc.layout)
+        v_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_N, WIDTH], v_desc.layout)
         # dS^T [keys, queries], double-buffered; the dQ product reads it transposed.
         ds_layout: gl.constexpr = gl.NVMMASharedLayout(
             swizzle_byte_width=128, element_bitwidth=dtype.primitive_bitwidth, rank=2
@@ -515,8 +550,8 @@ if GLUON_AVAILABLE:
         )  # fmt: skip
         gl.warp_specialize(
             [
-                (_consumer, (args, 0, DQ_FIRST, WAIT_LATE, P_IN_REGS)),
-                (_consumer, (args, 1, DQ_FIRST, WAIT_LATE, P_IN_REGS)),
+                (_consumer, (args, 0, DQ_FIRST, WAIT_LATE, P_IN_REGS, HEAD_DIM)),
+                (_consumer, (args, 1, DQ_FIRST, WAIT_LATE, P_IN_REGS, HEAD_DIM)),
                 (_producer, args),
             ],  # fmt: skip
             [4, 4],  # consumer warpgroup 1, and the producer as a whole warpgroup (forward)
@@ -543,38 +578,55 @@ def _dq_layout():
     return gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
 
 
-def dq_accumulator(q, zeroed: bool = True):
-    """The fp32 dQ accumulator, shaped like q and contiguous, with storage for at least one
-    whole TMA box of rows behind it; zero-filled when `zeroed`, else left for the backward's
-    preprocess to zero (`_flash_bwd`, `ZERO_DQ`: it does so where every row belongs to a
-    sequence; the rows behind q's are never read).
+def dq_accumulator(q, zeroed: bool = True, width: int | None = None):
+    """The fp32 dQ accumulator, shaped like q but `width` columns a head (default q's d) and
+    contiguous, with storage for at least one whole TMA box of rows behind it; zero-filled when
+    `zeroed`, else left for the backward's preprocess to zero (`_flash_bwd`, `ZERO_DQ`: it does
+    so where every row belongs to a sequence, in its first d columns; the rows behind q's are
+    never read).
+
+    The sm_90 backward takes `width=tile_width(d)`: at d = 80 and 96 its 128-wide dQ shares
+    add garbage (from the K tile's columns past d) into columns d.. of each head, which must
+    be that head's own padding, never the next head's; only `[..., :d]` is read
+    (`_flash_bwd._scaled_dq`).
 
     Its TMA grid (`tma_view`) is at least one box of rows however short q is: TMA clips its
     writes only at the grid's end, so a reduce into a shorter buffer would add (zeros) past its
     end, and x + 0.0 is not bitwise x for -0.0 or a NaN payload.
     """
-    row_elems = q.shape[-1] * q.shape[-2]
-    rows = q.numel() // row_elems if row_elems else 0
+    shape = (*q.shape[:-1], q.shape[-1] if width is None else width)
+    numel = math.prod(shape)
+    row_elems = shape[-1] * shape[-2]
+    rows = numel // row_elems if row_elems else 0
     new = zeros if zeroed else empty
     if rows >= DQ_BOX[0]:
-        return new(q.shape, torch.float32, q.device)
+        return new(shape, torch.float32, q.device)
     storage = new((DQ_BOX[0] * row_elems,), torch.float32, q.device)
-    return storage[: q.numel()].view(q.shape)
+    return storage[:numel].view(shape)
 
 
 def plan_views(q, k, v, dout, varlen: bool):
-    """The TMA grids of q, k, v and dout, or None when any of them cannot take this path."""
+    """The TMA grids of q, k, v and dout, or None when any of them cannot take this path (a
+    pair outside `SUPPORTED_DIMS`, storage TMA cannot read, fewer rows than one box: `tma_view`,
+    or rows narrower than the tile's box)."""
     d = q.shape[-1]
-    if d not in TILES or v.shape[-1] != d:
+    if (d, v.shape[-1]) not in SUPPORTED_DIMS:
         return None
-    block_m = TILES[d][0]
+    width = tile_width(d)
+    block_m = TILES[width][0]
     views = (
         tma_view(q, varlen, block_m),
         tma_view(k, varlen, BLOCK_N),
         tma_view(v, varlen, BLOCK_N),
         tma_view(dout, varlen, block_m),
     )
-    return None if any(view is None for view in views) else views
+    if any(view is None for view in views):
+        return None
+    # A box wider than the grid's rows (one head of d = 80 or 96 in rows of d elements) is no
+    # legal TMA box; such rows take the portable kernels.
+    if any(view[0][1] < width for view in views):
+        return None
+    return views
 
 
 def backward_sm90(
@@ -584,11 +636,12 @@ def backward_sm90(
     """Launch `_attn_bwd_sm90` on input TMA can read in place (`plan_views` says so:
     `dispatch.sm90_backward_plan`): writes dk / dv (any strides with stride(-1) == 1;
     rows past a sequence's end are left alone) and adds the unscaled dQ into `dq_acc` (fp32,
-    from `dq_accumulator`, zeroed). `lse`, `delta`: contiguous fp32 as the portable backward
-    has them (delta with any LSE gradient already folded in). `signature`: the backward's
-    launch signature (`_flash_bwd`); with it everything but the TMA descriptors' tensors and
-    the pointers is planned once per signature (`_launch_plan`) and the launch goes straight
-    to the compiled kernel after the first."""
+    from `dq_accumulator` with `width=tile_width(d)`, zeroed; its columns past d take
+    garbage). `lse`, `delta`: contiguous fp32 as the portable backward has them (delta with any
+    LSE gradient already folded in). `signature`: the backward's launch signature
+    (`_flash_bwd`); with it everything but the TMA descriptors' tensors and the pointers is
+    planned once per signature (`_launch_plan`) and the launch goes straight to the compiled
+    kernel after the first."""
     plan = planned(
         _PLANS, signature, (bool(causal), bool(bottom_right), _settings(q.shape[-1])),
         lambda: _launch_plan(
@@ -627,9 +680,10 @@ _PLANS: dict[tuple, _LaunchPlan] = {}
 
 def _settings(d: int) -> tuple:
     """The module settings a plan for head dim d reads (the A/B scripts flip them in one
-    process)."""
+    process; the tables are per tile width)."""
+    width = tile_width(d)
     return (
-        TILES[d], DQ_BEFORE_DK[d], DQ_WAIT_LATE[d], P_FROM_REGISTERS[d],
+        TILES[width], DQ_BEFORE_DK[width], DQ_WAIT_LATE[width], P_FROM_REGISTERS[width],
         _common.CAUSAL_ORDER_L2_BYTES,
     )  # fmt: skip
 
@@ -640,7 +694,8 @@ def _launch_plan(
     """Grid, dQ grid, runtime integers and constexprs of the launch: from shapes, strides,
     dtypes and devices only, so one plan serves every call of a signature."""
     d = q.shape[-1]
-    block_m, stages = TILES[d]
+    width = tile_width(d)
+    block_m, stages = TILES[width]
     sq, sk, sv, sdo = (strides4(t, geom.varlen) for t in (q, k, v, dout))
     sdq, sdk, sdv = (strides4(t, geom.varlen) for t in (dq_acc, dk, dv))
     h_q, h_kv = q.shape[-2], k.shape[-2]
@@ -657,8 +712,9 @@ def _launch_plan(
     constexprs = dict(
         HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=BLOCK_N, NUM_STAGES=stages,
         SEQ_MODE_Q=geom.q.mode, SEQ_MODE_K=geom.k.mode, IS_CAUSAL=bool(causal),
-        BOTTOM_RIGHT=bool(bottom_right), DQ_FIRST=DQ_BEFORE_DK[d], WAIT_LATE=DQ_WAIT_LATE[d],
-        P_IN_REGS=P_FROM_REGISTERS[d], num_warps=CONSUMER_WARPS, maxnreg=MAX_REGISTERS,
+        BOTTOM_RIGHT=bool(bottom_right), DQ_FIRST=DQ_BEFORE_DK[width],
+        WAIT_LATE=DQ_WAIT_LATE[width], P_IN_REGS=P_FROM_REGISTERS[width],
+        num_warps=CONSUMER_WARPS, maxnreg=MAX_REGISTERS,
     )  # fmt: skip
     views = plan_views(q, k, v, dout, geom.varlen)
     if views is None:  # `dispatch.sm90_backward_plan` sends these elsewhere
@@ -667,13 +723,21 @@ def _launch_plan(
             f"or dout {dout.stride()} in place"
         )
     descriptors = tuple(
-        descriptor_maker(t, view, [rows, d])
+        descriptor_maker(t, view, [rows, width])
         for t, view, rows in zip((q, k, v, dout), views, (block_m, BLOCK_N, BLOCK_N, block_m))
     )
+    if dq_acc.shape[-1] != width:  # `dq_accumulator(q, width=tile_width(d))`
+        raise ValueError(
+            f"sm_90 backward: the dQ accumulator's rows are {dq_acc.shape[-1]} wide, not the "
+            f"tiles' {width}"
+        )
     dq_view = tma_view(dq_acc, geom.varlen, DQ_BOX[0], storage_rows=DQ_BOX[0])
     descriptors += (descriptor_maker(dq_acc, dq_view, list(DQ_BOX), _dq_layout()),)
     signature, slot = launch_binding(signature, order_pairs)
     return _LaunchPlan(grid, descriptors, ints, order_pairs, constexprs, signature, slot)
 
 
-__all__ = ["GLUON_AVAILABLE", "SUPPORTED_DIMS", "backward_sm90", "plan_views"]
+__all__ = [
+    "GLUON_AVAILABLE", "SUPPORTED_DIMS", "backward_sm90", "dq_accumulator", "plan_views",
+    "tile_width",
+]  # fmt: skip

@@ -48,7 +48,9 @@ SM90_MIN_KEYS: dict[int, int | None] = {
 SM90_MIN_KEYS_CAUSAL: dict[int, int | None] = {
     128: 1024, 64: 1024, 256: 1024, 80: 1024, 96: 1024, 160: 1024, 192: 1024,
 }  # fmt: skip
-SM90_BWD_MIN_KEYS: dict[int, int | None] = {128: 1024, 64: 4096}
+# The backward's, by d: 80 and 96 run on d = 128's tiles and take its threshold (not measured
+# apart yet).
+SM90_BWD_MIN_KEYS: dict[int, int | None] = {128: 1024, 64: 4096, 80: 1024, 96: 1024}
 # "auto" also wants this many waves of sm_90 backward programs (one per 128 keys of each sequence
 # and KV head, one per SM): unlike the portable dK/dV pass, which deals a GQA group over several
 # programs when there are few, it keeps one program per key block, so MQA at a small batch would

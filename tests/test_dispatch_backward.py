@@ -11,6 +11,7 @@ import pytest
 import torch
 from fusedlayers.kernels import _flash_bwd_sm90, _flash_fwd_sm90, dispatch, set_backward_path
 from fusedlayers.kernels._common import launch_geometry, shape_only_geometry
+from fusedlayers.kernels._flash_bwd import flash_attention_backward
 
 
 def _plan(q, k, v, dout, **overrides):
@@ -49,8 +50,11 @@ def test_plan_covers_what_the_kernel_does(monkeypatch):
         assert _plan(q, kv, kv, q, alibi_slopes=torch.ones(2, 4)) is None
         assert _plan(q, kv, kv, q, bias=torch.zeros(2, 4, 300, 300)) is None
         assert _plan(q.float(), kv.float(), kv.float(), q.float()) is None
-        q96 = torch.randn(2, 300, 4, 96, dtype=torch.bfloat16)
-        assert _plan(q96, q96, q96, q96) is None
+        # d = 80 and 96 run on d = 128's tiles; other dims below 128 do not.
+        for d, covered in ((80, True), (96, True), (112, False), (72, False)):
+            qd, kvd = (torch.randn(2, 300, n, d, dtype=torch.bfloat16) for n in (4, 2))
+            assert (_plan(qd, kvd, kvd, qd) is not None) == covered, d
+        assert _plan(q, kv, kv[..., :96], q) is None  # d_v != d_qk
         # auto follows the table (None entries mean never) and wants enough programs.
         set_backward_path("auto")
         monkeypatch.setitem(dispatch.SM90_BWD_MIN_KEYS, 128, None)
@@ -91,6 +95,37 @@ def test_dq_accumulator_has_a_whole_tma_box_behind_it(shape, zeroed):
         assert view is not None and view[0][0] <= storage_rows
 
 
+@pytest.mark.parametrize(
+    "shape",
+    [(2, 5, 3, 96), (1, 300, 2, 80), (7, 4, 96), (130, 1, 80)],
+    ids=["dense-short", "dense-long", "varlen-short", "varlen-long"],
+)
+def test_dq_accumulator_pads_each_head_to_the_tile_width(shape):
+    """d = 80 and 96 add 128-wide dQ shares (garbage past d): each head gets 128 columns of
+    its own, so a share's garbage never lands in the next head's, and the TMA grid still has
+    a whole box of rows behind it."""
+    q = torch.randn(shape, dtype=torch.float16)
+    width = _flash_bwd_sm90.tile_width(q.shape[-1])
+    assert width == 128
+    acc = _flash_bwd_sm90.dq_accumulator(q, width=width)
+    assert acc.shape == (*q.shape[:-1], 128) and acc.is_contiguous()
+    assert acc.stride(-2) == 128 and bool((acc == 0).all())
+    rows = q.numel() // (q.shape[-1] * q.shape[-2])
+    storage_rows = acc.untyped_storage().nbytes() // (4 * 128 * q.shape[-2])
+    assert storage_rows >= max(rows, _flash_bwd_sm90.DQ_BOX[0])
+    box = _flash_bwd_sm90.DQ_BOX[0]
+    view = _flash_fwd_sm90.tma_view(acc, len(shape) == 3, box, storage_rows=box)
+    assert view is not None and view[0][1] == 128 * q.shape[-2]
+
+
+def test_rows_narrower_than_the_backward_tile_take_the_portable_kernels():
+    """One head of d = 96 in rows 96 wide: a 128-wide TMA box would be wider than the grid."""
+    one = torch.randn(1, 256, 1, 96, dtype=torch.float16)
+    two = torch.randn(1, 256, 2, 96, dtype=torch.float16)
+    assert _flash_bwd_sm90.plan_views(one, one, one, one, False) is None
+    assert _flash_bwd_sm90.plan_views(two, two, two, two, False) is not None
+
+
 def test_d64_steps_128_rows_and_64_stays_selectable(monkeypatch):
     """d = 64's backward steps over 128 query rows (`TILES_M128`) in 128-row Q/dO boxes, so it
     takes no q shorter than one box (TMA would read past its storage: `tma_view`);
@@ -120,9 +155,9 @@ def _recorded_bwd_launches(monkeypatch, calls):
         q, k, v, dout = (torch.randn(2, 256, n, d, dtype=torch.float16) for n in (4, 2, 2, 4))
         geom = launch_geometry(q, k)
         lse, delta = (torch.zeros(2, 4, 256) for _ in range(2))
+        acc = _flash_bwd_sm90.dq_accumulator(q, width=_flash_bwd_sm90.tile_width(d))
         _flash_bwd_sm90.backward_sm90(
-            q, k, v, dout, lse, delta, _flash_bwd_sm90.dq_accumulator(q), torch.empty_like(k),
-            torch.empty_like(v), geom,
+            q, k, v, dout, lse, delta, acc, torch.empty_like(k), torch.empty_like(v), geom,
             softmax_scale=0.125, causal=causal, bottom_right=True, signature=signature,
         )  # fmt: skip
     return launches
@@ -152,6 +187,90 @@ def test_sm90_backward_launch_plan_is_made_once_per_signature(monkeypatch):
     monkeypatch.setitem(_flash_bwd_sm90.DQ_BEFORE_DK, 128, False)  # a module setting
     ((_, _, k5),) = _recorded_bwd_launches(monkeypatch, [(128, True, sig)])
     assert k5["slot"] is not k1["slot"] and not k5["DQ_FIRST"]
+
+
+@pytest.mark.parametrize("d", [80, 96])
+def test_sm90_backward_at_80_and_96_launches_128_wide_tiles(d, monkeypatch):
+    """d = 80 and 96 launch d = 128's configuration: 128-wide TMA boxes for q, k, v, dout and
+    two 64-wide dQ boxes over an accumulator of 128 columns a head, with HEAD_DIM = d (the
+    columns the scores sum over and dK/dV store); an accumulator of d columns is refused."""
+    monkeypatch.setattr(_flash_bwd_sm90, "_PLANS", {})
+    ((grid, args, kw),) = _recorded_bwd_launches(monkeypatch, [(d, True, None)])
+    ((_, _, kw128),) = _recorded_bwd_launches(monkeypatch, [(128, True, None)])
+    assert kw["HEAD_DIM"] == d and kw128["HEAD_DIM"] == 128
+    drop = ("HEAD_DIM", "slot", "signature")
+    assert {n: x for n, x in kw.items() if n not in drop} == {
+        n: x for n, x in kw128.items() if n not in drop
+    }
+    q_desc, k_desc, v_desc, do_desc, dq_desc = args[:5]
+    assert [list(t.block_shape) for t in (q_desc, k_desc, v_desc, do_desc)] == [
+        [64, 128], [128, 128], [128, 128], [64, 128]
+    ]  # fmt: skip
+    assert list(dq_desc.block_shape) == [64, 64] and dq_desc.base.shape[-1] == 128
+    assert dq_desc.shape[1] == dq_desc.base.shape[-2] * 128  # grid rows: 128 columns a head
+    q, k = (torch.randn(2, 256, n, d, dtype=torch.float16) for n in (4, 2))
+    lse = torch.zeros(2, 4, 256)
+    with pytest.raises(ValueError, match="accumulator's rows are .* wide, not the tiles' 128"):
+        _flash_bwd_sm90.backward_sm90(
+            q, k, k, q, lse, lse, _flash_bwd_sm90.dq_accumulator(q), torch.empty_like(k),
+            torch.empty_like(k), launch_geometry(q, k), softmax_scale=0.1, causal=False,
+            bottom_right=True,
+        )  # fmt: skip
+
+
+@pytest.mark.parametrize("layout", ["dense", "varlen"])
+@pytest.mark.parametrize("d", [80, 96])
+def test_backward_hands_the_sm90_kernel_a_padded_dq_accumulator(d, layout, monkeypatch):
+    """The launcher's side of d = 80 and 96 on the sm_90 backward, with a stand-in for the
+    kernel: it gets an accumulator of 128 columns a head whose first d are zero (the preprocess
+    zeroes them where every row belongs to a sequence; the rest arrive NaN-filled here), adds
+    a known dQ into those and NaN into the padding; dq must be the known dQ times the softmax
+    scale, no NaN leaking in, and dk / dv what the kernel wrote."""
+    monkeypatch.setattr(dispatch, "_on_sm90", lambda t: True)
+    real_accumulator = _flash_bwd_sm90.dq_accumulator
+
+    def nan_unless_zeroed(q, zeroed=True, width=None):
+        acc = real_accumulator(q, zeroed=zeroed, width=width)
+        return acc if zeroed else acc.fill_(float("nan"))
+
+    g = torch.Generator().manual_seed(d)
+    q, dout = (torch.randn(2, 130, 4, d, generator=g).half() for _ in range(2))
+    k, v = (torch.randn(2, 140, 2, d, generator=g).half() for _ in range(2))
+    out = torch.randn(2, 130, 4, d, generator=g).half()
+    lse = torch.randn(2, 4, 130, generator=g)
+    seq = {}
+    if layout == "varlen":
+        q, dout, out, k, v = (t.flatten(0, 1) for t in (q, dout, out, k, v))
+        lse = torch.randn(4, 260, generator=g)
+        seq = dict(cu_seqlens_q=torch.tensor([0, 130, 260], dtype=torch.int32),
+                   cu_seqlens_k=torch.tensor([0, 140, 280], dtype=torch.int32),
+                   max_seqlen_q=130, max_seqlen_k=140)  # fmt: skip
+    known = torch.randn(*q.shape, generator=g)
+    dk_known, dv_known = torch.randn_like(k), torch.randn_like(v)
+    calls = []
+
+    def kernel(q_, k_, v_, dout_, lse_, delta, dq_acc, dk, dv, geom, **kw):
+        assert dq_acc.shape == (*q.shape[:-1], 128) and dq_acc.is_contiguous()
+        assert bool((dq_acc[..., :d] == 0).all())
+        dq_acc[..., :d] += known
+        dq_acc[..., d:] = float("nan")
+        dk.copy_(dk_known)
+        dv.copy_(dv_known)
+        calls.append(kw)
+
+    monkeypatch.setattr(_flash_bwd_sm90, "dq_accumulator", nan_unless_zeroed)
+    monkeypatch.setattr(_flash_bwd_sm90, "backward_sm90", kernel)
+    previous = set_backward_path("sm90")
+    try:
+        dq, dk, dv, _ = flash_attention_backward(
+            dout, q, k, v, out, lse, softmax_scale=0.125, window_right=0, **seq
+        )
+    finally:
+        set_backward_path(previous)
+    assert len(calls) == 1 and calls[0]["causal"]
+    assert dq.shape == q.shape and dq.dtype == q.dtype and dq.is_contiguous()
+    assert torch.equal(dq, (known * 0.125).half())
+    assert torch.equal(dk, dk_known) and torch.equal(dv, dv_known)
 
 
 @pytest.mark.parametrize("layout", ["dense", "seqlens_q", "seqlens_k", "varlen", "varlen_offsets"])

@@ -187,23 +187,25 @@ def compile_backward(
     d: int, causal: bool, block_m: int | None = None, layout: str = "dense",
     dq_first: bool | None = None,
 ):  # fmt: skip
-    """The backward at d, with the default tiles or (block_m given) those of `TILES[d]` or
-    `TILES_M128[d]` whose BLOCK_M is block_m. `layout`: "dense" (a causal mask bottom-right
+    """The backward at d (80 and 96 on 128-wide tiles: the tables are per `tile_width`), with the
+    default tiles or (block_m given) those of `TILES[width]` or `TILES_M128[width]` whose
+    BLOCK_M is block_m. `layout`: "dense" (a causal mask bottom-right
     aligned), "topleft" (dense, top-left), "seqlens" (right-padded), "varlen", "varlen_padded"
     (varlen with gaps): each is a separate specialization of the kernel (`_layout_inputs`).
     `dq_first`: the step's product order (`DQ_BEFORE_DK`; None: the default)."""
     from fusedlayers.kernels import _flash_bwd_sm90 as bwd
 
-    default, default_order = bwd.TILES[d], bwd.DQ_BEFORE_DK[d]
+    width = bwd.tile_width(d)
+    default, default_order = bwd.TILES[width], bwd.DQ_BEFORE_DK[width]
     if block_m is not None and block_m != default[0]:
-        bwd.TILES[d] = bwd.TILES_M128[d]
-        assert bwd.TILES[d][0] == block_m, (d, block_m)
+        bwd.TILES[width] = bwd.TILES_M128[width]
+        assert bwd.TILES[width][0] == block_m, (d, block_m)
     if dq_first is not None:
-        bwd.DQ_BEFORE_DK[d] = dq_first
+        bwd.DQ_BEFORE_DK[width] = dq_first
     try:
         return _compile_backward(bwd, d, causal, layout)
     finally:
-        bwd.TILES[d], bwd.DQ_BEFORE_DK[d] = default, default_order
+        bwd.TILES[width], bwd.DQ_BEFORE_DK[width] = default, default_order
 
 
 def _compile_backward(bwd, d: int, causal: bool, layout: str):
@@ -215,7 +217,8 @@ def _compile_backward(bwd, d: int, causal: bool, layout: str):
     dk, dv = torch.empty_like(k), torch.empty_like(v)
     with offline_sm90(bwd._attn_bwd_sm90):
         bwd.backward_sm90(
-            q, k, v, dout, lse, delta, bwd.dq_accumulator(q), dk, dv, geom,
+            q, k, v, dout, lse, delta, bwd.dq_accumulator(q, width=bwd.tile_width(d)), dk, dv,
+            geom,
             softmax_scale=d**-0.5, causal=causal, bottom_right=layout != "topleft",
         )  # fmt: skip
     return COMPILED[-1]
@@ -291,7 +294,9 @@ def _block_ms(name: str, d: int, spec: str) -> list:
         return [None]
     from fusedlayers.kernels import _flash_bwd_sm90 as bwd
 
-    have = {bwd.TILES[d][0]} | ({bwd.TILES_M128[d][0]} if d in bwd.TILES_M128 else set())
+    width = bwd.tile_width(d)
+    have = {bwd.TILES[width][0]} | (
+        {bwd.TILES_M128[width][0]} if width in bwd.TILES_M128 else set())  # fmt: skip
     return [m for m in (int(x) for x in spec.split(",")) if m in have] or [None]
 
 

@@ -42,7 +42,7 @@ def timed(fn) -> float:
 def _providers(q, k, v, causal, block_ms=(64,)):
     """name -> forward returning out [b, s, h, d]; each sets its own kernel choice."""
     qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
-    d = q.shape[-1]
+    width = _flash_bwd_sm90.tile_width(q.shape[-1])  # the tables are per tile width
 
     def sdpa(backend):
         def run():
@@ -56,7 +56,7 @@ def _providers(q, k, v, causal, block_ms=(64,)):
             # Both read when the backward launches, so they stay set until then.
             set_backward_path(path)
             if tiles is not None:
-                _flash_bwd_sm90.TILES[d] = tiles
+                _flash_bwd_sm90.TILES[width] = tiles
             return flash_attn_func(q, k, v, causal=causal)
 
         return run
@@ -66,10 +66,10 @@ def _providers(q, k, v, causal, block_ms=(64,)):
         "sdpa-flash": sdpa(SDPBackend.FLASH_ATTENTION),
         "ours-portable": ours("portable"),
     }
-    default = _flash_bwd_sm90.TILES[d]
+    default = _flash_bwd_sm90.TILES[width]
     variants = {default[0]: ("ours-sm90", default)}
-    if d in _flash_bwd_sm90.TILES_M128:  # d = 64: both step heights, whichever is the default
-        for tiles in (_flash_bwd_sm90.TILES_M128[d], (64, default[1])):
+    if width in _flash_bwd_sm90.TILES_M128:  # d = 64: both step heights, whichever is default
+        for tiles in (_flash_bwd_sm90.TILES_M128[width], (64, default[1])):
             variants.setdefault(tiles[0], (f"ours-sm90-m{tiles[0]}", tiles))
     for block_m in block_ms:
         if block_m in variants:
@@ -93,7 +93,8 @@ def measure(d: int, s: int, causal: bool, block_ms=(64,)) -> list[dict]:
     fwd_flops = 4 * b * h * s * s * d / (2 if causal else 1)
     base = dict(d=d, s=s, b=b, h=h, causal=int(causal))
     reference = portable = None
-    default_tiles = _flash_bwd_sm90.TILES[d]
+    width = _flash_bwd_sm90.tile_width(d)
+    default_tiles = _flash_bwd_sm90.TILES[width]
     rows = []
     for name, forward in _providers(q, k, v, causal, block_ms).items():
         row = dict(base, provider=name)
@@ -125,7 +126,7 @@ def measure(d: int, s: int, causal: bool, block_ms=(64,)) -> list[dict]:
             row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
         rows.append(row)
     set_backward_path("auto")
-    _flash_bwd_sm90.TILES[d] = default_tiles
+    _flash_bwd_sm90.TILES[width] = default_tiles
     return rows
 
 

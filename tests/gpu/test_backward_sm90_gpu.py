@@ -4,12 +4,13 @@ Every case pins the sm_90 backward (`set_backward_path("sm90")`) and checks that
 really took it (a spy on `backward_sm90`), then applies the suite's pass rule
 (tests/attention_testing.py: each gradient's max error <= 3x PyTorch's own error in the input
 dtype, plus one unit at the gradient's magnitude). Cases cover what the path claims: fp16/bf16,
-d = 64 and 128, MHA/GQA/MQA, no mask and causal in both alignments, s_q != s_k, lengths that are
-and are not multiples of the tiles, rows with no visible key, dense, right-padded, varlen with
-and without gaps, strided views (sbhd, packed sb3hd) and NaN in rows no sequence owns. Further
-tests: dK/dV bitwise reproducible run to run (dQ sums with atomics: close, not bitwise), agreement
-with the portable backward on a long GQA problem, and the calls the path does not cover (among
-them deterministic=True) falling back to the portable kernels.
+d = 64, 80, 96 and 128 (80 and 96 on 128-wide tiles), MHA/GQA/MQA, no mask and causal in both
+alignments, s_q != s_k, lengths that are and are not multiples of the tiles, rows with no visible
+key, dense, right-padded, varlen with and without gaps, strided views (sbhd, packed sb3hd), NaN
+in rows no sequence owns and (d = 80, 96) NaN in the tiles' columns past d. Further tests: dK/dV
+bitwise reproducible run to run (dQ sums with atomics: close, not bitwise), agreement with the
+portable backward on a long GQA problem, and the calls the path does not cover (among them
+deterministic=True) falling back to the portable kernels.
 
 Shapes: dense q [b, s_q, h, d], k/v [b, s_k, h_kv, d]; varlen [t, h, d].
 """
@@ -18,8 +19,17 @@ from __future__ import annotations
 
 import pytest
 import torch
-from attention_testing import Case, check_case, make_inputs, poison_unowned_rows, run_kernel
+from attention_testing import (
+    Case,
+    check_case,
+    check_results,
+    make_inputs,
+    poison_unowned_rows,
+    run_kernel,
+    run_reference,
+)
 from fusedlayers.kernels import _common, _flash_bwd_sm90, dispatch, flash_attention
+from fusedlayers.kernels._flash_bwd import flash_attention_backward
 from test_kernels_gpu import recorded
 
 pytestmark = pytest.mark.gpu
@@ -44,7 +54,7 @@ def sm90_spy(monkeypatch):
     launch = _flash_bwd_sm90.backward_sm90
 
     def spy(*args, **kwargs):
-        calls.append(kwargs)
+        calls.append({**kwargs, "args": args})
         return launch(*args, **kwargs)
 
     monkeypatch.setattr(_flash_bwd_sm90, "backward_sm90", spy)
@@ -76,6 +86,30 @@ CASES = [
     Case(b=5, s_q=600, s_k=600, h=4, h_kv=4, d=128, dtype=torch.bfloat16, layout="varlen",
          window=(-1, 0)),
     Case(b=5, s_q=513, s_k=700, h=4, h_kv=2, d=64, dtype=torch.float16, layout="varlen_padded"),
+    # d = 80 and 96 on d = 128's 128-wide tiles (`_flash_bwd_sm90.tile_width`): their columns
+    # past d read the next head's data or TMA's zero fill. MHA, GQA, MQA-like groups (one KV
+    # head of 80 or 96 columns is narrower than the box: those take the portable backward,
+    # FALLBACK_CASES), both alignments with s_q != s_k, odd lengths, one-query rows, padding.
+    Case(b=2, s_q=1024, s_k=1024, h=4, h_kv=4, d=96, dtype=torch.bfloat16),
+    Case(b=2, s_q=1024, s_k=1024, h=4, h_kv=4, d=80, dtype=torch.bfloat16, window=(-1, 0)),
+    Case(b=1, s_q=4096, s_k=4096, h=8, h_kv=2, d=96, dtype=torch.bfloat16, window=(-1, 0)),
+    Case(b=2, s_q=300, s_k=777, h=8, h_kv=2, d=96, dtype=torch.float16, window=(-1, 0)),
+    Case(b=2, s_q=300, s_k=777, h=8, h_kv=2, d=80, dtype=torch.bfloat16, window=(-1, 0),
+         bottom_right=False),
+    Case(b=2, s_q=777, s_k=300, h=8, h_kv=2, d=80, dtype=torch.bfloat16, window=(-1, 0)),
+    Case(b=2, s_q=777, s_k=300, h=8, h_kv=2, d=96, dtype=torch.bfloat16, window=(-1, 0),
+         bottom_right=False),
+    Case(b=3, s_q=97, s_k=1025, h=6, h_kv=2, d=96, dtype=torch.float16),
+    Case(b=3, s_q=1025, s_k=97, h=6, h_kv=3, d=80, dtype=torch.bfloat16, window=(-1, 0)),
+    Case(b=128, s_q=1, s_k=129, h=4, h_kv=2, d=96, dtype=torch.bfloat16, window=(-1, 0)),
+    Case(b=2, s_q=129, s_k=65, h=2, h_kv=2, d=80, dtype=torch.float16),
+    Case(b=4, s_q=700, s_k=900, h=4, h_kv=2, d=96, dtype=torch.bfloat16, layout="seqlens",
+         window=(-1, 0)),
+    Case(b=5, s_q=600, s_k=600, h=4, h_kv=4, d=80, dtype=torch.bfloat16, layout="varlen",
+         window=(-1, 0)),
+    Case(b=5, s_q=513, s_k=700, h=4, h_kv=2, d=96, dtype=torch.float16, layout="varlen_padded"),
+    Case(b=5, s_q=513, s_k=700, h=4, h_kv=2, d=80, dtype=torch.bfloat16, layout="varlen_padded",
+         window=(-1, 0), bottom_right=False),
 ]  # fmt: skip
 
 
@@ -89,18 +123,22 @@ def test_sm90_backward_matches_reference(case, sm90_spy, request):
 
 @needs_sm90
 @pytest.mark.parametrize("dq_first", [False, True], ids=["dk_first", "dq_first"])
-@pytest.mark.parametrize("case", [CASES[i] for i in (5, 6, 12, 14)], ids=lambda c: c.label())
+@pytest.mark.parametrize(
+    "case", [CASES[i] for i in (5, 6, 12, 14, 19, 26, 29)], ids=lambda c: c.label()
+)
 def test_sm90_backward_product_orders(case, dq_first, sm90_spy, monkeypatch):
-    """Both orders of a step's dK and dQ products (`DQ_BEFORE_DK`), whichever is the default for
-    the head dim: GQA, both causal alignments, right padding and varlen with gaps."""
-    monkeypatch.setitem(_flash_bwd_sm90.DQ_BEFORE_DK, case.d, dq_first)
+    """Both orders of a step's dK and dQ products (`DQ_BEFORE_DK`, per tile width), whichever
+    is the default for the head dim: GQA, both causal alignments, right padding and varlen with
+    gaps, at d = 80 and 96 too."""
+    width = _flash_bwd_sm90.tile_width(case.d)
+    monkeypatch.setitem(_flash_bwd_sm90.DQ_BEFORE_DK, width, dq_first)
     check_case(case, DEV, high_dtype=torch.float32)
     assert sm90_spy, "the sm_90 backward did not run"
 
 
 @needs_sm90
 @pytest.mark.parametrize("kv_heads_in_l2", [0, 2, 5])
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 96, 128])
 def test_sm90_causal_launch_orders(kv_heads_in_l2, d, sm90_spy, monkeypatch):
     """Causal launches interleave (sequence, KV head) pairs longest-first
     (`_common.causal_order_heads`): one pair at a time (budget 0), two, and five of the six (a
@@ -115,11 +153,12 @@ def test_sm90_causal_launch_orders(kv_heads_in_l2, d, sm90_spy, monkeypatch):
 
 
 @needs_sm90
+@pytest.mark.parametrize("d", [128, 80])
 @pytest.mark.parametrize("layout", ["varlen_padded", "seqlens"])
-def test_sm90_backward_ignores_nan_padding(layout, sm90_spy):
+def test_sm90_backward_ignores_nan_padding(layout, d, sm90_spy):
     """Rows no sequence owns may hold anything: NaN in q, k, v and dout there must not reach
     any gradient. Compared with the portable backward, which never loads them."""
-    case = Case(b=3, s_q=300, s_k=333, h=4, h_kv=2, d=128, dtype=torch.bfloat16, layout=layout,
+    case = Case(b=3, s_q=300, s_k=333, h=4, h_kv=2, d=d, dtype=torch.bfloat16, layout=layout,
                 window=(-1, 0))  # fmt: skip
     inputs = make_inputs(case, DEV)
     poison_unowned_rows(inputs, layout, ("q", "k", "v", "dout"))
@@ -142,7 +181,7 @@ def _grads(q, k, v, dout, causal):
 
 @needs_sm90
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 96, 128])
 def test_sm90_backward_agrees_with_portable_and_itself(d, causal, sm90_spy):
     """One long GQA problem: dK and dV bitwise equal run to run (no atomics), dQ close (fp32
     atomics in varying order), all three close to the portable backward."""
@@ -182,8 +221,45 @@ def test_sm90_backward_strided_views(causal, sm90_spy):
     torch.testing.assert_close(strided[0], dense[0], atol=2e-2, rtol=1e-2)
 
 
+@needs_sm90
+@pytest.mark.parametrize("causal", [False, True], ids=["no_mask", "causal"])
+@pytest.mark.parametrize("layout", ["dense", "varlen"])
+@pytest.mark.parametrize("d", [80, 96])
+def test_sm90_backward_narrow_head_dims_ignore_the_columns_past_them(d, layout, causal, sm90_spy):
+    """d = 80 and 96 read 128-wide tiles of q, k, v and dout: the columns past d (here NaN: all
+    four are views of buffers 256 wide a head, and dout reaches the kernel as such a view, called
+    directly) must enter neither the scores nor a stored dK / dV column, and the dQ
+    accumulator's padding columns (where the NaN of dS K's extra columns land) must not reach
+    dq. Judged by the file's rule against the reference on the same values."""
+    case = Case(b=2, s_q=700, s_k=900, h=4, h_kv=2, d=d, dtype=torch.bfloat16, layout=layout,
+                window=(-1, 0) if causal else (-1, -1))  # fmt: skip
+    inputs = make_inputs(case, DEV)
+    for name in ("q", "k", "v", "dout"):
+        t = inputs[name]
+        wide = torch.full((*t.shape[:-1], 256), float("nan"), dtype=case.dtype, device=t.device)
+        wide[..., :d] = t
+        inputs[name] = wide[..., :d]
+    kernel = run_kernel(case, inputs, backward=False)  # the forward: out and LSE
+    meta = {k: inputs[k] for k in inputs if ("seqlen" in k or "offsets" in k)}
+    dq, dk, dv, _ = flash_attention_backward(
+        inputs["dout"], inputs["q"], inputs["k"], inputs["v"], kernel["out"], kernel["lse"],
+        **meta, softmax_scale=case.scale, window_right=case.window[1],
+        bottom_right=case.bottom_right,
+    )  # fmt: skip
+    assert len(sm90_spy) == 1, "the sm_90 backward did not run"
+    assert sm90_spy[0]["args"][3].stride(-2) == 256  # dout's NaN columns reached the kernel
+    kernel.update(dq=dq, dk=dk, dv=dv)
+    high = run_reference(case, inputs, torch.float32)
+    low = run_reference(case, inputs, case.dtype)
+    for name in ("dq", "dk", "dv"):
+        assert not kernel[name].isnan().any(), name
+    check_results(kernel, high, low, case.s_k)
+
+
 FALLBACK_CASES = [
-    Case(b=2, s_q=300, s_k=300, h=4, d=96, dtype=torch.bfloat16),  # head dim not covered
+    Case(b=2, s_q=300, s_k=300, h=4, d=112, dtype=torch.bfloat16),  # head dim not covered
+    # One KV head of d = 96 in rows 96 wide: narrower than the tile's 128-wide TMA box.
+    Case(b=2, s_q=300, s_k=300, h=4, h_kv=1, d=96, dtype=torch.bfloat16, window=(-1, 0)),
     Case(b=2, s_q=300, s_k=300, h=4, d=128, dtype=torch.bfloat16, window=(64, 0)),
     Case(b=2, s_q=300, s_k=300, h=4, d=128, dtype=torch.bfloat16, softcap=20.0),
     Case(b=2, s_q=300, s_k=300, h=4, d=128, dtype=torch.bfloat16, alibi="batch"),
