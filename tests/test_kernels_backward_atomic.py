@@ -173,9 +173,9 @@ def test_preprocess_zeroes_the_dq_accumulator(case, fills, atomic, monkeypatch):
     real = sm90.dq_accumulator
     asked = []
 
-    def nan_unless_zeroed(q, zeroed=True):
+    def nan_unless_zeroed(q, zeroed=True, width=None):
         asked.append(zeroed)
-        acc = real(q, zeroed=zeroed)
+        acc = real(q, zeroed=zeroed, width=width)
         return acc if zeroed else acc.fill_(float("nan"))
 
     monkeypatch.setattr(sm90, "dq_accumulator", nan_unless_zeroed)
