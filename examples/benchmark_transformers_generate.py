@@ -72,7 +72,7 @@ def generate_run(model, name: str, prompts: torch.Tensor, args, device: str) -> 
     counters.clear()
     kw = dict(
         max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, do_sample=False,
-        cache_implementation="static",
+        cache_implementation="static", use_cache=True, return_dict_in_generate=True,
     )  # fmt: skip
     seconds = []
     with torch.no_grad():
@@ -82,6 +82,11 @@ def generate_run(model, name: str, prompts: torch.Tensor, args, device: str) -> 
             out = model.generate(prompts, attention_mask=torch.ones_like(prompts), **kw)
             sync(device)
             seconds.append(time.perf_counter() - start)
+    cache = type(out.past_key_values).__name__
+    graphs = counters["stats"]["unique_graphs"]
+    if cache != "StaticCache" or (device == "cuda" and not graphs):
+        # A run that fell back to a dynamic cache or to eager steps measures something else.
+        raise RuntimeError(f"{name}: generate used a {cache} and compiled {graphs} graphs")
     median = statistics.median(seconds[1:])
     b = prompts.shape[0]
     return {
@@ -92,8 +97,9 @@ def generate_run(model, name: str, prompts: torch.Tensor, args, device: str) -> 
         "seconds": seconds[1:],
         "new_tokens_per_s": b * args.new_tokens / median,
         "graph_breaks": sum(counters["graph_break"].values()),
-        "graphs": counters["stats"]["unique_graphs"],
-        "tokens": out[:, prompts.shape[1] :].cpu(),
+        "graphs": graphs,
+        "cache": cache,
+        "tokens": out.sequences[:, prompts.shape[1] :].cpu(),
     }
 
 
@@ -110,6 +116,9 @@ def main(argv: list[str] | None = None) -> dict:
     model.generation_config.eos_token_id = None  # every row generates all its tokens
     model.generation_config.pad_token_id = 0
     gen = torch.Generator().manual_seed(args.seed)
+    params = sum(p.numel() for p in model.parameters())
+    config = {k: v for k, v in vars(args).items() if k != "json"} | {"parameters": params}
+    header = run_header(config=config, transformers=transformers.__version__, device=device)
     results = []
     for b in (int(x) for x in args.batch_sizes.split(",")):
         prompts = torch.randint(1, args.vocab, (b, args.prompt), generator=gen).to(device)
@@ -122,9 +131,10 @@ def main(argv: list[str] | None = None) -> dict:
             r["same_tokens_as_sdpa"] = same
             del r["tokens"]
         results += pair
+        if args.json is not None:  # after each batch size: a cut run keeps what it measured
+            write_run(args.json, "transformers_generate", header, results)
 
     where = torch.cuda.get_device_name() if device == "cuda" else "CPU (not a measurement)"
-    params = sum(p.numel() for p in model.parameters())
     print(
         f"{where}, Llama {params / 1e6:.1f}M params ({args.layers} layers), {args.dtype}, "
         f"prompt {args.prompt}, {args.new_tokens} new tokens, static cache, "
@@ -138,11 +148,7 @@ def main(argv: list[str] | None = None) -> dict:
             f"{r['seconds_median']:.3f} | {r['new_tokens_per_s']:,.0f} | "
             f"{r['speedup_vs_sdpa']:.3f}x | {r['graph_breaks']} | {r['same_tokens_as_sdpa']:.0%} |"
         )
-    if args.json is None:
-        return {"header": {}, "rows": results}
-    config = {k: v for k, v in vars(args).items() if k != "json"} | {"parameters": params}
-    header = run_header(config=config, transformers=transformers.__version__, device=device)
-    return write_run(args.json, "transformers_generate", header, results)
+    return {"kind": "transformers_generate", "header": header, "rows": results}
 
 
 if __name__ == "__main__":

@@ -74,7 +74,7 @@ def test_tiny_generate_run_writes_both_implementations(tmp_path):
         assert r["seconds_median"] > 0 and r["first_s"] > 0
         expected = r["batch_size"] * bg.TINY["new_tokens"] / r["seconds_median"]
         assert r["new_tokens_per_s"] == pytest.approx(expected)
-        assert r["same_tokens_as_sdpa"] == 1.0
+        assert r["same_tokens_as_sdpa"] == 1.0 and r["cache"] == "StaticCache"
     assert rows[0]["speedup_vs_sdpa"] == 1.0
     table = "\n".join(tables.transformers_generate_table(rows))
     assert "| 2 | fusedlayers |" in table
