@@ -304,12 +304,13 @@ def decode_section(page: Page, used, rows: list[dict]) -> tuple[list[str], list[
 
 def _table_section(kind: str, title: str, intro: list[str], make_table) -> Callable:
     """A section that is its title, `intro`, the Setup lines of its runs and one table
-    (`make_table(rows)`), or a note that no run of `kind` is recorded."""
+    (`make_table(rows)`); nothing while no run of `kind` is recorded (the page shows what was
+    measured; COMMANDS says how to record one)."""
 
     def section(page: Page, used, rows: list[dict]) -> tuple[list[str], list[Path]]:
-        lines = [f"## {title}", ""]
         if not used:
-            return lines + _missing(kind), []
+            return [], []
+        lines = [f"## {title}", ""]
         return lines + intro + [""] + _setups(page, kind, used) + make_table(rows) + [""], []
 
     return section
