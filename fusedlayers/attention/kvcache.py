@@ -428,8 +428,8 @@ def flash_attn_with_kvcache(
     local = causal or tuple(window_size) != (-1, -1)
     rotary = None if tables is None else (tables[0].shape[0], max(s_new, s_q) if local else s_new)
     # Values on the device are read on the host only in eager calls: a CUDA graph capture
-    # cannot sync, and torch.compile cannot trace a branch on them (as flash-attn, which checks
-    # none of these values, the caller then vouches for them).
+    # cannot sync, and torch.compile cannot trace a branch on them. There the caller vouches
+    # for them, as flash-attn's callers always do (it checks none of them).
     capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
     if not (torch.compiler.is_compiling() or capturing):
         _check_device_values(
