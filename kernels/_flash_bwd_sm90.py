@@ -51,8 +51,8 @@ Head dims between tile widths run on the next width up (`tile_width`), as in the
 and 96 run d = 128's configuration, 128-wide tiles (the same registers and shared memory: dK and
 dV 2 x 64 registers a thread). Their 128-wide TMA boxes read columns past d (the next head's
 data, or TMA's zero fill at a row's end; anything, NaN included), so S^T and dP^T take the dim's
-own columns only (two products: 64 + 16 for 80, 64 + 32 for 96, `_key_major_product`); dK and dV
-columns past d sum that garbage and are never stored (masked stores); dQ's are added into the
+own columns only (two products, 64 + 16 for 80 and 64 + 32 for 96: `_product_over_dim`); dK and
+dV columns past d sum that garbage and are never stored (masked stores); dQ's are added into the
 accumulator's padding, which is `tile_width(d)` columns a head (`dq_accumulator`) and read back
 to d columns only (`_flash_bwd._scaled_dq`).
 
@@ -94,7 +94,6 @@ from ._sm90_common import GLUON_AVAILABLE, descriptor_maker, launch_binding, tma
 
 if GLUON_AVAILABLE:
     from ._flash_bwd_sm90_steps import (
-        _key_major_product,
         _opaque_zero,
         _owns_dq,
         _reduce_dq,
@@ -105,6 +104,7 @@ if GLUON_AVAILABLE:
     from ._sm90_common import (
         _interleaved_tile,
         _partition_barrier,
+        _product_over_dim,
         _release,
         _seq_bounds,
         _tile_origin,
@@ -156,7 +156,7 @@ DQ_WAIT_LATE = {128: True, 64: True}
 P_FROM_REGISTERS = {128: True, 64: True}
 # The tables here are per tile width (`tile_width`): d = 80 and 96 run on d = 128's tiles, 128
 # columns wide, as in the forward. Their S^T and dP^T take the dim's own columns only (two
-# products, `_key_major_product`); the tiles' other columns (the next head's, or TMA's zero fill
+# products, `_product_over_dim`); the tiles' other columns (the next head's, or TMA's zero fill
 # at a row's end: anything, NaN included) reach only dK, dV and dQ columns past d, which are
 # never stored (dK, dV) or land in the accumulator's padding (`dq_accumulator`). The registers
 # and shared memory are d = 128's. Covered: (d_qk, d_v) pairs.
@@ -344,8 +344,8 @@ if GLUON_AVAILABLE:
                 # S^T = K Q^T and dP^T = V dO^T over the dim's own columns (two products each
                 # at d = 80 and 96; the waits below count groups from the latest, so an extra
                 # earlier one changes nothing).
-                s_tok = _key_major_product(k_wg, q_t, zero_s, HEAD_DIM)
-                dp_tok = _key_major_product(v_wg, do_t, zero_s, HEAD_DIM)
+                s_tok = _product_over_dim(k_wg, q_t, zero_s, HEAD_DIM)
+                dp_tok = _product_over_dim(v_wg, do_t, zero_s, HEAD_DIM)
                 if not WAIT_LATE:
                     # The previous step's dQ reduce has read `dq_wg` before it is stored into
                     # again (at this step's end, after the P^T barrier below orders every thread

@@ -43,31 +43,6 @@ if GLUON_AVAILABLE:
         )
 
     @gluon.jit
-    def _key_major_product(a_wg, b_t, zero, D: gl.constexpr):
-        """a_wg b_t^T over the first D columns of both tiles (S^T = K Q^T, dP^T = V dO^T:
-        [keys, queries]), issued as asynchronous wgmma: one group, or two when D is below the
-        tiles' width (d = 80, 96 on 128-wide tiles): the first half of the width, then the
-        rest, a power of two of at least 16 (wgmma's K step for 16-bit types): 80 = 64 + 16,
-        96 = 64 + 32, as the forward's `_scores`. The tiles' columns past D hold the next
-        head's data or TMA's zero fill (NaN possibly): they never enter the product."""
-        WIDTH: gl.constexpr = a_wg.type.shape[1]
-        if D == WIDTH:
-            tok = warpgroup_mma(a_wg, b_t.permute((1, 0)), zero, use_acc=False, is_async=True)
-        else:
-            LO: gl.constexpr = WIDTH // 2
-            HI: gl.constexpr = D - LO
-            gl.static_assert(HI >= 16 and (HI & (HI - 1)) == 0)
-            tok = warpgroup_mma(
-                a_wg.slice(0, LO, dim=1), b_t.slice(0, LO, dim=1).permute((1, 0)), zero,
-                use_acc=False, is_async=True,
-            )  # fmt: skip
-            tok = warpgroup_mma(
-                a_wg.slice(LO, HI, dim=1), b_t.slice(LO, HI, dim=1).permute((1, 0)), tok,
-                is_async=True,
-            )  # fmt: skip
-        return tok
-
-    @gluon.jit
     def _visible_keys(p_t, key0, m0, len_q, len_k, diag):
         """P^T (or dS^T) [keys from key0, queries from m0] with invisible pairs set to 0: keys
         past len_k, queries past len_q, and keys past each query's diagonal (`diag` = len_k

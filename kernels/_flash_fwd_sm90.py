@@ -98,9 +98,9 @@ CONSUMER_WARPS = 4  # the default partition: consumer warpgroup 0; the others ar
 TILES = {64: (128, 3), 128: (128, 2), 256: (64, 2)}
 # The tables here are per tile width: the power of two a head dim's tiles are as wide as
 # (`widths`). Head dims between widths run on the next one up: their scores take their own
-# columns only (two products when the dim is no power of two, `_scores`), their V tile's extra
-# columns give output columns that are never stored, so the tile's width costs shared memory, TMA
-# bandwidth and P V work, not correctness. Covered: (d_qk, d_v) pairs.
+# columns only (two products when the dim is no power of two, `_product_over_dim`), their V
+# tile's extra columns give output columns that are never stored, so the tile's width costs
+# shared memory, TMA bandwidth and P V work, not correctness. Covered: (d_qk, d_v) pairs.
 SUPPORTED_DIMS = (
     (64, 64), (80, 80), (96, 96), (128, 128), (160, 160), (192, 192), (256, 256), (192, 128),
 )  # fmt: skip

@@ -15,6 +15,7 @@ WARPGROUP_ROWS = 64  # query rows per consumer warpgroup (a wgmma's M is 64 per 
 if GLUON_AVAILABLE:
     from ._sm90_common import (
         _interleaved_tile,
+        _product_over_dim,
         _release,
         _seq_bounds,
         _tile_origin,
@@ -176,28 +177,6 @@ if GLUON_AVAILABLE:
         return blocks
 
     @gluon.jit
-    def _scores(q_tile, k_tile, zero_s, D_QK: gl.constexpr):
-        """S = Q K^T over the first D_QK columns of the tiles, as an asynchronous wgmma (one
-        group, or two when D_QK is no power of two: its largest power-of-two part, then the
-        rest, which must be one too, at least 16: 80 = 64 + 16, 96 = 64 + 32, 160 = 128 + 32,
-        192 = 128 + 64)."""
-        WIDTH: gl.constexpr = k_tile.type.shape[1]
-        if D_QK == WIDTH:
-            s = warpgroup_mma(q_tile, k_tile.permute((1, 0)), zero_s, use_acc=False, is_async=True)
-        else:
-            LO: gl.constexpr = WIDTH // 2
-            HI: gl.constexpr = D_QK - LO
-            s = warpgroup_mma(
-                q_tile.slice(0, LO, dim=1), k_tile.slice(0, LO, dim=1).permute((1, 0)), zero_s,
-                use_acc=False, is_async=True,
-            )  # fmt: skip
-            s = warpgroup_mma(
-                q_tile.slice(LO, HI, dim=1), k_tile.slice(LO, HI, dim=1).permute((1, 0)), s,
-                is_async=True,
-            )  # fmt: skip
-        return s
-
-    @gluon.jit
     def _consume_tile(
         smem, bars, start_m, len_q, len_k, diag, num_blocks, first_masked, qk_scale,
         o_desc, out_ptr, lse_ptr, o_base, lse_base, stride_os, stride_ls, WG: gl.constexpr,
@@ -218,9 +197,9 @@ if GLUON_AVAILABLE:
         `tma_view` grid) where all of them lie inside the sequence; else, and for a block
         that reaches past len_q, masked stores from registers. D_QK, D_V: the head dims, at
         most the tiles' widths (powers of two, from the buffers' types); narrower ones take
-        the scores over their own columns only (`_scores`), so what the tile holds past them
-        (the next head's values, or TMA's zero fill) never enters S, and out's columns past
-        D_V are computed but never stored.
+        the scores over their own columns only (`_product_over_dim`), so what the tile holds
+        past them (the next head's values, or TMA's zero fill) never enters S, and out's
+        columns past D_V are computed but never stored.
         """
         q_smem, k_smem, v_smem, o_smem = smem
         BLOCK_N: gl.constexpr = k_smem.type.shape[1]
@@ -251,7 +230,7 @@ if GLUON_AVAILABLE:
         first = ring_base % NUM_STAGES
         mbarrier.wait(k_ready.index(first), (ring_base // NUM_STAGES) & 1)
         _take_turn(turn, WG, turn_base)
-        s_tok = _scores(q_tile, k_smem.index(first), zero_s, D_QK)
+        s_tok = _product_over_dim(q_tile, k_smem.index(first), zero_s, D_QK)
         _pass_turn(turn, WG)
         s = warpgroup_mma_wait(0, deps=[s_tok])
         _release(k_empty.index(first))
@@ -282,7 +261,7 @@ if GLUON_AVAILABLE:
             mbarrier.wait(k_ready.index(stage), (ring // NUM_STAGES) & 1)
             mbarrier.wait(v_ready.index(prev), ((ring - 1) // NUM_STAGES) & 1)
             _take_turn(turn, WG, turn_base + it)
-            s_tok = _scores(q_tile, k_smem.index(stage), zero_s, D_QK)
+            s_tok = _product_over_dim(q_tile, k_smem.index(stage), zero_s, D_QK)
             o_tok = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
             _pass_turn(turn, WG)
             # wgmma groups retire in issue order: one outstanding (P V) means S(it) has landed.

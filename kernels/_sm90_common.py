@@ -45,6 +45,31 @@ except Exception:  # noqa: BLE001 - any import failure means: no Gluon path on t
 if GLUON_AVAILABLE:
 
     @gluon.jit
+    def _product_over_dim(a_tile, b_tile, zero, D: gl.constexpr):
+        """a b^T over the first D columns of two tiles of one width, as asynchronous wgmma: the
+        forward's S = Q K^T, the backward's key-major S^T = K Q^T and dP^T = V dO^T. One group
+        when D is the width, else two: the first half of the width, then the rest, a power of
+        two of at least 16 (wgmma's K step for 16-bit types): 80 = 64 + 16, 96 = 64 + 32 on
+        128-wide tiles, 160 = 128 + 32, 192 = 128 + 64 on 256-wide ones. The tiles' columns past
+        D (the next head's data, or TMA's zero fill; NaN possibly) never enter the product."""
+        WIDTH: gl.constexpr = a_tile.type.shape[1]
+        if D == WIDTH:
+            tok = warpgroup_mma(a_tile, b_tile.permute((1, 0)), zero, use_acc=False, is_async=True)
+        else:
+            LO: gl.constexpr = WIDTH // 2
+            HI: gl.constexpr = D - LO
+            gl.static_assert(HI >= 16 and (HI & (HI - 1)) == 0)
+            tok = warpgroup_mma(
+                a_tile.slice(0, LO, dim=1), b_tile.slice(0, LO, dim=1).permute((1, 0)), zero,
+                use_acc=False, is_async=True,
+            )  # fmt: skip
+            tok = warpgroup_mma(
+                a_tile.slice(LO, HI, dim=1), b_tile.slice(LO, HI, dim=1).permute((1, 0)), tok,
+                is_async=True,
+            )  # fmt: skip
+        return tok
+
+    @gluon.jit
     def _seq_bounds(z, cu_ptr, offsets_ptr, seqlens_ptr, full_len, SEQ_MODE: gl.constexpr):
         """(first row in memory, length) of sequence z: the modes of `_common.seq_bounds`."""
         if SEQ_MODE == 0:
@@ -219,4 +244,5 @@ if GLUON_AVAILABLE:
         "TensorDescriptor", "fence_async_shared", "gl", "gluon", "mbarrier", "tma",
         "warpgroup_mma", "warpgroup_mma_wait", "_partition_barrier", "_tma_load", "_tma_store",
         "_seq_bounds", "_interleaved_tile", "_tile_origin", "_release", "_zero_rows_from",
+        "_product_over_dim",
     ]  # fmt: skip
