@@ -84,13 +84,18 @@ from ._common import (
     empty,
     head_row_bytes,
     lse_strides,
-    next_pow2,
     planned,
     strides4,
     zeros,
 )
 from ._launch import launch, launch_bound
-from ._sm90_common import GLUON_AVAILABLE, descriptor_maker, launch_binding, tma_view
+from ._sm90_common import (
+    GLUON_AVAILABLE,
+    descriptor_maker,
+    launch_binding,
+    tile_width,
+    tma_view,
+)
 
 if GLUON_AVAILABLE:
     from ._flash_bwd_sm90_steps import (
@@ -161,12 +166,6 @@ P_FROM_REGISTERS = {128: True, 64: True}
 # never stored (dK, dV) or land in the accumulator's padding (`dq_accumulator`). The registers
 # and shared memory are d = 128's. Covered: (d_qk, d_v) pairs.
 SUPPORTED_DIMS = ((64, 64), (80, 80), (96, 96), (128, 128))
-
-
-def tile_width(d: int) -> int:
-    """The width of head dim d's tiles (its TMA boxes, and the key of the tables above): the
-    next power of two, as in the forward (`_flash_fwd_sm90.widths`)."""
-    return next_pow2(d)
 
 
 if GLUON_AVAILABLE:

@@ -64,13 +64,18 @@ from ._common import (
     head_row_bytes,
     lse_strides,
     multiprocessors,
-    next_pow2,
     planned,
     strides4,
 )
 from ._flash_fwd_sm90_partitions import WARPGROUP_ROWS
 from ._launch import _current_stream, launch, launch_bound
-from ._sm90_common import GLUON_AVAILABLE, descriptor_maker, launch_binding, tma_view
+from ._sm90_common import (
+    GLUON_AVAILABLE,
+    descriptor_maker,
+    launch_binding,
+    tile_width,
+    tma_view,
+)
 
 if GLUON_AVAILABLE:
     from ._flash_fwd_sm90_partitions import (
@@ -135,8 +140,8 @@ TMA_EPILOGUE = {64: True, 128: True, 256: False}
 
 
 def widths(d_qk: int, d_v: int) -> tuple[int, int]:
-    """(q and k's tile width, v's) for a pair in `SUPPORTED_DIMS`: the next powers of two."""
-    return next_pow2(d_qk), next_pow2(d_v)
+    """(q and k's tile width, v's) for a pair in `SUPPORTED_DIMS` (`tile_width`)."""
+    return tile_width(d_qk), tile_width(d_v)
 
 
 if GLUON_AVAILABLE:

@@ -14,7 +14,16 @@ import functools
 import torch
 
 from . import _compat
+from ._common import next_pow2
 from ._launch import int_signature, launch_slot
+
+
+def tile_width(d: int) -> int:
+    """The width of head dim d's tiles in both sm_90 kernels (their TMA boxes, and the key of
+    their tables): the next power of two, so that dims between widths (80, 96; 160, 192) run on
+    the next width up, taking their own columns only (`_product_over_dim`)."""
+    return next_pow2(d)
+
 
 try:  # Gluon ships with Triton 3.5+; its Hopper module is what this path needs.
     if _compat.FAST_PATHS_OFF:  # an untested Triton: the portable kernels take every call
@@ -237,7 +246,7 @@ def launch_binding(signature, order_pairs: int) -> tuple:
 # The host side always exists; the Gluon names and device helpers only where Gluon imports.
 __all__ = [
     "GLUON_AVAILABLE", "tma_view", "launch_binding", "_smem_layout",
-    "descriptor_maker",
+    "descriptor_maker", "tile_width",
 ]  # fmt: skip
 if GLUON_AVAILABLE:
     __all__ += [

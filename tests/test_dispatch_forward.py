@@ -188,6 +188,7 @@ def test_sm90_common_exports_only_what_it_defines(monkeypatch):
     assert not module.GLUON_AVAILABLE
     assert set(module.__all__) == {
         "GLUON_AVAILABLE", "tma_view", "launch_binding", "_smem_layout", "descriptor_maker",
+        "tile_width",
     }  # fmt: skip
     assert all(hasattr(module, name) for name in module.__all__)
 
