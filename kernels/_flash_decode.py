@@ -468,6 +468,7 @@ def decode_attention(
     num_splits: int = 0,
     return_lse: bool = True,
     signature: tuple | None = None,
+    shared_buffers: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Split-KV attention of q over a KV cache, on validated input; returns (out, lse).
 
@@ -486,7 +487,11 @@ def decode_attention(
     determine every argument's shape, strides, dtype, device and 16-byte alignment and every
     scalar here (`flash_attn_with_kvcache` does); else it is `call_signature` of the arguments.
     A split call is one launch with `FUSED_COMBINE` (see `_decode_merge` for its stream
-    assumption), else two.
+    assumption), else two. `shared_buffers=False`: the call allocates its own partials and lse
+    and merges in a second launch, as with `ORDERED_STREAMS = False`; the custom op of
+    `decode_ops.py` does, because inside torch.compile's CUDA graphs a device buffer this module
+    keeps would be allocated from the graph's memory pool, which then fails its check that
+    every live allocation is one of the graph's outputs.
     """
     if _compat.upcast_bf16(q.dtype):  # the interpreter's bf16 dot is wrong: compute in fp32
         out, lse = decode_attention(
@@ -494,7 +499,7 @@ def decode_attention(
             cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad,
             softmax_scale=softmax_scale, window_left=window_left, window_right=window_right,
             softcap=softcap, alibi_slopes=alibi_slopes, num_splits=num_splits,
-            return_lse=return_lse,
+            return_lse=return_lse, shared_buffers=shared_buffers,
         )  # fmt: skip
         return out.to(q.dtype), lse
     # The kernel indexes these with unit strides; copies only when a caller passed strided views.
@@ -528,8 +533,9 @@ def decode_attention(
     views = None
     scratch_size = plan.workspace if return_lse else plan.lse_at + plan.lse_numel
     starts = (0, plan.lse_part_at, plan.lse_at)
+    shared_buffers = shared_buffers and ORDERED_STREAMS
     if scratch_size:
-        if ORDERED_STREAMS:
+        if shared_buffers:
             views = _decode_merge._scratch_views(q.device, scratch_size, starts)
         if views is None:
             scratch = torch.empty(scratch_size, dtype=torch.float32, device=q.device)
@@ -544,7 +550,7 @@ def decode_attention(
         o_part = lse_part = lse  # unused placeholders
     dummy = seqlens_k
     tickets = None
-    if plan.fused_constexprs is not None and FUSED_COMBINE and ORDERED_STREAMS:
+    if plan.fused_constexprs is not None and FUSED_COMBINE and shared_buffers:
         # None: the separate merge this once
         tickets = _decode_merge._ticket_counters(q.device, plan.grid[0])
     args = (

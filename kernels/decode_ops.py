@@ -44,7 +44,7 @@ def _decode_op(
         q, k_cache, v_cache, seqlens_k, block_table=block_table, cache_batch_idx=cache_batch_idx,
         cache_leftpad=cache_leftpad, softmax_scale=softmax_scale, window_left=window_left,
         window_right=window_right, softcap=softcap, alibi_slopes=alibi_slopes,
-        num_splits=num_splits, return_lse=True,
+        num_splits=num_splits, return_lse=True, shared_buffers=False,
     )  # fmt: skip
 
 

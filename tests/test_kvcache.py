@@ -416,6 +416,18 @@ def test_unordered_streams_keep_no_buffers(monkeypatch, fresh_scratch):
     assert _decode_merge._SCRATCH == {} and _decode_merge._TICKETS == {}
 
 
+def test_compiled_split_call_keeps_no_buffers(monkeypatch, fresh_scratch):
+    """Under torch.compile the decode op allocates its own partials and merges in a second
+    launch: a buffer kept by the module would, inside the compiled step's CUDA graphs
+    (transformers' static-cache generate), come from the graph's memory pool and fail its
+    check that every live allocation is an output. Exact against the fp64 oracle."""
+    monkeypatch.setattr(_decode_merge, "_TICKETS", {})
+    merges = pin_combine(monkeypatch, "fused")
+    check_kv_case(KVCase(num_splits=3, s_new=1, causal=True), "cpu", call=_compiled_call)
+    assert merges and set(merges) == {"_decode_combine"}
+    assert _decode_merge._SCRATCH == {} and _decode_merge._TICKETS == {}
+
+
 def test_no_scratch_past_the_cap_or_under_capture(monkeypatch, fresh_scratch):
     """A call needing more than `_MAX_SCRATCH` elements allocates its own partials (and is
     exact); under CUDA graph capture a scratch too small is not grown."""

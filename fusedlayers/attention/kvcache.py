@@ -430,8 +430,9 @@ def flash_attn_with_kvcache(
     # Values on the device are read on the host only in eager calls: a CUDA graph capture
     # cannot sync, and torch.compile cannot trace a branch on them. There the caller vouches
     # for them, as flash-attn's callers always do (it checks none of them).
-    capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
-    if not (torch.compiler.is_compiling() or capturing):
+    # Compiling is asked first: Dynamo cannot trace the capture query and would break the graph.
+    compiling = torch.compiler.is_compiling()
+    if not (compiling or (q.is_cuda and torch.cuda.is_current_stream_capturing())):
         _check_device_values(
             seqlens, host_len, s_new, capacity, cache_leftpad, cache_batch_idx, k_cache.shape[0],
             block_table, k_cache.shape[0], page_size,

@@ -93,3 +93,32 @@ def test_packed_sequences_bf16(family, monkeypatch):
         )
     tt.assert_two_x(got, compared, oracle, f"{family} packed logits", ATOL)
     assert spy.saw("packed")
+
+
+def test_static_cache_generate_on_split_decode_twice():
+    """Static-cache generate compiles the model's step into CUDA graphs; prompts of 600 tokens
+    give caches long enough for the decode kernel to split the keys (its partials are scratch).
+    Two calls in a row, each against sdpa's tokens, with no more graph breaks than sdpa's: a
+    device buffer the decode kept between calls once failed the graphs' memory-pool check on
+    the second call, and a capture query broke the graph in `flash_attn_with_kvcache`."""
+    from fusedlayers.kernels import _flash_decode
+    from torch._dynamo.utils import counters
+
+    model, comparator = tt.tiny_model("llama")
+    ids, mask = tt.padded_batch((600, 400, 200), 600, "left", seed=6, device="cuda")
+    oracle, compared, fused = _variants(model, comparator)
+
+    def generate_twice(m):
+        torch._dynamo.reset()
+        counters.clear()
+        runs = [tt.greedy(m, ids, mask, 8, cache_implementation="static") for _ in range(2)]
+        assert counters["stats"]["unique_graphs"] > 0, "generate compiled nothing"
+        return runs, sum(counters["graph_break"].values())
+
+    (want, _), want_breaks = generate_twice(compared)
+    _flash_decode._PLANS.clear()
+    (got, again), breaks = generate_twice(fused)
+    assert any(plan.num_splits > 1 for plan in _flash_decode._PLANS.values()), "no split decode"
+    assert torch.equal(again, got)
+    tt.assert_same_greedy(got, want, oracle, ids, mask, TIE)
+    assert breaks <= want_breaks, (breaks, want_breaks)
