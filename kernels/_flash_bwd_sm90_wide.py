@@ -25,13 +25,13 @@ from ._sm90_common import GLUON_AVAILABLE
 if GLUON_AVAILABLE:
     from ._flash_bwd_sm90_steps import (
         _dscores,
-        _key_major_product,
         _opaque_zero,
         _probs,
         _reduce_dq,
     )
     from ._sm90_common import (
         _partition_barrier,
+        _product_over_dim,
         _release,
         _zero_rows_from,
         fence_async_shared,
@@ -109,8 +109,8 @@ if GLUON_AVAILABLE:
             _zero_rows_from(q_t, len_q - m0, 16)
             _zero_rows_from(do_t, len_q - m0, 16)
             # S^T and dP^T of this warpgroup's 32 queries, over the dims' own columns.
-            s_tok = _key_major_product(k_res, q_t.slice(q0, ROWS), zero_s, HEAD_DIM)
-            dp_tok = _key_major_product(v_res, do_t.slice(q0, ROWS), zero_s, HEAD_DIM_V)
+            s_tok = _product_over_dim(k_res, q_t.slice(q0, ROWS), zero_s, HEAD_DIM)
+            dp_tok = _product_over_dim(v_res, do_t.slice(q0, ROWS), zero_s, HEAD_DIM_V)
             buf = it % 2
             p_buf = p_smem.index(buf)  # [queries, keys]
             ds_buf = ds_smem.index(buf)
