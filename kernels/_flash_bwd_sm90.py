@@ -56,14 +56,15 @@ dV columns past d sum that garbage and are never stored (masked stores); dQ's ar
 accumulator's padding, which is `tile_width(d)` columns a head (`dq_accumulator`) and read back
 to d columns only (`_flash_bwd._scaled_dq`).
 
-d = 192 and 256, and (d_qk, d_v) = (192, 128), run another schedule on 256-wide tiles: 64 keys
-a program, both consumer warpgroups on the same keys, each holding half of dK's and dV's
-columns (`_flash_bwd_sm90_wide`, docs/design-sm90-backward-wide.md). A prototype compiled
-offline only: `dispatch` takes it only when the backward is pinned to "sm90".
+d = 160, 192 and 256, and (d_qk, d_v) = (192, 128), run another schedule on 256-wide tiles: 64
+keys a program, both consumer warpgroups on the same keys, each holding half of dK's and dV's
+columns (`_flash_bwd_sm90_wide`, docs/design-sm90-backward-wide.md); 160 and 192 leave the
+tiles' columns past d out as 80 and 96 do.
 
-Covered: fp16/bf16, d = d_v in {64, 80, 96, 128} (`SUPPORTED_DIMS`), MHA/GQA/MQA, no mask /
-causal (both alignments), dense, right-padded and varlen; at 80 and 96 only storage whose rows
-are at least a 128-wide box (one KV head of 96 columns in rows 96 wide is not: `plan_views`). dQ
+Covered: fp16/bf16, (d_qk, d_v) in `SUPPORTED_DIMS` (64, 80, 96, 128, 160, 192, 256 with
+d_v = d_qk, and (192, 128)), MHA/GQA/MQA, no mask / causal (both alignments), dense,
+right-padded and varlen; below a tile width only storage whose rows are at least one box wide
+(one KV head of 96 columns in rows 96 wide is not, nor one of 160 or 192: `plan_views`). dQ
 is not bitwise reproducible (the order of the fp32 atomic adds varies), so `deterministic=True`
 takes the portable two-pass backward, as does everything else not covered
 (`dispatch.sm90_backward_plan`).
@@ -177,10 +178,10 @@ P_FROM_REGISTERS = {128: True, 64: True, 256: False}
 # products, `_product_over_dim`); the tiles' other columns (the next head's, or TMA's zero fill
 # at a row's end: anything, NaN included) reach only dK, dV and dQ columns past d, which are
 # never stored (dK, dV) or land in the accumulator's padding (`dq_accumulator`). The registers
-# and shared memory are d = 128's. d = 192 runs on 256-wide tiles the same way; (192, 128) on
-# 256-wide q/k tiles and 128-wide v/dO tiles (`widths`). Covered: (d_qk, d_v) pairs.
+# and shared memory are d = 128's. d = 160 and 192 run on 256-wide tiles the same way;
+# (192, 128) on 256-wide q/k tiles and 128-wide v/dO tiles (`widths`). Covered: (d_qk, d_v) pairs.
 SUPPORTED_DIMS = (
-    (64, 64), (80, 80), (96, 96), (128, 128), (192, 192), (256, 256), (192, 128),
+    (64, 64), (80, 80), (96, 96), (128, 128), (160, 160), (192, 192), (256, 256), (192, 128),
 )  # fmt: skip
 
 
@@ -678,7 +679,7 @@ def plan_views(q, k, v, dout, varlen: bool):
     )
     if any(view is None for view in views):
         return None
-    # A box wider than the grid's rows (one head of d = 80, 96 or 192 in rows of d elements)
+    # A box wider than the grid's rows (one head of d = 80, 96, 160 or 192 in rows of d elements)
     # is no legal TMA box; such rows take the portable kernels.
     if any(view[0][1] < w for view, w in zip(views, (width, width, width_v, width_v))):
         return None

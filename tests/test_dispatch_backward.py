@@ -303,14 +303,15 @@ def test_plans_keep_only_geometries_without_tensors(layout):
         assert kept == launch_geometry(torch.randn_like(x), torch.randn_like(x))
 
 
-WIDE_PAIRS = [(192, 192), (256, 256), (192, 128)]
+WIDE_PAIRS = [(160, 160), (192, 192), (256, 256), (192, 128)]
+WIDE_IDS = ["160", "192", "256", "192x128"]
 
 
-@pytest.mark.parametrize("d_qk, d_v", WIDE_PAIRS, ids=["192", "256", "192x128"])
-def test_wide_head_dims_only_behind_the_explicit_setting(d_qk, d_v, monkeypatch):
-    """d = 192, 256 and (192, 128) are covered by the sm_90 backward (a prototype), taken when
-    the backward is pinned to "sm90" and never under "auto", whatever the length; one KV head
-    of 192 columns in rows 192 wide is narrower than the 256-wide box and is not taken."""
+@pytest.mark.parametrize("d_qk, d_v", WIDE_PAIRS, ids=WIDE_IDS)
+def test_wide_head_dims_follow_the_length_table(d_qk, d_v, monkeypatch):
+    """d = 160, 192, 256 and (192, 128) take the sm_90 backward's 256-wide schedule when
+    pinned, and under "auto" from `SM90_BWD_MIN_KEYS` keys on (by d_qk); one KV head of 160
+    or 192 columns in rows d wide is narrower than the 256-wide box and is not taken."""
     monkeypatch.setattr(dispatch, "_on_sm90", lambda t: True)
     monkeypatch.setattr(_flash_bwd_sm90, "GLUON_AVAILABLE", True)
     monkeypatch.setattr(dispatch, "SM90_BWD_MIN_WAVES", 0)
@@ -323,19 +324,21 @@ def test_wide_head_dims_only_behind_the_explicit_setting(d_qk, d_v, monkeypatch)
         views, causal = _plan(q, k, v, dout, window_right=0)
         assert causal and len(views) == 4
         assert _plan(q, k, v, dout) is not None
-        if d_qk == 192:
+        if d_qk < 256:
             one_k, one_v = (t[:, :, :1].contiguous() for t in (k, v))  # rows d wide
             assert _plan(q, one_k, one_v, dout) is None
         set_backward_path("auto")
-        assert _plan(q, k, v, dout) is None
-        assert _plan(q, k, v, dout, window_right=0) is None
+        assert _plan(q, k, v, dout) is not None
+        assert _plan(q, k, v, dout, window_right=0) is not None
+        monkeypatch.setitem(dispatch.SM90_BWD_MIN_KEYS, d_qk, 8192)
+        assert _plan(q, k, v, dout) is None  # 4096 keys, under the table's
     finally:
         set_backward_path(previous)
 
 
-@pytest.mark.parametrize("d_qk, d_v", WIDE_PAIRS, ids=["192", "256", "192x128"])
+@pytest.mark.parametrize("d_qk, d_v", WIDE_PAIRS, ids=WIDE_IDS)
 def test_sm90_backward_wide_dims_launch_64_keys_and_256_wide_tiles(d_qk, d_v, monkeypatch):
-    """d = 192 and 256 launch the column-split configuration (`_flash_bwd_sm90_wide`): 64 keys
+    """d = 160, 192 and 256 launch the column-split configuration (`_flash_bwd_sm90_wide`): 64 keys
     a program, one stage of 64 query rows, 256-wide q and k boxes (v and dout as wide as their
     tile width), 128-wide dQ boxes over an accumulator of 256 columns a head; HEAD_DIM and
     HEAD_DIM_V are the dims themselves."""

@@ -4,15 +4,15 @@ Every case pins the sm_90 backward (`set_backward_path("sm90")`) and checks that
 really took it (a spy on `backward_sm90`), then applies the suite's pass rule
 (tests/attention_testing.py: each gradient's max error <= 3x PyTorch's own error in the input
 dtype, plus one unit at the gradient's magnitude). Cases cover what the path claims: fp16/bf16,
-d = 64, 80, 96 and 128 (80 and 96 on 128-wide tiles), and the column-split prototype at 192,
-256 and (d_qk, d_v) = (192, 128) (256-wide tiles, 64 keys a program; never run before these
-tests, reachable only with the path pinned), MHA/GQA/MQA, no mask and causal in both
-alignments, s_q != s_k, lengths that are and are not multiples of the tiles, rows with no visible
-key, dense, right-padded, varlen with and without gaps, strided views (sbhd, packed sb3hd), NaN
-in rows no sequence owns and (d = 80, 96) NaN in the tiles' columns past d. Further tests: dK/dV
-bitwise reproducible run to run (dQ sums with atomics: close, not bitwise), agreement with the
-portable backward on a long GQA problem, and the calls the path does not cover (among them
-deterministic=True) falling back to the portable kernels.
+d = 64, 80, 96 and 128 (80 and 96 on 128-wide tiles), and the column-split schedule at 160,
+192, 256 and (d_qk, d_v) = (192, 128) (256-wide tiles, 64 keys a program), MHA/GQA/MQA, no
+mask and causal in both alignments, s_q != s_k, lengths that are and are not multiples of the
+tiles, rows with no visible key, dense, right-padded, varlen with and without gaps, strided
+views (sbhd, packed sb3hd), NaN in rows no sequence owns and (d = 80, 96, 160, 192) NaN in the
+tiles' columns past d. Further tests: dK/dV bitwise reproducible run to run (dQ sums with
+atomics: close, not bitwise), agreement with the portable backward on a long GQA problem, and
+the calls the path does not cover (among them deterministic=True) falling back to the
+portable kernels.
 
 Shapes: dense q [b, s_q, h, d], k/v [b, s_k, h_kv, d]; varlen [t, h, d].
 """
@@ -136,6 +136,11 @@ CASES = [
     Case(b=5, s_q=513, s_k=700, h=4, h_kv=2, d=256, dtype=torch.float16, layout="varlen_padded"),
     Case(b=5, s_q=513, s_k=700, h=4, h_kv=2, d=192, d_v=128, dtype=torch.bfloat16,
          layout="varlen_padded", window=(-1, 0), bottom_right=False),
+    # d = 160 on the same 256-wide tiles (96 columns past d).
+    Case(b=2, s_q=1024, s_k=1024, h=4, h_kv=2, d=160, dtype=torch.bfloat16, window=(-1, 0)),
+    Case(b=2, s_q=300, s_k=777, h=8, h_kv=2, d=160, dtype=torch.float16),
+    Case(b=5, s_q=513, s_k=700, h=4, h_kv=2, d=160, dtype=torch.bfloat16, layout="varlen_padded",
+         window=(-1, 0), bottom_right=False),
 ]  # fmt: skip
 
 
@@ -207,7 +212,7 @@ def _grads(q, k, v, dout, causal):
 
 @needs_sm90
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("d", [64, 96, 128, 192, 256])
+@pytest.mark.parametrize("d", [64, 96, 128, 160, 192, 256])
 def test_sm90_backward_agrees_with_portable_and_itself(d, causal, sm90_spy):
     """One long GQA problem: dK and dV bitwise equal run to run (no atomics), dQ close (fp32
     atomics in varying order), all three close to the portable backward."""
@@ -250,7 +255,7 @@ def test_sm90_backward_strided_views(causal, sm90_spy):
 @needs_sm90
 @pytest.mark.parametrize("causal", [False, True], ids=["no_mask", "causal"])
 @pytest.mark.parametrize("layout", ["dense", "varlen"])
-@pytest.mark.parametrize("d", [80, 96, 192])
+@pytest.mark.parametrize("d", [80, 96, 160, 192])
 def test_sm90_backward_narrow_head_dims_ignore_the_columns_past_them(d, layout, causal, sm90_spy):
     """d = 80 and 96 read 128-wide tiles of q, k, v and dout, d = 192 256-wide ones: the columns
     past d (here NaN: all four are views of buffers twice the tile width a head, and dout
