@@ -56,9 +56,15 @@ dV columns past d sum that garbage and are never stored (masked stores); dQ's ar
 accumulator's padding, which is `tile_width(d)` columns a head (`dq_accumulator`) and read back
 to d columns only (`_flash_bwd._scaled_dq`).
 
-Covered: fp16/bf16, d = d_v in {64, 80, 96, 128} (`SUPPORTED_DIMS`), MHA/GQA/MQA, no mask /
-causal (both alignments), dense, right-padded and varlen; at 80 and 96 only storage whose rows
-are at least a 128-wide box (one KV head of 96 columns in rows 96 wide is not: `plan_views`). dQ
+d = 160, 192 and 256, and (d_qk, d_v) = (192, 128), run another schedule on 256-wide tiles: 64
+keys a program, both consumer warpgroups on the same keys, each holding half of dK's and dV's
+columns (`_flash_bwd_sm90_wide`, docs/design-sm90-backward-wide.md); 160 and 192 leave the
+tiles' columns past d out as 80 and 96 do.
+
+Covered: fp16/bf16, (d_qk, d_v) in `SUPPORTED_DIMS` (64, 80, 96, 128, 160, 192, 256 with
+d_v = d_qk, and (192, 128)), MHA/GQA/MQA, no mask / causal (both alignments), dense,
+right-padded and varlen; below a tile width only storage whose rows are at least one box wide
+(one KV head of 96 columns in rows 96 wide is not, nor one of 160 or 192: `plan_views`). dQ
 is not bitwise reproducible (the order of the fp32 atomic adds varies), so `deterministic=True`
 takes the portable two-pass backward, as does everything else not covered
 (`dispatch.sm90_backward_plan`).
@@ -106,6 +112,7 @@ if GLUON_AVAILABLE:
         _visible_keys,
         _wait_dv,
     )
+    from ._flash_bwd_sm90_wide import _consumer_wide
     from ._sm90_common import (
         _interleaved_tile,
         _partition_barrier,
@@ -126,6 +133,10 @@ if GLUON_AVAILABLE:
 
 
 BLOCK_N = 128  # keys per program: two consumer warpgroups of 64 (a wgmma's M per warpgroup)
+# Keys per program per tile width (`block_n`): 128 up to 128-wide tiles; 64 at 256 (d = 192,
+# 256), where both consumer warpgroups share the 64 keys and split dK's and dV's columns
+# (`_flash_bwd_sm90_wide`; docs/design-sm90-backward-wide.md).
+KEYS_PER_PROGRAM = {64: BLOCK_N, 128: BLOCK_N, 256: 64}
 CONSUMER_WARPS = 4
 # Registers as in the forward: two consumer warpgroups and a four-warp producer, 168 x 384
 # threads fill the register file; the producer keeps 24, each consumer gets 240.
@@ -139,7 +150,9 @@ MAX_REGISTERS = 168
 # many), each run as two 64-query halves: on the H100 its backward read 1.06-1.12x the 64-row
 # step's at s = 4k and 16k (0.92-1.02x at 1k; docs/performance.md); `TILES[64] = (64, 2)`
 # selects the 64-row step again.
-TILES = {128: (64, 2), 64: (128, 2)}
+# d = 192 and 256 (256-wide tiles): 64-row steps and one stage; a second one (64 KiB more)
+# does not fit beside the dQ staging tiles (docs/design-sm90-backward-wide.md).
+TILES = {128: (64, 2), 64: (128, 2), 256: (64, 1)}
 # The 128-row step variant (tests and examples/perf/tune_sm90_backward.py --block-m pin it).
 TILES_M128 = {64: (128, 2)}
 # Per head dim, the order of a step's last products. True issues dQ before dK (FlashAttention-3's
@@ -148,24 +161,45 @@ TILES_M128 = {64: (128, 2)}
 # waits for the other's dS^T, and releases the stage before the dQ epilogue. Measured on the
 # H100 (forward+backward, one process): d = 128 +2-3% at 4k and 16k (causal 4k -1%); d = 64,
 # whose 128-row step has a dK product twice as long, -2-3% (docs/performance.md).
-DQ_BEFORE_DK = {128: True, 64: False}
+# The wide schedule (256) has one order (dV, dK, dQ) and reads none of the three tables below.
+DQ_BEFORE_DK = {128: True, 64: False, 256: True}
 # Per head dim: where a consumer waits until its previous dQ reduce has read the staging tile.
 # True: just before it stores the next share there; False: at the step's start, behind the
 # S^T and dP^T issue (ptxas hoists that wait between their wgmma chains).
-DQ_WAIT_LATE = {128: True, 64: True}
+DQ_WAIT_LATE = {128: True, 64: True, 256: True}
 # Per head dim: dV += P^T dO takes P^T from registers (True; wgmma's A operand may be) or from
 # shared memory (False). From registers saves the tile's trip through shared memory (a store,
 # the product's read, a fence and a barrier a step, per half of a 128-row step), whose
 # bandwidth the consumers wait on (Nsight Compute: MIO-queue stalls lead theirs at d=128), for
 # 16 more registers a thread held until dV lands.
-P_FROM_REGISTERS = {128: True, 64: True}
+P_FROM_REGISTERS = {128: True, 64: True, 256: False}
 # The tables here are per tile width (`tile_width`): d = 80 and 96 run on d = 128's tiles, 128
 # columns wide, as in the forward. Their S^T and dP^T take the dim's own columns only (two
 # products, `_product_over_dim`); the tiles' other columns (the next head's, or TMA's zero fill
 # at a row's end: anything, NaN included) reach only dK, dV and dQ columns past d, which are
 # never stored (dK, dV) or land in the accumulator's padding (`dq_accumulator`). The registers
-# and shared memory are d = 128's. Covered: (d_qk, d_v) pairs.
-SUPPORTED_DIMS = ((64, 64), (80, 80), (96, 96), (128, 128))
+# and shared memory are d = 128's. d = 160 and 192 run on 256-wide tiles the same way;
+# (192, 128) on 256-wide q/k tiles and 128-wide v/dO tiles (`widths`). Covered: (d_qk, d_v) pairs.
+SUPPORTED_DIMS = (
+    (64, 64), (80, 80), (96, 96), (128, 128), (160, 160), (192, 192), (256, 256), (192, 128),
+)  # fmt: skip
+
+
+def widths(d_qk: int, d_v: int) -> tuple[int, int]:
+    """(q's and k's tile width, v's and dO's); the tables are keyed by the first."""
+    return tile_width(d_qk), tile_width(d_v)
+
+
+def block_n(d_qk: int) -> int:
+    """Keys per program at head dim d_qk (`KEYS_PER_PROGRAM`)."""
+    return KEYS_PER_PROGRAM[tile_width(d_qk)]
+
+
+def dq_box(d_qk: int) -> tuple[int, int]:
+    """Each consumer warpgroup's dQ share per step, [rows, columns] of fp32: [64, 64] up to
+    128-wide tiles, [64, 128] (half the width) at 256 (`_flash_bwd_sm90_wide`)."""
+    width = tile_width(d_qk)
+    return (64, width // 2) if width > 128 else DQ_BOX
 
 
 if GLUON_AVAILABLE:
@@ -215,7 +249,9 @@ if GLUON_AVAILABLE:
             lse_smem.index(stage).store(lse)
             delta_smem.index(stage).store(delta)
             _partition_barrier()  # every producer thread's stores, before the arrive
-            mbarrier.expect(ready.index(stage), 2 * q_desc.block_type.nbytes)
+            mbarrier.expect(
+                ready.index(stage), q_desc.block_type.nbytes + do_desc.block_type.nbytes
+            )
             _tma_load(q_desc, [q_row, q_col], ready.index(stage), q_smem.index(stage))
             _tma_load(do_desc, [do_row, do_col], ready.index(stage), do_smem.index(stage))
 
@@ -470,11 +506,13 @@ if GLUON_AVAILABLE:
         HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
         NUM_STAGES: gl.constexpr, SEQ_MODE_Q: gl.constexpr, SEQ_MODE_K: gl.constexpr,
         IS_CAUSAL: gl.constexpr, BOTTOM_RIGHT: gl.constexpr, DQ_FIRST: gl.constexpr,
-        WAIT_LATE: gl.constexpr, P_IN_REGS: gl.constexpr,
+        WAIT_LATE: gl.constexpr, P_IN_REGS: gl.constexpr, HEAD_DIM_V: gl.constexpr,
     ):  # fmt: skip
         """One program: BLOCK_N keys of one (sequence, KV head), over its GQA group's queries;
-        order_pairs: the causal launch order's interleave (`_interleaved_tile`); HEAD_DIM: q's
-        (and v's) head dim; the tiles are as wide as the descriptors' boxes (`tile_width`)."""
+        order_pairs: the causal launch order's interleave (`_interleaved_tile`); HEAD_DIM,
+        HEAD_DIM_V: q's and v's head dims; the tiles are as wide as the descriptors' boxes
+        (`widths`). Tiles wider than 128 take the column-split consumers
+        (`_flash_bwd_sm90_wide`)."""
         # Key blocks vary fastest (neighbours share the group's Q and dO in L2); under a causal
         # mask the first key blocks see the most queries, and they start first.
         pid = gl.program_id(0)
@@ -507,19 +545,25 @@ if GLUON_AVAILABLE:
         total = group * m_count  # may be 0: dK = dV = 0 are still written
 
         dtype: gl.constexpr = q_desc.dtype
-        WIDTH: gl.constexpr = q_desc.block_type.shape[1]  # the tiles' (`tile_width`)
+        WIDTH: gl.constexpr = q_desc.block_type.shape[1]  # the tiles' (`widths`)
+        WIDTH_V: gl.constexpr = v_desc.block_type.shape[1]
+        WIDE: gl.constexpr = WIDTH > 128  # `_flash_bwd_sm90_wide`'s schedule
         q_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_M, WIDTH], q_desc.layout)
-        do_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_M, WIDTH], do_desc.layout)
+        do_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_M, WIDTH_V], do_desc.layout)
         k_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_N, WIDTH], k_desc.layout)
-        v_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_N, WIDTH], v_desc.layout)
-        # dS^T [keys, queries], double-buffered; the dQ product reads it transposed.
+        v_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_N, WIDTH_V], v_desc.layout)
+        # dS^T [keys, queries], double-buffered; the dQ product reads it transposed. Wide
+        # tiles: dS and P [queries, keys] (BLOCK_M = BLOCK_N = 64), both double-buffered.
         ds_layout: gl.constexpr = gl.NVMMASharedLayout(
             swizzle_byte_width=128, element_bitwidth=dtype.primitive_bitwidth, rank=2
         )
         ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], ds_layout)
-        p_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_N, BLOCK_M], ds_layout)  # P^T
+        P_BUFFERS: gl.constexpr = 2 if WIDE else 1
+        p_smem = gl.allocate_shared_memory(dtype, [P_BUFFERS, BLOCK_N, BLOCK_M], ds_layout)  # P^T
         # Each consumer warpgroup's dQ share on its way to the TMA reduce (`_reduce_dq`).
-        dq_smem = gl.allocate_shared_memory(gl.float32, [2, 64, 64], dq_desc.layout)
+        DQ_ROWS: gl.constexpr = dq_desc.block_type.shape[0]
+        DQ_COLS: gl.constexpr = dq_desc.block_type.shape[1]
+        dq_smem = gl.allocate_shared_memory(gl.float32, [2, DQ_ROWS, DQ_COLS], dq_desc.layout)
         rows_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
         lse_smem = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, BLOCK_M], rows_layout)
         delta_smem = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, BLOCK_M], rows_layout)
@@ -547,19 +591,32 @@ if GLUON_AVAILABLE:
              (stride_dkb, stride_dkh, stride_dks), (stride_dvb, stride_dvh, stride_dvs)),
             (lse_ptr, delta_ptr, dk_ptr, dv_ptr), (qk_scale, sm_scale),
         )  # fmt: skip
-        gl.warp_specialize(
-            [
-                (_consumer, (args, 0, DQ_FIRST, WAIT_LATE, P_IN_REGS, HEAD_DIM)),
-                (_consumer, (args, 1, DQ_FIRST, WAIT_LATE, P_IN_REGS, HEAD_DIM)),
-                (_producer, args),
-            ],  # fmt: skip
-            [4, 4],  # consumer warpgroup 1, and the producer as a whole warpgroup (forward)
-            # The default partition gets the rest: 3 x 168 - 240 - 24 = 240. With 128-row steps
-            # the producer gets 32: values the partitions share stay live through all three
-            # (LLVM recomputes them in each), and 24 registers spilled some; consumer 1 then has
-            # 232, above the 198 the consumers use (offline compile, Triton 3.6).
-            [240, 24] if BLOCK_M == 64 else [232, 32],
-        )
+        if WIDE:
+            gl.warp_specialize(
+                [
+                    (_consumer_wide, (args, 0, HEAD_DIM, HEAD_DIM_V)),
+                    (_consumer_wide, (args, 1, HEAD_DIM, HEAD_DIM_V)),
+                    (_producer, args),
+                ],  # fmt: skip
+                [4, 4],
+                # The producer at 24 registers spilled (21 stores); at 32 it spills 11 and the
+                # consumers 72 bytes in all instead of 112 (offline compile, Triton 3.9).
+                [232, 32],
+            )
+        else:
+            gl.warp_specialize(
+                [
+                    (_consumer, (args, 0, DQ_FIRST, WAIT_LATE, P_IN_REGS, HEAD_DIM)),
+                    (_consumer, (args, 1, DQ_FIRST, WAIT_LATE, P_IN_REGS, HEAD_DIM)),
+                    (_producer, args),
+                ],  # fmt: skip
+                [4, 4],  # consumer warpgroup 1, and the producer as a whole warpgroup (forward)
+                # The default partition gets the rest: 3 x 168 - 240 - 24 = 240. With 128-row
+                # steps the producer gets 32: values the partitions share stay live through all
+                # three (LLVM recomputes them in each), and 24 registers spilled some; consumer 1
+                # then has 232, above the 198 the consumers use (offline compile, Triton 3.6).
+                [240, 24] if BLOCK_M == 64 else [232, 32],
+            )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -608,22 +665,23 @@ def plan_views(q, k, v, dout, varlen: bool):
     """The TMA grids of q, k, v and dout, or None when any of them cannot take this path (a
     pair outside `SUPPORTED_DIMS`, storage TMA cannot read, fewer rows than one box: `tma_view`,
     or rows narrower than the tile's box)."""
-    d = q.shape[-1]
-    if (d, v.shape[-1]) not in SUPPORTED_DIMS:
+    d, d_v = q.shape[-1], v.shape[-1]
+    if (d, d_v) not in SUPPORTED_DIMS:
         return None
-    width = tile_width(d)
+    width, width_v = widths(d, d_v)
     block_m = TILES[width][0]
+    keys = block_n(d)
     views = (
         tma_view(q, varlen, block_m),
-        tma_view(k, varlen, BLOCK_N),
-        tma_view(v, varlen, BLOCK_N),
+        tma_view(k, varlen, keys),
+        tma_view(v, varlen, keys),
         tma_view(dout, varlen, block_m),
     )
     if any(view is None for view in views):
         return None
-    # A box wider than the grid's rows (one head of d = 80 or 96 in rows of d elements) is no
-    # legal TMA box; such rows take the portable kernels.
-    if any(view[0][1] < width for view in views):
+    # A box wider than the grid's rows (one head of d = 80, 96, 160 or 192 in rows of d elements)
+    # is no legal TMA box; such rows take the portable kernels.
+    if any(view[0][1] < w for view, w in zip(views, (width, width, width_v, width_v))):
         return None
     return views
 
@@ -692,13 +750,14 @@ def _launch_plan(
 ) -> _LaunchPlan:  # fmt: skip
     """Grid, dQ grid, runtime integers and constexprs of the launch: from shapes, strides,
     dtypes and devices only, so one plan serves every call of a signature."""
-    d = q.shape[-1]
-    width = tile_width(d)
+    d, d_v = q.shape[-1], v.shape[-1]
+    width, width_v = widths(d, d_v)
     block_m, stages = TILES[width]
+    keys = block_n(d)
     sq, sk, sv, sdo = (strides4(t, geom.varlen) for t in (q, k, v, dout))
     sdq, sdk, sdv = (strides4(t, geom.varlen) for t in (dq_acc, dk, dv))
     h_q, h_kv = q.shape[-2], k.shape[-2]
-    grid = (cdiv(geom.k.max_len, BLOCK_N) * geom.batch * h_kv,)
+    grid = (cdiv(geom.k.max_len, keys) * geom.batch * h_kv,)
     ints = (
         *sq[:3], *sk[:3], *sv[:3], *sdo[:3], *lse_strides(lse, geom.varlen),
         *sdq[:3], *sdk[:3], *sdv[:3],
@@ -709,10 +768,10 @@ def _launch_plan(
         geom.q.max_len, head_row_bytes(q, dout) * (h_q // h_kv), 1, geom.batch * h_kv
     )
     constexprs = dict(
-        HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=BLOCK_N, NUM_STAGES=stages,
+        HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=keys, NUM_STAGES=stages,
         SEQ_MODE_Q=geom.q.mode, SEQ_MODE_K=geom.k.mode, IS_CAUSAL=bool(causal),
         BOTTOM_RIGHT=bool(bottom_right), DQ_FIRST=DQ_BEFORE_DK[width],
-        WAIT_LATE=DQ_WAIT_LATE[width], P_IN_REGS=P_FROM_REGISTERS[width],
+        WAIT_LATE=DQ_WAIT_LATE[width], P_IN_REGS=P_FROM_REGISTERS[width], HEAD_DIM_V=d_v,
         num_warps=CONSUMER_WARPS, maxnreg=MAX_REGISTERS,
     )  # fmt: skip
     views = plan_views(q, k, v, dout, geom.varlen)
@@ -722,21 +781,24 @@ def _launch_plan(
             f"or dout {dout.stride()} in place"
         )
     descriptors = tuple(
-        descriptor_maker(t, view, [rows, width])
-        for t, view, rows in zip((q, k, v, dout), views, (block_m, BLOCK_N, BLOCK_N, block_m))
-    )
+        descriptor_maker(t, view, [rows, w])
+        for t, view, rows, w in zip(
+            (q, k, v, dout), views, (block_m, keys, keys, block_m),
+            (width, width, width_v, width_v),
+        )
+    )  # fmt: skip
     if dq_acc.shape[-1] != width:  # `dq_accumulator(q, width=tile_width(d))`
         raise ValueError(
             f"sm_90 backward: the dQ accumulator's rows are {dq_acc.shape[-1]} wide, not the "
             f"tiles' {width}"
         )
     dq_view = tma_view(dq_acc, geom.varlen, DQ_BOX[0], storage_rows=DQ_BOX[0])
-    descriptors += (descriptor_maker(dq_acc, dq_view, list(DQ_BOX), _dq_layout()),)
+    descriptors += (descriptor_maker(dq_acc, dq_view, list(dq_box(d)), _dq_layout()),)
     signature, slot = launch_binding(signature, order_pairs)
     return _LaunchPlan(grid, descriptors, ints, order_pairs, constexprs, signature, slot)
 
 
 __all__ = [
-    "GLUON_AVAILABLE", "SUPPORTED_DIMS", "backward_sm90", "dq_accumulator", "plan_views",
-    "tile_width",
+    "GLUON_AVAILABLE", "SUPPORTED_DIMS", "backward_sm90", "block_n", "dq_accumulator", "dq_box",
+    "plan_views", "tile_width", "widths",
 ]  # fmt: skip

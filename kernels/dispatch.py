@@ -48,9 +48,13 @@ SM90_MIN_KEYS: dict[int, int | None] = {
 SM90_MIN_KEYS_CAUSAL: dict[int, int | None] = {
     128: 1024, 64: 1024, 256: 1024, 80: 1024, 96: 1024, 160: 1024, 192: 1024,
 }  # fmt: skip
-# The backward's, by d: 80 and 96 run on d = 128's tiles and take its threshold (not measured
-# apart yet).
-SM90_BWD_MIN_KEYS: dict[int, int | None] = {128: 1024, 64: 4096, 80: 1024, 96: 1024}
+# The backward's, by d_qk: 80 and 96 run on d = 128's tiles and take its threshold (not measured
+# apart yet). 160, 192 (with d_v 192 or 128) and 256 run the 256-wide schedule: 0.53-1.02x
+# cuDNN at 4k and 16k keys on an H200, where the portable backward ran 0.33-0.46x
+# (bench/attention-head-dims-bwd-wide.json).
+SM90_BWD_MIN_KEYS: dict[int, int | None] = {
+    128: 1024, 64: 4096, 80: 1024, 96: 1024, 160: 1024, 192: 1024, 256: 1024,
+}  # fmt: skip
 # "auto" also wants this many waves of sm_90 backward programs (one per 128 keys of each sequence
 # and KV head, one per SM): unlike the portable dK/dV pass, which deals a GQA group over several
 # programs when there are few, it keeps one program per key block, so MQA at a small batch would
@@ -143,7 +147,9 @@ def _not_covered(module, q, k, v, window_left, window_right, bias, alibi_slopes,
 
 def _too_short(min_keys: int | None, geom) -> str | None:
     """Why "auto" leaves a call to the portable kernels by its key length, or None."""
-    if min_keys is None or geom.k.max_len < min_keys:
+    if min_keys is None:
+        return "not measured faster at this head dim: only an explicit setting takes it"
+    if geom.k.max_len < min_keys:
         return f"{geom.k.max_len} keys, fewer than the {min_keys} it measured faster from"
     return None
 
@@ -222,7 +228,7 @@ def sm90_backward_plan(
         why = f"dout {dout.dtype} against q {q.dtype}, or a strided LSE"
     if why is None and _paths["backward"] == "auto":
         why = _too_short(SM90_BWD_MIN_KEYS[q.shape[-1]], geom)
-        programs = cdiv(geom.k.max_len, sm90.BLOCK_N) * geom.batch * k.shape[-2]
+        programs = cdiv(geom.k.max_len, sm90.block_n(q.shape[-1])) * geom.batch * k.shape[-2]
         if why is None and programs < SM90_BWD_MIN_WAVES * multiprocessors(q.device):
             why = f"{programs} programs, under {SM90_BWD_MIN_WAVES} waves of the GPU's SMs"
     views = _decide("backward", why, lambda: sm90.plan_views(q, k, v, dout, geom.varlen))

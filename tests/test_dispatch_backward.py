@@ -197,8 +197,8 @@ def test_sm90_backward_at_80_and_96_launches_128_wide_tiles(d, monkeypatch):
     monkeypatch.setattr(_flash_bwd_sm90, "_PLANS", {})
     ((grid, args, kw),) = _recorded_bwd_launches(monkeypatch, [(d, True, None)])
     ((_, _, kw128),) = _recorded_bwd_launches(monkeypatch, [(128, True, None)])
-    assert kw["HEAD_DIM"] == d and kw128["HEAD_DIM"] == 128
-    drop = ("HEAD_DIM", "slot", "signature")
+    assert kw["HEAD_DIM"] == kw["HEAD_DIM_V"] == d and kw128["HEAD_DIM"] == 128
+    drop = ("HEAD_DIM", "HEAD_DIM_V", "slot", "signature")
     assert {n: x for n, x in kw.items() if n not in drop} == {
         n: x for n, x in kw128.items() if n not in drop
     }
@@ -219,10 +219,11 @@ def test_sm90_backward_at_80_and_96_launches_128_wide_tiles(d, monkeypatch):
 
 
 @pytest.mark.parametrize("layout", ["dense", "varlen"])
-@pytest.mark.parametrize("d", [80, 96])
+@pytest.mark.parametrize("d", [80, 96, 192])
 def test_backward_hands_the_sm90_kernel_a_padded_dq_accumulator(d, layout, monkeypatch):
-    """The launcher's side of d = 80 and 96 on the sm_90 backward, with a stand-in for the
-    kernel: it gets an accumulator of 128 columns a head whose first d are zero (the preprocess
+    """The launcher's side of d = 80, 96 and 192 on the sm_90 backward, with a stand-in for the
+    kernel: it gets an accumulator of `tile_width(d)` (128, 256) columns a head whose first d
+    are zero (the preprocess
     zeroes them where every row belongs to a sequence; the rest arrive NaN-filled here), adds
     a known dQ into those and NaN into the padding; dq must be the known dQ times the softmax
     scale, no NaN leaking in, and dk / dv what the kernel wrote."""
@@ -250,7 +251,8 @@ def test_backward_hands_the_sm90_kernel_a_padded_dq_accumulator(d, layout, monke
     calls = []
 
     def kernel(q_, k_, v_, dout_, lse_, delta, dq_acc, dk, dv, geom, **kw):
-        assert dq_acc.shape == (*q.shape[:-1], 128) and dq_acc.is_contiguous()
+        width = _flash_bwd_sm90.tile_width(d)
+        assert dq_acc.shape == (*q.shape[:-1], width) and dq_acc.is_contiguous()
         assert bool((dq_acc[..., :d] == 0).all())
         dq_acc[..., :d] += known
         dq_acc[..., d:] = float("nan")
@@ -299,3 +301,71 @@ def test_plans_keep_only_geometries_without_tensors(layout):
     assert (kept is None) == holds_tensor
     if kept is not None:
         assert kept == launch_geometry(torch.randn_like(x), torch.randn_like(x))
+
+
+WIDE_PAIRS = [(160, 160), (192, 192), (256, 256), (192, 128)]
+WIDE_IDS = ["160", "192", "256", "192x128"]
+
+
+@pytest.mark.parametrize("d_qk, d_v", WIDE_PAIRS, ids=WIDE_IDS)
+def test_wide_head_dims_follow_the_length_table(d_qk, d_v, monkeypatch):
+    """d = 160, 192, 256 and (192, 128) take the sm_90 backward's 256-wide schedule when
+    pinned, and under "auto" from `SM90_BWD_MIN_KEYS` keys on (by d_qk); one KV head of 160
+    or 192 columns in rows d wide is narrower than the 256-wide box and is not taken."""
+    monkeypatch.setattr(dispatch, "_on_sm90", lambda t: True)
+    monkeypatch.setattr(_flash_bwd_sm90, "GLUON_AVAILABLE", True)
+    monkeypatch.setattr(dispatch, "SM90_BWD_MIN_WAVES", 0)
+    q, dout = (torch.randn(2, 4096, 4, d_qk, dtype=torch.bfloat16) for _ in range(2))
+    k = torch.randn(2, 4096, 2, d_qk, dtype=torch.bfloat16)
+    v = torch.randn(2, 4096, 2, d_v, dtype=torch.bfloat16)
+    dout = dout[..., :d_v]
+    previous = set_backward_path("sm90")
+    try:
+        views, causal = _plan(q, k, v, dout, window_right=0)
+        assert causal and len(views) == 4
+        assert _plan(q, k, v, dout) is not None
+        if d_qk < 256:
+            one_k, one_v = (t[:, :, :1].contiguous() for t in (k, v))  # rows d wide
+            assert _plan(q, one_k, one_v, dout) is None
+        set_backward_path("auto")
+        assert _plan(q, k, v, dout) is not None
+        assert _plan(q, k, v, dout, window_right=0) is not None
+        monkeypatch.setitem(dispatch.SM90_BWD_MIN_KEYS, d_qk, 8192)
+        assert _plan(q, k, v, dout) is None  # 4096 keys, under the table's
+    finally:
+        set_backward_path(previous)
+
+
+@pytest.mark.parametrize("d_qk, d_v", WIDE_PAIRS, ids=WIDE_IDS)
+def test_sm90_backward_wide_dims_launch_64_keys_and_256_wide_tiles(d_qk, d_v, monkeypatch):
+    """d = 160, 192 and 256 launch the column-split configuration (`_flash_bwd_sm90_wide`): 64 keys
+    a program, one stage of 64 query rows, 256-wide q and k boxes (v and dout as wide as their
+    tile width), 128-wide dQ boxes over an accumulator of 256 columns a head; HEAD_DIM and
+    HEAD_DIM_V are the dims themselves."""
+    if not _flash_bwd_sm90.GLUON_AVAILABLE:
+        pytest.skip("this Triton has no Gluon")
+    monkeypatch.setattr(_flash_bwd_sm90, "_PLANS", {})
+    launches = []
+    record = lambda kernel, grid, *args, **kw: launches.append((grid, args, kw))  # noqa: E731
+    monkeypatch.setattr(_flash_bwd_sm90, "launch", record)
+    q = torch.randn(2, 256, 4, d_qk, dtype=torch.float16)
+    k = torch.randn(2, 256, 2, d_qk, dtype=torch.float16)
+    v = torch.randn(2, 256, 2, d_v, dtype=torch.float16)
+    dout = torch.randn(2, 256, 4, d_v, dtype=torch.float16)
+    lse = torch.zeros(2, 4, 256)
+    acc = _flash_bwd_sm90.dq_accumulator(q, width=_flash_bwd_sm90.tile_width(d_qk))
+    _flash_bwd_sm90.backward_sm90(
+        q, k, v, dout, lse, lse, acc, torch.empty_like(k), torch.empty_like(v),
+        launch_geometry(q, k), softmax_scale=0.1, causal=True, bottom_right=True,
+    )  # fmt: skip
+    ((grid, args, kw),) = launches
+    assert grid == (256 // 64 * 2 * 2,)  # 64 keys a program, 2 sequences x 2 KV heads
+    assert (kw["BLOCK_N"], kw["BLOCK_M"], kw["NUM_STAGES"]) == (64, 64, 1)
+    assert (kw["HEAD_DIM"], kw["HEAD_DIM_V"]) == (d_qk, d_v)
+    width_v = _flash_bwd_sm90.tile_width(d_v)
+    q_desc, k_desc, v_desc, do_desc, dq_desc = args[:5]
+    assert [list(t.block_shape) for t in (q_desc, k_desc, v_desc, do_desc)] == [
+        [64, 256], [64, 256], [64, width_v], [64, width_v]
+    ]  # fmt: skip
+    assert list(dq_desc.block_shape) == [64, 128] and dq_desc.base.shape[-1] == 256
+    assert _flash_bwd_sm90.block_n(d_qk) == 64 and _flash_bwd_sm90.dq_box(d_qk) == (64, 128)

@@ -185,9 +185,10 @@ def compile_forward(
 
 def compile_backward(
     d: int, causal: bool, block_m: int | None = None, layout: str = "dense",
-    dq_first: bool | None = None,
+    dq_first: bool | None = None, d_v: int | None = None,
 ):  # fmt: skip
-    """The backward at d (80 and 96 on 128-wide tiles: the tables are per `tile_width`), with the
+    """The backward at d (v's head dim d_v, default d; 80 and 96 on 128-wide tiles, 192 on
+    256-wide ones: the tables are per `tile_width`), with the
     default tiles or (block_m given) those of `TILES[width]` or `TILES_M128[width]` whose
     BLOCK_M is block_m. `layout`: "dense" (a causal mask bottom-right
     aligned), "topleft" (dense, top-left), "seqlens" (right-padded), "varlen", "varlen_padded"
@@ -203,18 +204,20 @@ def compile_backward(
     if dq_first is not None:
         bwd.DQ_BEFORE_DK[width] = dq_first
     try:
-        return _compile_backward(bwd, d, causal, layout)
+        return _compile_backward(bwd, d, causal, layout, d_v)
     finally:
         bwd.TILES[width], bwd.DQ_BEFORE_DK[width] = default, default_order
 
 
-def _compile_backward(bwd, d: int, causal: bool, layout: str):
+def _compile_backward(bwd, d: int, causal: bool, layout: str, d_v: int | None = None):
     q, k, v, geom = _layout_inputs(d, layout)
-    dout = torch.randn_like(q)
+    if d_v is not None and d_v != d:  # v narrower than q/k, laid out as v is
+        v = torch.randn(*v.shape[:-1], d_v, dtype=v.dtype)
+    dout = torch.randn(*q.shape[:-1], v.shape[-1], dtype=q.dtype)
     lse = torch.randn(q.shape[-2], q.shape[0]) if geom.varlen else torch.randn(
         q.shape[0], q.shape[2], q.shape[1])  # fmt: skip
     delta = torch.randn_like(lse)
-    dk, dv = torch.empty_like(k), torch.empty_like(v)
+    dk, dv = torch.empty_like(k), torch.empty_like(v)  # fresh: contiguous, as the backward's
     with offline_sm90(bwd._attn_bwd_sm90):
         bwd.backward_sm90(
             q, k, v, dout, lse, delta, bwd.dq_accumulator(q, width=bwd.tile_width(d)), dk, dv,
@@ -281,11 +284,11 @@ def main() -> None:
                 for block_m in _block_ms(name, d, args.bwd_block_m):
                     for layout in args.bwd_layouts.split(","):
                         for dq_first in orders:
-                            kernel = compile_backward(d, causal, block_m, layout, dq_first)
+                            kernel = compile_backward(d, causal, block_m, layout, dq_first, d_v)
                             tag = (f"-m{block_m}" if block_m else "") + (
                                 "" if layout == "dense" else f"-{layout}") + (
                                 "" if dq_first is None else f"-dqfirst{int(dq_first)}")  # fmt: skip
-                            _report(args, name, d, causal, tag, kernel)
+                            _report(args, name, dims, causal, tag, kernel)
 
 
 def _block_ms(name: str, d: int, spec: str) -> list:

@@ -4,13 +4,15 @@ Every case pins the sm_90 backward (`set_backward_path("sm90")`) and checks that
 really took it (a spy on `backward_sm90`), then applies the suite's pass rule
 (tests/attention_testing.py: each gradient's max error <= 3x PyTorch's own error in the input
 dtype, plus one unit at the gradient's magnitude). Cases cover what the path claims: fp16/bf16,
-d = 64, 80, 96 and 128 (80 and 96 on 128-wide tiles), MHA/GQA/MQA, no mask and causal in both
-alignments, s_q != s_k, lengths that are and are not multiples of the tiles, rows with no visible
-key, dense, right-padded, varlen with and without gaps, strided views (sbhd, packed sb3hd), NaN
-in rows no sequence owns and (d = 80, 96) NaN in the tiles' columns past d. Further tests: dK/dV
-bitwise reproducible run to run (dQ sums with atomics: close, not bitwise), agreement with the
-portable backward on a long GQA problem, and the calls the path does not cover (among them
-deterministic=True) falling back to the portable kernels.
+d = 64, 80, 96 and 128 (80 and 96 on 128-wide tiles), and the column-split schedule at 160,
+192, 256 and (d_qk, d_v) = (192, 128) (256-wide tiles, 64 keys a program), MHA/GQA/MQA, no
+mask and causal in both alignments, s_q != s_k, lengths that are and are not multiples of the
+tiles, rows with no visible key, dense, right-padded, varlen with and without gaps, strided
+views (sbhd, packed sb3hd), NaN in rows no sequence owns and (d = 80, 96, 160, 192) NaN in the
+tiles' columns past d. Further tests: dK/dV bitwise reproducible run to run (dQ sums with
+atomics: close, not bitwise), agreement with the portable backward on a long GQA problem, and
+the calls the path does not cover (among them deterministic=True) falling back to the
+portable kernels.
 
 Shapes: dense q [b, s_q, h, d], k/v [b, s_k, h_kv, d]; varlen [t, h, d].
 """
@@ -110,6 +112,35 @@ CASES = [
     Case(b=5, s_q=513, s_k=700, h=4, h_kv=2, d=96, dtype=torch.float16, layout="varlen_padded"),
     Case(b=5, s_q=513, s_k=700, h=4, h_kv=2, d=80, dtype=torch.bfloat16, layout="varlen_padded",
          window=(-1, 0), bottom_right=False),
+    # d = 192, 256 and (192, 128) (`_flash_bwd_sm90_wide`): the d = 128 cases again, and one
+    # query head per KV head of 192 columns (rows 192 wide: narrower than the box, FALLBACK).
+    Case(b=2, s_q=1024, s_k=1024, h=4, h_kv=4, d=256, dtype=torch.bfloat16),
+    Case(b=2, s_q=1024, s_k=1024, h=4, h_kv=4, d=192, dtype=torch.bfloat16, window=(-1, 0)),
+    Case(b=2, s_q=1024, s_k=1024, h=4, h_kv=2, d=192, d_v=128, dtype=torch.bfloat16),
+    Case(b=1, s_q=4096, s_k=4096, h=4, h_kv=2, d=256, dtype=torch.bfloat16, window=(-1, 0)),
+    Case(b=2, s_q=300, s_k=777, h=8, h_kv=2, d=256, dtype=torch.float16, window=(-1, 0)),
+    Case(b=2, s_q=300, s_k=777, h=8, h_kv=2, d=192, dtype=torch.bfloat16, window=(-1, 0),
+         bottom_right=False),
+    Case(b=2, s_q=777, s_k=300, h=8, h_kv=2, d=192, d_v=128, dtype=torch.bfloat16,
+         window=(-1, 0)),
+    Case(b=2, s_q=777, s_k=300, h=8, h_kv=2, d=256, dtype=torch.bfloat16, window=(-1, 0),
+         bottom_right=False),
+    Case(b=3, s_q=97, s_k=1025, h=6, h_kv=2, d=256, dtype=torch.float16),
+    Case(b=3, s_q=1025, s_k=97, h=6, h_kv=3, d=192, dtype=torch.bfloat16, window=(-1, 0)),
+    Case(b=128, s_q=1, s_k=129, h=4, h_kv=2, d=256, dtype=torch.bfloat16, window=(-1, 0)),
+    Case(b=2, s_q=129, s_k=65, h=2, h_kv=2, d=192, dtype=torch.float16),
+    Case(b=4, s_q=700, s_k=900, h=4, h_kv=2, d=256, dtype=torch.bfloat16, layout="seqlens",
+         window=(-1, 0)),
+    Case(b=5, s_q=600, s_k=600, h=4, h_kv=4, d=192, dtype=torch.bfloat16, layout="varlen",
+         window=(-1, 0)),
+    Case(b=5, s_q=513, s_k=700, h=4, h_kv=2, d=256, dtype=torch.float16, layout="varlen_padded"),
+    Case(b=5, s_q=513, s_k=700, h=4, h_kv=2, d=192, d_v=128, dtype=torch.bfloat16,
+         layout="varlen_padded", window=(-1, 0), bottom_right=False),
+    # d = 160 on the same 256-wide tiles (96 columns past d).
+    Case(b=2, s_q=1024, s_k=1024, h=4, h_kv=2, d=160, dtype=torch.bfloat16, window=(-1, 0)),
+    Case(b=2, s_q=300, s_k=777, h=8, h_kv=2, d=160, dtype=torch.float16),
+    Case(b=5, s_q=513, s_k=700, h=4, h_kv=2, d=160, dtype=torch.bfloat16, layout="varlen_padded",
+         window=(-1, 0), bottom_right=False),
 ]  # fmt: skip
 
 
@@ -138,7 +169,7 @@ def test_sm90_backward_product_orders(case, dq_first, sm90_spy, monkeypatch):
 
 @needs_sm90
 @pytest.mark.parametrize("kv_heads_in_l2", [0, 2, 5])
-@pytest.mark.parametrize("d", [64, 96, 128])
+@pytest.mark.parametrize("d", [64, 96, 128, 256])
 def test_sm90_causal_launch_orders(kv_heads_in_l2, d, sm90_spy, monkeypatch):
     """Causal launches interleave (sequence, KV head) pairs longest-first
     (`_common.causal_order_heads`): one pair at a time (budget 0), two, and five of the six (a
@@ -153,7 +184,7 @@ def test_sm90_causal_launch_orders(kv_heads_in_l2, d, sm90_spy, monkeypatch):
 
 
 @needs_sm90
-@pytest.mark.parametrize("d", [128, 80])
+@pytest.mark.parametrize("d", [128, 80, 256, 192])
 @pytest.mark.parametrize("layout", ["varlen_padded", "seqlens"])
 def test_sm90_backward_ignores_nan_padding(layout, d, sm90_spy):
     """Rows no sequence owns may hold anything: NaN in q, k, v and dout there must not reach
@@ -181,7 +212,7 @@ def _grads(q, k, v, dout, causal):
 
 @needs_sm90
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("d", [64, 96, 128])
+@pytest.mark.parametrize("d", [64, 96, 128, 160, 192, 256])
 def test_sm90_backward_agrees_with_portable_and_itself(d, causal, sm90_spy):
     """One long GQA problem: dK and dV bitwise equal run to run (no atomics), dQ close (fp32
     atomics in varying order), all three close to the portable backward."""
@@ -224,19 +255,22 @@ def test_sm90_backward_strided_views(causal, sm90_spy):
 @needs_sm90
 @pytest.mark.parametrize("causal", [False, True], ids=["no_mask", "causal"])
 @pytest.mark.parametrize("layout", ["dense", "varlen"])
-@pytest.mark.parametrize("d", [80, 96])
+@pytest.mark.parametrize("d", [80, 96, 160, 192])
 def test_sm90_backward_narrow_head_dims_ignore_the_columns_past_them(d, layout, causal, sm90_spy):
-    """d = 80 and 96 read 128-wide tiles of q, k, v and dout: the columns past d (here NaN: all
-    four are views of buffers 256 wide a head, and dout reaches the kernel as such a view, called
+    """d = 80 and 96 read 128-wide tiles of q, k, v and dout, d = 192 256-wide ones: the columns
+    past d (here NaN: all four are views of buffers twice the tile width a head, and dout
+    reaches the kernel as such a view, called
     directly) must enter neither the scores nor a stored dK / dV column, and the dQ
     accumulator's padding columns (where the NaN of dS K's extra columns land) must not reach
     dq. Judged by the file's rule against the reference on the same values."""
     case = Case(b=2, s_q=700, s_k=900, h=4, h_kv=2, d=d, dtype=torch.bfloat16, layout=layout,
                 window=(-1, 0) if causal else (-1, -1))  # fmt: skip
     inputs = make_inputs(case, DEV)
+    buffer = 2 * _flash_bwd_sm90.tile_width(d)
     for name in ("q", "k", "v", "dout"):
         t = inputs[name]
-        wide = torch.full((*t.shape[:-1], 256), float("nan"), dtype=case.dtype, device=t.device)
+        wide = torch.full((*t.shape[:-1], buffer), float("nan"), dtype=case.dtype,
+                          device=t.device)  # fmt: skip
         wide[..., :d] = t
         inputs[name] = wide[..., :d]
     kernel = run_kernel(case, inputs, backward=False)  # the forward: out and LSE
@@ -247,7 +281,7 @@ def test_sm90_backward_narrow_head_dims_ignore_the_columns_past_them(d, layout, 
         bottom_right=case.bottom_right,
     )  # fmt: skip
     assert len(sm90_spy) == 1, "the sm_90 backward did not run"
-    assert sm90_spy[0]["args"][3].stride(-2) == 256  # dout's NaN columns reached the kernel
+    assert sm90_spy[0]["args"][3].stride(-2) == buffer  # dout's NaN columns reached the kernel
     kernel.update(dq=dq, dk=dk, dv=dv)
     high = run_reference(case, inputs, torch.float32)
     low = run_reference(case, inputs, case.dtype)
@@ -258,8 +292,10 @@ def test_sm90_backward_narrow_head_dims_ignore_the_columns_past_them(d, layout, 
 
 FALLBACK_CASES = [
     Case(b=2, s_q=300, s_k=300, h=4, d=112, dtype=torch.bfloat16),  # head dim not covered
-    # One KV head of d = 96 in rows 96 wide: narrower than the tile's 128-wide TMA box.
+    # One KV head of d = 96 in rows 96 wide: narrower than the tile's 128-wide TMA box; of 192
+    # in rows 192 wide, narrower than the 256-wide one.
     Case(b=2, s_q=300, s_k=300, h=4, h_kv=1, d=96, dtype=torch.bfloat16, window=(-1, 0)),
+    Case(b=2, s_q=300, s_k=300, h=4, h_kv=1, d=192, dtype=torch.bfloat16, window=(-1, 0)),
     Case(b=2, s_q=300, s_k=300, h=4, d=128, dtype=torch.bfloat16, window=(64, 0)),
     Case(b=2, s_q=300, s_k=300, h=4, d=128, dtype=torch.bfloat16, softcap=20.0),
     Case(b=2, s_q=300, s_k=300, h=4, d=128, dtype=torch.bfloat16, alibi="batch"),
@@ -278,3 +314,14 @@ def test_uncovered_calls_fall_back(case, sm90_spy):
     """Calls outside the sm_90 backward's coverage run the portable backward, correctly."""
     check_case(case, DEV, high_dtype=torch.float32)
     assert not sm90_spy, "the sm_90 backward ran a call it does not cover"
+
+
+@needs_sm90
+@pytest.mark.parametrize("d_qk, d_v", [(192, 192), (256, 256), (192, 128)])
+def test_auto_keeps_the_portable_backward_at_wide_head_dims(d_qk, d_v, sm90_spy):
+    """The d = 192 / 256 prototype is taken only when pinned: under "auto" the portable backward
+    runs these dims at any length (`dispatch.SM90_BWD_MIN_KEYS`: None)."""
+    dispatch.set_backward_path("auto")
+    case = Case(b=2, s_q=4096, s_k=4096, h=8, h_kv=8, d=d_qk, d_v=d_v, dtype=torch.bfloat16)
+    check_case(case, DEV, high_dtype=torch.float32)
+    assert not sm90_spy, "auto took the unmeasured sm_90 backward"
