@@ -8,7 +8,8 @@ Offers:
         varlen [t, h, d] inputs with any strides (stride(-1) == 1), MHA/GQA/MQA, d_v != d_qk,
         windows with top-left or bottom-right alignment, additive bias (with its gradient),
         ALiBi, softcap, dropout, fp32 LSE (differentiable: a loss may read it), deterministic
-        backward. docs/internals.md holds the full contract.
+        backward; float8_e4m3fn q/k/v with FlashAttention-3's descales, forward only, bf16 out
+        (portable kernel). docs/internals.md holds the full contract.
     set_forward_path("auto" | "portable" | "sm90") -> previous setting; forward_path()
         Which forward kernel `flash_attention` runs: on sm_90 GPUs a warp-specialized Gluon
         kernel takes the calls it covers (kernels/dispatch.py), the portable Triton kernel

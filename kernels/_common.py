@@ -443,14 +443,15 @@ def launch_geometry(
 def attention_signature(
     q, k, v, *, cu_seqlens_q, cu_seqlens_k, seq_offsets_q, seq_offsets_k, max_seqlen_q,
     max_seqlen_k, seqlens_q, seqlens_k, softmax_scale, window_left, window_right, bottom_right,
-    bias, alibi_slopes, softcap, dropout_p, seed, offset, **_unused,
+    bias, alibi_slopes, softcap, dropout_p, seed, offset, descale=None, **_unused,
 ) -> tuple:  # fmt: skip
     """The `_launch.call_signature` of an attention call's inputs and arguments: what the
     forward's plan and launch specialize on, and the part of the backward's signature the two
-    share (the eager route computes it once per forward+backward). Other keywords are ignored."""
+    share (the eager route computes it once per forward+backward). `descale`: the fp8 forward's
+    (the backward never has one). Other keywords are ignored."""
     return call_signature(
         (q, k, v, cu_seqlens_q, cu_seqlens_k, seq_offsets_q, seq_offsets_k, seqlens_q, seqlens_k,
-         bias, alibi_slopes),
+         bias, alibi_slopes, descale),
         (max_seqlen_q, max_seqlen_k, softmax_scale, window_left, window_right, bottom_right,
          softcap, dropout_p, int_signature(seed), int_signature(offset)),
     )  # fmt: skip

@@ -17,6 +17,15 @@ reach, and applies the mask only on the blocks that need it (`_common.key_block_
 Precision: softmax statistics and the accumulator are fp32. fp16/bf16 dots run on tensor cores with
 fp32 accumulation; fp32 inputs use `input_precision="ieee"` (true fp32, about 1e-6 relative error)
 rather than tf32 (about 5e-4), so fp32 results match PyTorch's fp32 attention closely.
+
+FP8 (float8_e4m3fn, forward only, sm_89+): Q K^T is an fp8 dot with fp32 accumulation. The
+descales are per (sequence, KV head), so each program reads its three once: q_descale * k_descale
+joins the softmax scale (every score term is linear in it) and v_descale multiplies the output
+rows at the end. P V runs in `PV_DTYPE` (bf16; fp32 under the interpreter, whose bf16 dot is
+wrong): V is upcast in registers, exactly (e4m3's 4 significant bits fit bf16's 8), and P is
+rounded to bf16 as in bf16 attention. Quantizing P to fp8 instead would double the tensor-core
+rate of that product but put a 2^-4 relative error on every weight; bf16 keeps the fp8 path's
+error at bf16 attention's. The output is bf16. The sm_90 kernels never take fp8 (`dispatch`).
 """
 
 from __future__ import annotations
@@ -104,7 +113,8 @@ def _prune_configs(configs, named_args, **kwargs):
     args = {**named_args, **kwargs}
     block_d, block_dv = args["BLOCK_D"], args["BLOCK_DV"]
     wanted = set(_CANDIDATES[max(block_d, block_dv)])
-    elem = args["q_ptr"].element_size()
+    # fp8 inputs take the 16-bit tiles (V is staged again as bf16) until fp8 tiles are measured.
+    elem = max(args["q_ptr"].element_size(), 2)
     kept = []
     for cfg in configs:
         bm, bn = cfg.kwargs["BLOCK_M"], cfg.kwargs["BLOCK_N"]
@@ -144,13 +154,14 @@ def _fwd_inner(
     BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr,
-    HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr, PV_DTYPE: tl.constexpr,
 ):  # fmt: skip
     """Online softmax over key blocks [lo, hi) for one query tile.
 
     acc [BLOCK_M, BLOCK_DV] fp32, l_i / m_i [BLOCK_M] fp32 (row sum, row max in log2 units),
     q [BLOCK_M, BLOCK_D]. MASKED blocks apply the window / key-length mask and bound the K/V loads;
-    unmasked blocks are fully visible and inside len_k, so they skip both.
+    unmasked blocks are fully visible and inside len_k, so they skip both. P and V meet in
+    PV_DTYPE (the input dtype, or bf16 for fp8 inputs).
     """
     offs_nb = tl.arange(0, BLOCK_N)
     qi = offs_m[:, None]  # query-major tiles: the helpers' index tiles (`_common` legend)
@@ -198,7 +209,7 @@ def _fwd_inner(
             keep = dropout_keep(seed, offset, bh, qi, kj, dropout_p)
             p = tl.where(keep, p, 0.0)
         v = load_tile(v_ptrs, key_ok, offs_dv < HEAD_DIM_V, MASKED, HEAD_DIM_V != BLOCK_DV, 0)
-        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+        acc = tl.dot(p.to(PV_DTYPE), v.to(PV_DTYPE), acc, input_precision=DOT_PRECISION)
         m_i = m_new
     return acc, l_i, m_i
 
@@ -252,7 +263,7 @@ def _normalize(acc, l_i, m_i, dropout_p, HAS_DROPOUT: tl.constexpr):
 # so one compiled kernel serves every order.
 @triton.jit(do_not_specialize=["order_pairs"])
 def _attn_fwd(
-    q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, bias_ptr, alibi_ptr,
+    q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, bias_ptr, alibi_ptr, descale_ptr,
     cu_q_ptr, offsets_q_ptr, seqlens_q_ptr, cu_k_ptr, offsets_k_ptr, seqlens_k_ptr,
     stride_qb, stride_qs, stride_qh, stride_qd,
     stride_kb, stride_ks, stride_kh, stride_kd,
@@ -260,7 +271,7 @@ def _attn_fwd(
     stride_ob, stride_os, stride_oh, stride_od,
     stride_lb, stride_lh, stride_ls,
     stride_bb, stride_bh, stride_bm, stride_bn,
-    stride_ab, stride_ah,
+    stride_ab, stride_ah, stride_db, stride_dh,
     num_heads_q, group, full_len_q, full_len_k, SEQ_BUCKET, order_pairs,
     sm_scale, softcap, window_left, window_right, dropout_p, seed, offset,
     HEAD_DIM_QK: tl.constexpr, HEAD_DIM_V: tl.constexpr,
@@ -268,12 +279,14 @@ def _attn_fwd(
     SEQ_MODE_Q: tl.constexpr, SEQ_MODE_K: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_DESCALE: tl.constexpr, DOT_PRECISION: tl.constexpr, PV_DTYPE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     """One program: BLOCK_M query rows of one (sequence, query head); writes out and lse rows.
 
     SEQ_BUCKET (`seq_bucket`) only keys the autotuner; the kernel never reads it. order_pairs:
-    the launch order of causal-like windows (`_program_tile`).
+    the launch order of causal-like windows (`_program_tile`). HAS_DESCALE: fp8 inputs with
+    descales, fp32 [b, h_kv, 3] (q, k, v; last dim contiguous) at descale_ptr.
     """
     tl.static_assert(BLOCK_D >= HEAD_DIM_QK and BLOCK_DV >= HEAD_DIM_V)
     bh, start_m = _program_tile(full_len_q, order_pairs, BLOCK_M, HAS_RIGHT)
@@ -305,6 +318,13 @@ def _attn_fwd(
     alibi_slope = sm_scale  # a float placeholder, unused unless HAS_ALIBI
     if HAS_ALIBI:
         alibi_slope = tl.load(alibi_ptr + z * stride_ab + h * stride_ah).to(tl.float32)
+    v_descale = 1.0
+    if HAS_DESCALE:
+        # One (sequence, KV head) per program: its descales are constants here. Loaded from the
+        # device, so a call never waits on the host for them (CUDA graphs, torch.compile).
+        descale = descale_ptr + z64 * stride_db + h_kv64 * stride_dh
+        sm_scale = sm_scale * tl.load(descale) * tl.load(descale + 1)
+        v_descale = tl.load(descale + 2)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -324,10 +344,12 @@ def _attn_fwd(
             diag, window_left, window_right, len_q, len_k,
             sm_scale, softcap, alibi_slope, seed, offset, bh, dropout_p,
             HEAD_DIM_QK, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, seg != 1, HAS_LEFT, HAS_RIGHT,
-            HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI, HAS_DROPOUT, DOT_PRECISION,
+            HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI, HAS_DROPOUT, DOT_PRECISION, PV_DTYPE,
         )  # fmt: skip
 
     out, lse = _normalize(acc, l_i, m_i, dropout_p, HAS_DROPOUT)
+    if HAS_DESCALE:
+        out = out * v_descale  # P V is linear in V
     o_ptrs = out_ptr + z64 * stride_ob + h64 * stride_oh
     o_ptrs = o_ptrs + rows[:, None] * stride_os + offs_dv[None, :] * stride_od
     o_mask = row_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V)
@@ -340,6 +362,21 @@ def _attn_fwd(
 # Launcher
 # --------------------------------------------------------------------------------------------------
 
+FP8_DTYPE = torch.float8_e4m3fn
+
+
+def output_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The forward's output dtype for inputs of `dtype`: bf16 for fp8 (FlashAttention-3's choice:
+    an fp8 output would lose the precision the fp32 accumulation kept), else the input's."""
+    return torch.bfloat16 if dtype == FP8_DTYPE else dtype
+
+
+def pv_dtype(dtype: torch.dtype):
+    """The Triton dtype P and V meet in for inputs of `dtype` (module docstring, FP8)."""
+    if dtype == FP8_DTYPE:
+        return tl.float32 if _compat.INTERPRETER else tl.bfloat16
+    return {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}.get(dtype, tl.float32)
+
 
 class ForwardPlan(NamedTuple):
     """What the portable forward's launch derives from a call's signature
@@ -351,6 +388,7 @@ class ForwardPlan(NamedTuple):
     pointers: operator.itemgetter  # `seq_pointers` in the kernel's order, None for absent ones
     out_shape: tuple[int, ...]
     lse_shape: tuple[int, ...]
+    out_dtype: torch.dtype  # `output_dtype` of q's
     owns_all_rows: bool  # else out starts at 0 and lse at -inf (rows no sequence owns)
     grid: Callable[[dict], tuple[int]]
     launches: bool  # some query rows exist: an empty grid is no valid launch
@@ -367,7 +405,7 @@ _PLANS: dict[tuple, ForwardPlan] = {}
 def _make_plan(
     q, k, v, *, cu_seqlens_q, cu_seqlens_k, seq_offsets_q, seq_offsets_k, max_seqlen_q,
     max_seqlen_k, seqlens_q, seqlens_k, softmax_scale, window_left, window_right, bottom_right,
-    bias, alibi_slopes, softcap, dropout_p, **_unused,
+    bias, alibi_slopes, softcap, dropout_p, descale=None, **_unused,
 ) -> ForwardPlan:  # fmt: skip
     """The forward's plan for this call's signature; reads shapes, strides, dtypes and devices
     only (out and lse, which the launcher allocates, are stood in for by meta tensors)."""
@@ -387,6 +425,7 @@ def _make_plan(
     d_qk, d_v = q.shape[-1], v.shape[-1]
     bias_strides = tuple(bias.stride()) if bias is not None else (0, 0, 0, 0)
     alibi_strides = tuple(alibi_slopes.stride()) if alibi_slopes is not None else (0, 0)
+    descale_strides = tuple(descale.stride()[:2]) if descale is not None else (0, 0)
     max_q, rows = geom.q.max_len, geom.batch * num_heads_q
     bucket = seq_bucket(max_q, geom.k.max_len)
 
@@ -396,7 +435,7 @@ def _make_plan(
     ints = (
         *strides4(q, geom.varlen), *strides4(k, geom.varlen), *strides4(v, geom.varlen),
         *strides4(out, geom.varlen), *lse_strides(lse, geom.varlen),
-        *bias_strides, *alibi_strides,
+        *bias_strides, *alibi_strides, *descale_strides,
         num_heads_q, num_heads_q // num_heads_kv, max_q, geom.k.max_len, bucket,
         causal_order_heads(
             geom.k.max_len, head_row_bytes(k, v), num_heads_q // num_heads_kv, rows
@@ -407,26 +446,30 @@ def _make_plan(
     # Tiles at least 64 wide for 16-bit inputs: Triton 3.6 on the H100 hit an illegal address once
     # on an fp16 launch with a 32-wide V tile (d 40 / d_v 24, tiny lengths), not yet isolated
     # (examples/perf/debug_forward_configs.py). Wider tiles take the masked path every head dim in
-    # 33..64 takes on the GPU tests; the cost is extra tensor-core work for d <= 32 only.
-    min_width = 64 if q.element_size() == 2 else 16
+    # 33..64 takes on the GPU tests; the cost is extra tensor-core work for d <= 32 only. fp8
+    # inputs too: their P V product is bf16 (and an fp8 dot needs K >= 32).
+    min_width = 16 if q.element_size() == 4 else 64
     constexprs = dict(
         HEAD_DIM_QK=d_qk, HEAD_DIM_V=d_v,
         BLOCK_D=max(min_width, next_pow2_dim(d_qk)), BLOCK_DV=max(min_width, next_pow2_dim(d_v)),
         SEQ_MODE_Q=geom.q.mode, SEQ_MODE_K=geom.k.mode, BOTTOM_RIGHT=bool(bottom_right),
         HAS_LEFT=window_left >= 0, HAS_RIGHT=window_right >= 0, HAS_SOFTCAP=softcap > 0,
         HAS_BIAS=bias is not None, HAS_ALIBI=alibi_slopes is not None,
-        HAS_DROPOUT=dropout_p > 0, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        HAS_DROPOUT=dropout_p > 0, HAS_DESCALE=descale is not None,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", PV_DTYPE=pv_dtype(q.dtype),
     )  # fmt: skip
     # The autotuner's key, finer: every constexpr, every tensor argument's dtype in argument
-    # order (out has q's, lse fp32), and the length bucket (`_launch`).
+    # order (out has `output_dtype`'s, lse fp32), and the length bucket (`_launch`).
     pointers = seq_pointers(geom, (0, 2, 4, 1, 3, 5))
     seq = pointers((cu_seqlens_q, cu_seqlens_k, seq_offsets_q, seq_offsets_k, seqlens_q,
                     seqlens_k, None))  # fmt: skip
-    dtypes = (q.dtype, k.dtype, v.dtype, q.dtype, torch.float32,
-              *(t.dtype for t in (bias, alibi_slopes, *seq) if t is not None))  # fmt: skip
+    out_dtype = output_dtype(q.dtype)
+    dtypes = (q.dtype, k.dtype, v.dtype, out_dtype, torch.float32,
+              *(t.dtype for t in (bias, alibi_slopes, descale, *seq) if t is not None))  # fmt: skip
     return ForwardPlan(
         sm90=sm90, geometry=shape_only_geometry(geom), pointers=pointers,
-        out_shape=out_shape, lse_shape=lse_shape, owns_all_rows=geom.q.owns_all_rows,
+        out_shape=out_shape, lse_shape=lse_shape, out_dtype=out_dtype,
+        owns_all_rows=geom.q.owns_all_rows,
         grid=grid, launches=max_q * rows > 0, ints=ints,
         constexprs=constexprs, tuning=(tuple(constexprs.values()), dtypes, bucket),
         slot=launch_slot(),
@@ -449,16 +492,17 @@ def _outputs_and_args(plan: ForwardPlan, call: dict) -> tuple[torch.Tensor, torc
     """(out, lse, the launch's positional arguments) for one call of a plan."""
     q = call["q"]
     if plan.owns_all_rows:
-        out = empty(plan.out_shape, q.dtype, q.device)
+        out = empty(plan.out_shape, plan.out_dtype, q.device)
         lse = empty(plan.lse_shape, torch.float32, q.device)
     else:  # rows no sequence owns are never written
-        out = zeros(plan.out_shape, q.dtype, q.device)
+        out = zeros(plan.out_shape, plan.out_dtype, q.device)
         lse = torch.full(plan.lse_shape, float("-inf"), dtype=torch.float32, device=q.device)
     seq = plan.pointers(
         (call["cu_seqlens_q"], call["cu_seqlens_k"], call["seq_offsets_q"],
          call["seq_offsets_k"], call["seqlens_q"], call["seqlens_k"], None)
     )  # fmt: skip
-    args = (q, call["k"], call["v"], out, lse, call["bias"], call["alibi_slopes"], *seq,
+    args = (q, call["k"], call["v"], out, lse, call["bias"], call["alibi_slopes"],
+            call["descale"], *seq,
             *plan.ints, *seed_offset((call["seed"], call["offset"])))  # fmt: skip
     return out, lse, args
 
@@ -467,7 +511,7 @@ def forward_launch(
     q, k, v, *,
     cu_seqlens_q, cu_seqlens_k, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k,
     seqlens_q, seqlens_k, softmax_scale, window_left, window_right, bottom_right,
-    bias, alibi_slopes, softcap, dropout_p, seed, offset, signature=None,
+    bias, alibi_slopes, softcap, dropout_p, seed, offset, descale=None, signature=None,
 ):  # fmt: skip
     """Everything `_attn_fwd` needs: (out, lse, grid, args, constexprs), outputs allocated.
 
@@ -485,7 +529,7 @@ def flash_attention_forward(
     q, k, v, *,
     cu_seqlens_q, cu_seqlens_k, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k,
     seqlens_q, seqlens_k, softmax_scale, window_left, window_right, bottom_right,
-    bias, alibi_slopes, softcap, dropout_p, seed, offset, signature=None,
+    bias, alibi_slopes, softcap, dropout_p, seed, offset, descale=None, signature=None,
 ):  # fmt: skip
     """Attention forward on validated input; returns (out, lse).
 
@@ -496,11 +540,14 @@ def flash_attention_forward(
     bias: [b, h_q, s_q, s_k] view (any strides, 0 for broadcast dims; varlen: positions within each
     sequence), any float dtype. alibi_slopes: [b, h_q] view (stride_b may be 0). softcap > 0 caps.
     dropout_p > 0 drops with the keep-mask of `dropout_keep_mask((seed, offset), ...)`.
-    Returns out [.., h_q, d_v] (q's dtype) and lse fp32 (dense [b, h_q, s_q] / varlen [h_q, t_q]).
-    `signature`: the call's `_common.attention_signature` when the caller has it already.
+    q, k, v in float8_e4m3fn (all three; sm_89+ or the interpreter): descale None (all 1) or
+    fp32 [b, h_kv, 3], the q, k and v descales of each (sequence, KV head), last dim contiguous.
+    Returns out [.., h_q, d_v] (q's dtype; bf16 for fp8) and lse fp32 (dense [b, h_q, s_q] /
+    varlen [h_q, t_q]). `signature`: the call's `_common.attention_signature` when the caller
+    has it already.
 
     On an sm_90 GPU the calls the warp-specialized Gluon kernel covers run there instead
-    (`dispatch`); the outputs are the same either way. Everything the launch derives from
+    (`dispatch`; never fp8); the outputs are the same either way. Everything the launch derives from
     the call's signature is planned once per signature (`ForwardPlan`).
     """
     call = locals()  # every parameter by name

@@ -8,7 +8,7 @@ is needed: the dispatcher costs host time (kernels/_routes.py).
 
 Shapes (docs/internals.md):
     dense   q [b, s_q, h_q, d_qk], k [b, s_k, h_kv, d_qk], v [b, s_k, h_kv, d_v]
-            -> out [b, s_q, h_q, d_v] (dtype of q), lse [b, h_q, s_q] (fp32, natural log)
+            -> out [b, s_q, h_q, d_v] (dtype of q; bf16 for fp8), lse [b, h_q, s_q] (fp32, ln)
     varlen  q [t_q, h_q, d_qk], k [t_k, h_kv, d_qk], v [t_k, h_kv, d_v]
             -> out [t_q, h_q, d_v], lse [h_q, t_q]
 The ops' outputs and gradients are always contiguous: the fake implementations promise exactly
@@ -20,6 +20,9 @@ autograd formula, the eager Function with or without a `PlannedCall`): its upstr
 `dlse` (the backward op's last argument) is folded into the backward's delta = rowsum(dO * O),
 which is exactly its contribution (`_flash_bwd.flash_attention_backward`). A loss that does
 not read the LSE passes no dlse, and its backward launches as before.
+FP8 (float8_e4m3fn q, k, v) is forward only: `flash_attention` refuses inputs that require
+grad, so fp8 calls take the bare launch in eager and the forward op under torch.compile, with
+their descales as the op's last argument (`_fp8_descale`); they never reach a backward.
 """
 
 import inspect
@@ -31,7 +34,7 @@ import torch
 from . import _compat
 from ._common import attention_signature, seed_offset
 from ._flash_bwd import flash_attention_backward
-from ._flash_fwd import flash_attention_forward
+from ._flash_fwd import FP8_DTYPE, flash_attention_forward, output_dtype
 from ._launch import tensor_signature
 from ._packed import packed_grad_buffers, plan_packed_grads
 from ._routes import direct_apply, pick_forward
@@ -73,8 +76,10 @@ def _forward_impl(
     dropout_p: float,
     rng_state: Tensor | None,
     deterministic: bool,
+    descale: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """Forward attention: (out, lse). `deterministic` only travels to the backward."""
+    """Forward attention: (out, lse). `deterministic` only travels to the backward. `descale`:
+    fp8 inputs' fp32 [b, h_kv, 3] (`_fp8_descale`), or None."""
     return _launch_forward(q, k, v, _launch_keywords(**locals()))  # every parameter, by name
 
 
@@ -106,7 +111,10 @@ flash_attn_fwd = torch.library.custom_op("fusedlayers::flash_attn_fwd", mutates_
 @flash_attn_fwd.register_fake
 def _(q, k, v, cu_seqlens_q, *args) -> tuple[Tensor, Tensor]:
     out_shape, lse_shape = _fwd_shapes(q, v, cu_seqlens_q is not None)
-    return q.new_empty(out_shape), q.new_empty(lse_shape, dtype=torch.float32)
+    return (
+        q.new_empty(out_shape, dtype=output_dtype(q.dtype)),
+        q.new_empty(lse_shape, dtype=torch.float32),
+    )
 
 
 def _backward_impl(
@@ -287,7 +295,7 @@ class _EagerFlashAttention(torch.autograd.Function):
     `apply(q, k, v, bias, args, planned)`, `args` being `_forward_impl`'s whole argument list
     and `planned` the call's `PlannedCall` or None: autograd tracks the four tensors that can
     have a gradient and passes the rest through, so its per-input work covers six arguments
-    rather than twenty-one. A planned call brings its launch and backward keywords along;
+    rather than twenty-two. A planned call brings its launch and backward keywords along;
     other calls build them here. Autograd runs the
     backward on its device thread, where the same Python takes longer than on the caller's
     (docs/performance.md, "Host time on autograd's device thread"), so the forward gathers what
@@ -390,8 +398,12 @@ def flash_attention(
     dropout_p: float = 0.0,
     rng_state: Tensor | None = None,
     deterministic: bool = False,
+    q_descale: Tensor | None = None,
+    k_descale: Tensor | None = None,
+    v_descale: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """Flash attention on validated input; out and lse are differentiable in q, k, v and bias.
+    """Flash attention on validated input; out and lse are differentiable in q, k, v and bias
+    (fp8: forward only).
 
     Args:
         q, k, v: dense q [b, s_q, h_q, d_qk], k [b, s_k, h_kv, d_qk], v [b, s_k, h_kv, d_v], or
@@ -414,17 +426,25 @@ def flash_attention(
             with fp32 atomics, no bias gradient) where `_flash_bwd.ATOMIC_DQ_DEVICES` enables
             it, which it does not by default: dk/dv stay reproducible, dq varies in its last
             bits.
+        q_descale, k_descale, v_descale: used with float8_e4m3fn q, k, v (all three fp8;
+            sm_89+ or the interpreter), ignored otherwise: fp32 [b, h_kv] (any strides) or None
+            (1); the inputs' values are x * x_descale of their (sequence, KV head). Forward
+            only: fp8 inputs that require grad raise a ValueError. The portable kernel runs
+            them (`dispatch` declines fp8 for the sm_90 one).
 
     Returns:
-        out: dense [b, s_q, h_q, d_v] / varlen [t_q, h_q, d_v], dtype of q; rows with no
-            visible key are 0.
+        out: dense [b, s_q, h_q, d_v] / varlen [t_q, h_q, d_v], dtype of q (bf16 for fp8
+            inputs); rows with no visible key are 0.
         lse: fp32 dense [b, h_q, s_q] / varlen [h_q, t_q], natural log; -inf on empty rows.
             Differentiable: a loss may read it (attention sinks scale out by sigmoid(lse - s)).
             With dropout it is the LSE of the scores before dropout, as the forward uses it.
             Rows with LSE -inf get zero gradients whatever their upstream gradient holds.
     """
-    dtype = q.dtype
-    if _compat.upcast_bf16(dtype):  # the interpreter's bf16 dot is wrong: compute in fp32
+    dtype = output_dtype(q.dtype)
+    descale = None
+    if q.dtype == FP8_DTYPE:
+        descale = _fp8_descale(q, k, v, q_descale, k_descale, v_descale, cu_seqlens_q)
+    if _compat.upcast_bf16(q.dtype):  # the interpreter's bf16 dot is wrong: compute in fp32
         q, k, v = q.float(), k.float(), v.float()
     if dropout_p > 0 and rng_state is None:
         # torch.randint on the default generator: reproducible under torch.manual_seed, and
@@ -437,16 +457,35 @@ def flash_attention(
         max_seqlen_k=max_seqlen_k, seqlens_q=seqlens_q, seqlens_k=seqlens_k,
         softmax_scale=softmax_scale, window_size=window_size, bottom_right=bottom_right,
         bias=bias, alibi_slopes=alibi_slopes, softcap=softcap, dropout_p=dropout_p,
-        rng_state=rng_state, deterministic=deterministic,
+        rng_state=rng_state, deterministic=deterministic, descale=descale,
     )  # fmt: skip
     out, lse = pick_forward(flash_attn_fwd, _eager_apply, _forward_impl, (q, k, v, bias))(*args)
     return (out, lse) if out.dtype == dtype else (out.to(dtype), lse)
 
 
+def _fp8_descale(q, k, v, q_descale, k_descale, v_descale, cu_seqlens_q) -> Tensor | None:
+    """The forward op's one descale tensor, fp32 [b, h_kv, 3] (q, k, v: each program reads its
+    three side by side), or None when no descale is given; raises when an input requires grad.
+
+    Built on the device (a stack, no host read), so a captured graph replays it."""
+    descales = (q_descale, k_descale, v_descale)
+    tracked = [t for t in (q, k, v, *descales) if t is not None]
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tracked):
+        raise ValueError(
+            "float8_e4m3fn attention is forward only: q, k, v and their descales must not "
+            "require grad (detach them or run under torch.no_grad())"
+        )
+    if all(d is None for d in descales):
+        return None
+    batch = q.shape[0] if cu_seqlens_q is None else cu_seqlens_q.shape[0] - 1
+    ones = torch.ones((), dtype=torch.float32, device=q.device).expand(batch, k.shape[-2])
+    return torch.stack([ones if d is None else d for d in descales], dim=-1)
+
+
 def _arguments(
     q, k, v, *, cu_seqlens_q, cu_seqlens_k, seq_offsets_q, seq_offsets_k, max_seqlen_q,
     max_seqlen_k, seqlens_q, seqlens_k, softmax_scale, window_size, bottom_right, bias,
-    alibi_slopes, softcap, dropout_p, rng_state, deterministic,
+    alibi_slopes, softcap, dropout_p, rng_state, deterministic, descale=None,
 ) -> tuple:  # fmt: skip
     """`_forward_impl`'s argument list from `flash_attention`'s arguments (the custom op's
     schema: plain floats, ints and bools; no rng_state without dropout)."""
@@ -454,13 +493,14 @@ def _arguments(
         q, k, v, cu_seqlens_q, cu_seqlens_k, seq_offsets_q, seq_offsets_k, max_seqlen_q,
         max_seqlen_k, seqlens_q, seqlens_k, float(softmax_scale), int(window_size[0]),
         int(window_size[1]), bool(bottom_right), bias, alibi_slopes, float(softcap),
-        float(dropout_p), rng_state if dropout_p > 0 else None, bool(deterministic),
+        float(dropout_p), rng_state if dropout_p > 0 else None, bool(deterministic), descale,
     )  # fmt: skip
 
 
 class PlannedCall(NamedTuple):
-    """One dense `flash_attention` call without tensor arguments besides q, k and v, planned
-    for every call on inputs of one signature (`plan_call`)."""
+    """One dense `flash_attention` call without tensor arguments besides q, k and v (so no
+    descales: fp8 calls are never planned), planned for every call on inputs of one signature
+    (`plan_call`)."""
 
     arguments: tuple  # `_forward_impl`'s argument list after q, k and v
     launch: dict  # `flash_attention_forward`'s keywords after q, k and v (`_launch_keywords`)
@@ -481,7 +521,10 @@ def plan_call(
     """The host-side part of `flash_attention(q, k, v, ...)` that follows from the inputs'
     `_launch.tensor_signature`s and these arguments, for a caller that repeats the call
     (fusedlayers' front end keeps one per validated signature). No dropout: its seed and offset
-    are drawn per call and specialize the launch."""
+    are drawn per call and specialize the launch. Not for fp8 inputs: their calls check for
+    gradients per call (`_fp8_descale`), which a planned call skips."""
+    if q.dtype == FP8_DTYPE:
+        raise ValueError("plan_call does not plan float8_e4m3fn calls: use flash_attention")
     args = _arguments(
         q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, seq_offsets_q=None, seq_offsets_k=None,
         max_seqlen_q=None, max_seqlen_k=None, seqlens_q=None, seqlens_k=None,

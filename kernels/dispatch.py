@@ -127,9 +127,11 @@ def _on_sm90(t: torch.Tensor) -> bool:
 
 def _not_covered(module, q, k, v, window_left, window_right, bias, alibi_slopes, softcap,
                  dropout_p) -> str | None:  # fmt: skip
-    """Why the sm_90 kernels of `module` cannot run this call, or None when they can: fp16/bf16,
-    (d_qk, d_v) in `module.SUPPORTED_DIMS`, no mask or a causal one (window (-1, -1) or
-    (-1, 0)), and no bias, ALiBi, softcap or dropout."""
+    """Why the sm_90 kernels of `module` cannot run this call, or None when they can: fp16/bf16
+    (not fp8), (d_qk, d_v) in `module.SUPPORTED_DIMS`, no mask or a causal one (window (-1, -1)
+    or (-1, 0)), and no bias, ALiBi, softcap or dropout."""
+    if torch.float8_e4m3fn in (q.dtype, k.dtype, v.dtype):
+        return "fp8 (float8_e4m3fn) inputs, which only the portable forward takes"
     if not module.GLUON_AVAILABLE:
         return "Triton's Gluon is not available"
     if q.dtype not in (torch.float16, torch.bfloat16) or not (q.dtype == k.dtype == v.dtype):

@@ -17,7 +17,9 @@ same signature reuses the result, and any change (a stride, a length, a dtype, a
 validates again. On the kernel path without dropout the result is the kernel call itself
 (`kernels.attention_ops.plan_call`): a hit goes from the signature to the launch. Calls with
 those tensors are checked in full every time; the facts read off their values are memoized per
-tensor version (`_host_cache`).
+tensor version (`_host_cache`). So are fp8 calls (float8_e4m3fn q/k/v, FlashAttention-3's
+descales; `allow_fp8`): their descale tensors and the forward-only rule (no input may require
+grad) are checked per call, and none of it reads a device value.
 """
 
 from __future__ import annotations
@@ -60,6 +62,11 @@ class _Prepared:
     bias: torch.Tensor | None
     alibi_slopes: torch.Tensor | None
     copies: list[str]
+
+    @property
+    def batch(self) -> int:
+        """Sequences in the call (varlen: `len(cu_seqlens_q) - 1`)."""
+        return len(self.varlen["cu_seqlens_q"]) - 1 if self.varlen else self.q.shape[0]
 
 
 class _Validated(NamedTuple):
@@ -219,9 +226,10 @@ def prepare(
     spec=None,
     expected_heads=None,
     names=validation.TE_NAMES,
+    allow_fp8=False,
 ) -> _Prepared:
     """Validate and normalize a call; see `attention` for the arguments."""
-    validation.check_qkv(q, k, v, qkv_format, kernel_path, names)
+    validation.check_qkv(q, k, v, qkv_format, kernel_path, names, allow_fp8)
     if expected_heads is not None:
         validation.check_configured_heads(q, k, v, expected_heads)
     spec = masks.mask_spec(attn_mask_type, window_size) if spec is None else spec
@@ -283,7 +291,8 @@ def prepare(
     return _Prepared(qb, kb, vb, varlen, lens_q, lens_kv, spec, bool_mask, bias, slopes, copies)
 
 
-def _run_reference(p: _Prepared, scale, softcap, dropout_p):
+def _run_reference(p: _Prepared, scale, softcap, dropout_p, descales):
+    q_descale, k_descale, v_descale = descales
     return attention_reference(
         p.q,
         p.k,
@@ -300,12 +309,15 @@ def _run_reference(p: _Prepared, scale, softcap, dropout_p):
         softcap=softcap,
         dropout_p=dropout_p,
         return_lse=True,
+        q_descale=q_descale,
+        k_descale=k_descale,
+        v_descale=v_descale,
     )
 
 
-def _run_kernel(p: _Prepared, scale, softcap, dropout_p, deterministic):
+def _run_kernel(p: _Prepared, scale, softcap, dropout_p, deterministic, descales):
     bias = p.bias
-    b = p.q.shape[0] if not p.varlen else len(p.varlen["cu_seqlens_q"]) - 1
+    b = p.batch
     h, s_q = p.q.shape[-2], p.q.shape[-3]
     if p.bool_mask is not None:
         # The kernels take one additive bias; a boolean mask is its -inf form.
@@ -336,6 +348,9 @@ def _run_kernel(p: _Prepared, scale, softcap, dropout_p, deterministic):
         softcap=softcap,
         dropout_p=dropout_p,
         deterministic=deterministic,
+        q_descale=descales[0],
+        k_descale=descales[1],
+        v_descale=descales[2],
     )
 
 
@@ -358,8 +373,10 @@ def _kernel_call(p: _Prepared, softmax_scale, softcap, dropout_p, deterministic,
 
 
 def _empty_result(q, v, qkv_format):
-    """Batch 0 or length 0: no compute. Queries with no keys output 0 with LSE -inf."""
-    out = q.new_zeros(*q.shape[:-1], v.shape[-1])
+    """Batch 0 or length 0: no compute. Queries with no keys output 0 with LSE -inf (bf16
+    zeros for fp8 inputs, as the kernels return)."""
+    out_dtype = torch.bfloat16 if q.dtype == validation.FP8_DTYPE else q.dtype
+    out = q.new_zeros(*q.shape[:-1], v.shape[-1], dtype=out_dtype)
     if qkv_format == "thd":
         lse = q.new_full((q.shape[1], q.shape[0]), float("-inf"), dtype=torch.float32)
     else:
@@ -395,6 +412,10 @@ def attention(
     mask_spec: masks.MaskSpec | None = None,
     expected_heads: tuple[int, int, int, int] | None = None,
     names: validation.ArgNames = validation.TE_NAMES,
+    q_descale: torch.Tensor | None = None,
+    k_descale: torch.Tensor | None = None,
+    v_descale: torch.Tensor | None = None,
+    allow_fp8: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention in any supported layout; returns `(out, lse)` (shapes in the module docstring).
 
@@ -406,6 +427,9 @@ def attention(
     `attn_mask_type`/`window_size` (the flash-attn API builds its own, bottom-right aligned).
     `expected_heads = (h, hg, d_qk, d_v)` checks the inputs against a module's configuration.
     `names`: what the caller calls the arguments, for error messages (TE's by default).
+    `allow_fp8`: take float8_e4m3fn q/k/v (the flash-attn functions), forward only, with
+    FlashAttention-3's `q_descale`, `k_descale`, `v_descale` (fp32 `[b, h_kv]` or None); the
+    output is bf16 (`validation.check_fp8` has the rules). Descales are ignored with other dtypes.
     """
     # `kernel` takes every call (`check_qkv` then names what the kernels cannot take).
     blocker = "" if backend == "kernel" else validation.kernel_blocker(q, v)
@@ -422,6 +446,7 @@ def attention(
         and _plain_number(softcap)
         and _plain_number(dropout_p)
         and tensor_signature is not None
+        and q.dtype != validation.FP8_DTYPE  # checked per call (module docstring)
         and not torch.compiler.is_compiling()
     ):
         signature = (
@@ -469,6 +494,11 @@ def attention(
             spec=mask_spec,
             expected_heads=expected_heads,
             names=names,
+            allow_fp8=allow_fp8,
+        )
+        descales = (q_descale, k_descale, v_descale)
+        validation.check_fp8(
+            q, k, v, descales, p.batch, dropout_p=dropout_p, kernel_path=kernel_path, names=names
         )
         if signature is not None and not p.copies:
             remember(
@@ -483,10 +513,12 @@ def attention(
         _log(p, q, k, v, qkv_format, attn_mask_type, kernel_path, why, tag)
     if q.numel() == 0 or k.numel() == 0 or v.numel() == 0:
         return _empty_result(q, v, qkv_format)
+    # Descales reach the compute paths only with fp8 inputs (FlashAttention-3 ignores them else).
+    descales = (q_descale, k_descale, v_descale) if q.dtype == validation.FP8_DTYPE else (None,) * 3
     if kernel_path:
-        out, lse = _run_kernel(p, scale, softcap, dropout_p, deterministic)
+        out, lse = _run_kernel(p, scale, softcap, dropout_p, deterministic, descales)
     else:
-        out, lse = _run_reference(p, scale, softcap, dropout_p)
+        out, lse = _run_reference(p, scale, softcap, dropout_p, descales)
     return _bshd(out, qkv_format), lse
 
 

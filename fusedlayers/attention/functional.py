@@ -28,6 +28,13 @@ it, as attention sinks do (`out * sigmoid(lse - sink)`), and q, k and v get that
 The third entry, flash-attn's debug-only dropout pattern, is not produced.
 These functions always run the Triton kernels: CUDA tensors, or CPU tensors under
 `TRITON_INTERPRET=1`; the modules pick the reference path on machines without CUDA.
+
+FP8 (FlashAttention-3's interface, forward only): q, k and v may all be `torch.float8_e4m3fn`,
+with optional keyword-only `q_descale`, `k_descale`, `v_descale`, fp32 `[b, hg]` (one per
+sequence and KV head; None = 1): attention runs on `x * x_descale`, and the output is bf16. It
+needs a GPU of compute capability 8.9+ (or the interpreter); inputs that require grad and
+`dropout_p > 0` raise. Descales given with other dtypes are ignored, as in FlashAttention-3.
+`attention_reference(..., q_descale=...)` computes the same in PyTorch.
 """
 
 from __future__ import annotations
@@ -46,12 +53,16 @@ def _finish(out, lse, return_attn_probs):
     return (out, lse, None) if return_attn_probs else out
 
 
-def _common(alibi_slopes):
+def _common(alibi_slopes, q_descale, k_descale, v_descale):
     return dict(
         core_attention_bias_type="alibi" if alibi_slopes is not None else "no_bias",
         alibi_slopes=alibi_slopes,
         backend="kernel",
         names=validation.FLASH_ATTN_NAMES,
+        q_descale=q_descale,
+        k_descale=k_descale,
+        v_descale=v_descale,
+        allow_fp8=True,
     )
 
 
@@ -67,8 +78,15 @@ def flash_attn_func(
     alibi_slopes: torch.Tensor | None = None,
     deterministic: bool = False,
     return_attn_probs: bool = False,
+    *,
+    q_descale: torch.Tensor | None = None,
+    k_descale: torch.Tensor | None = None,
+    v_descale: torch.Tensor | None = None,
 ):
-    """Attention on `[b, s, h, d]` tensors; see the module docstring for the semantics."""
+    """Attention on `[b, s, h, d]` tensors; see the module docstring for the semantics.
+
+    fp8: float8_e4m3fn q, k, v with fp32 `[b, hg]` descales (or None) -> bf16, forward only.
+    """
     out, lse = attention(
         q,
         k,
@@ -80,7 +98,7 @@ def flash_attn_func(
         dropout_p=dropout_p,
         deterministic=deterministic,
         tag="flash_attn_func",
-        **_common(alibi_slopes),
+        **_common(alibi_slopes, q_descale, k_descale, v_descale),
     )
     return _finish(out, lse, return_attn_probs)
 
@@ -102,8 +120,15 @@ def flash_attn_varlen_func(
     deterministic: bool = False,
     return_attn_probs: bool = False,
     block_table: torch.Tensor | None = None,
+    *,
+    q_descale: torch.Tensor | None = None,
+    k_descale: torch.Tensor | None = None,
+    v_descale: torch.Tensor | None = None,
 ):
     """Attention on packed sequences `[t, h, d]` with int32 `cu_seqlens_q/k` `[b+1]`.
+
+    fp8: float8_e4m3fn q, k, v with fp32 `[b, hg]` descales (b = sequences, or None) -> bf16,
+    forward only.
 
     With `block_table` (int32 `[b, max_blocks]`, flash-attn 2.6's paged KV), k and v are pages
     `[num_blocks, page_size, hg, d]` and sequence z's key j is row `j % page_size` of page
@@ -127,7 +152,7 @@ def flash_attn_varlen_func(
         dropout_p=dropout_p,
         deterministic=deterministic,
         tag="flash_attn_varlen_func",
-        **_common(alibi_slopes),
+        **_common(alibi_slopes, q_descale, k_descale, v_descale),
     )
     return _finish(out, lse, return_attn_probs)
 
@@ -152,6 +177,10 @@ def flash_attn_qkvpacked_func(
     alibi_slopes: torch.Tensor | None = None,
     deterministic: bool = False,
     return_attn_probs: bool = False,
+    *,
+    q_descale: torch.Tensor | None = None,
+    k_descale: torch.Tensor | None = None,
+    v_descale: torch.Tensor | None = None,
 ):
     """`qkv [b, s, 3, h, d]` -> `[b, s, h, d]`."""
     if qkv.dim() != 5:
@@ -169,6 +198,9 @@ def flash_attn_qkvpacked_func(
         alibi_slopes,
         deterministic,
         return_attn_probs,
+        q_descale=q_descale,
+        k_descale=k_descale,
+        v_descale=v_descale,
     )
 
 
@@ -183,6 +215,10 @@ def flash_attn_kvpacked_func(
     alibi_slopes: torch.Tensor | None = None,
     deterministic: bool = False,
     return_attn_probs: bool = False,
+    *,
+    q_descale: torch.Tensor | None = None,
+    k_descale: torch.Tensor | None = None,
+    v_descale: torch.Tensor | None = None,
 ):
     """`q [b, s_q, h, d]`, `kv [b, s_k, 2, hg, d]` -> `[b, s_q, h, d]`."""
     if kv.dim() != 5:
@@ -200,6 +236,9 @@ def flash_attn_kvpacked_func(
         alibi_slopes,
         deterministic,
         return_attn_probs,
+        q_descale=q_descale,
+        k_descale=k_descale,
+        v_descale=v_descale,
     )
 
 
@@ -215,6 +254,10 @@ def flash_attn_varlen_qkvpacked_func(
     alibi_slopes: torch.Tensor | None = None,
     deterministic: bool = False,
     return_attn_probs: bool = False,
+    *,
+    q_descale: torch.Tensor | None = None,
+    k_descale: torch.Tensor | None = None,
+    v_descale: torch.Tensor | None = None,
 ):
     """`qkv [t, 3, h, d]` with `cu_seqlens [b+1]` -> `[t, h, d]`."""
     if qkv.dim() != 4:
@@ -236,6 +279,9 @@ def flash_attn_varlen_qkvpacked_func(
         alibi_slopes,
         deterministic,
         return_attn_probs,
+        q_descale=q_descale,
+        k_descale=k_descale,
+        v_descale=v_descale,
     )
 
 
@@ -254,6 +300,10 @@ def flash_attn_varlen_kvpacked_func(
     alibi_slopes: torch.Tensor | None = None,
     deterministic: bool = False,
     return_attn_probs: bool = False,
+    *,
+    q_descale: torch.Tensor | None = None,
+    k_descale: torch.Tensor | None = None,
+    v_descale: torch.Tensor | None = None,
 ):
     """`q [t_q, h, d]`, `kv [t_k, 2, hg, d]` -> `[t_q, h, d]`."""
     if kv.dim() != 4:
@@ -275,4 +325,7 @@ def flash_attn_varlen_kvpacked_func(
         alibi_slopes,
         deterministic,
         return_attn_probs,
+        q_descale=q_descale,
+        k_descale=k_descale,
+        v_descale=v_descale,
     )

@@ -1,7 +1,8 @@
 """Reference attention: the full semantics in plain PyTorch.
 
 One implementation serves as the `use_reference=True` debug path of every module and as the
-tests' oracle. It computes in fp32 (fp64 when given fp64) and returns the input dtype.
+tests' oracle. It computes in fp32 (fp64 when given fp64) and returns the input dtype; fp8 inputs
+are dequantized to fp32 first (`dequantize_fp8`) and return bf16, as the kernels do.
 
 Shapes (the layouts of the kernel entry, see docs/internals.md):
     dense  q [b, s_q, h_q, d_qk], k [b, s_k, h_kv, d_qk], v [b, s_k, h_kv, d_v]
@@ -21,6 +22,32 @@ import torch
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def dequantize_fp8(
+    x: torch.Tensor,
+    descale: torch.Tensor | None,
+    cu_seqlens: torch.Tensor | None = None,
+    seq_offsets: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """fp32 values of fp8 `x`: `x.float() * descale` of each row's (sequence, KV head).
+
+    x: dense `[b, s, h, d]`, or varlen `[t, h, d]` with `cu_seqlens` (and `seq_offsets`, the first
+    row of each sequence when there are gaps; gap rows take a neighbour's descale, and no
+    sequence reads them). descale: fp32 `[b, h_kv]` or None (1). `h` may be a multiple of `h_kv`
+    (query heads): query head `i` takes KV head `i // (h / h_kv)`'s descale, GQA's mapping.
+    """
+    values = x.float()
+    if descale is None:
+        return values
+    per_head = descale.float().repeat_interleave(x.shape[-2] // descale.shape[1], dim=1)
+    if cu_seqlens is None:  # dense: batch is dim 0
+        return values * per_head[:, None, :, None]
+    starts = (cu_seqlens if seq_offsets is None else seq_offsets).long()
+    rows = torch.arange(x.shape[0], device=x.device)
+    # The sequence of each row: how many sequences after the first start at or before it.
+    sequence = torch.searchsorted(starts[1:-1].contiguous(), rows, right=True)
+    return values * per_head[sequence][:, :, None]
 
 
 def visible_mask(
@@ -155,6 +182,9 @@ def attention_reference(
     dropout_mask: torch.Tensor | None = None,
     generator: torch.Generator | None = None,
     return_lse: bool = False,
+    q_descale: torch.Tensor | None = None,
+    k_descale: torch.Tensor | None = None,
+    v_descale: torch.Tensor | None = None,
 ):
     """Attention with every feature of the kernels, in plain PyTorch.
 
@@ -175,8 +205,26 @@ def attention_reference(
         dropout_p: drop probability; the keep-mask is `dropout_mask` (bool `[b, h_q, s_q, s_k]`,
             True = keep) or drawn with `generator`.
         return_lse: also return the log-sum-exp, fp32, dense `[b, h_q, s_q]` / varlen `[h_q, t_q]`.
+        q_descale, k_descale, v_descale: for float8_e4m3fn q, k, v: fp32 `[b, h_kv]` or None
+            (1), FlashAttention-3's meaning: the inputs are dequantized to fp32
+            (`dequantize_fp8`) and the output is bf16.
     """
     softmax_scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
+    if q.dtype == torch.float8_e4m3fn:
+        out = attention_reference(
+            dequantize_fp8(q, q_descale, cu_seqlens_q, cu_seqlens_q_padded),
+            dequantize_fp8(k, k_descale, cu_seqlens_kv, cu_seqlens_kv_padded),
+            dequantize_fp8(v, v_descale, cu_seqlens_kv, cu_seqlens_kv_padded),
+            cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv,
+            cu_seqlens_q_padded=cu_seqlens_q_padded, cu_seqlens_kv_padded=cu_seqlens_kv_padded,
+            seqlens_q=seqlens_q, seqlens_kv=seqlens_kv, softmax_scale=softmax_scale,
+            window_size=window_size, bottom_right=bottom_right, attn_mask=attn_mask, bias=bias,
+            alibi_slopes=alibi_slopes, softcap=softcap, dropout_p=dropout_p,
+            dropout_mask=dropout_mask, generator=generator, return_lse=return_lse,
+        )  # fmt: skip
+        if return_lse:
+            return out[0].bfloat16(), out[1]
+        return out.bfloat16()
     if alibi_slopes is not None and alibi_slopes.dim() == 1:
         alibi_slopes = alibi_slopes.unsqueeze(0)
     options = dict(
@@ -326,4 +374,4 @@ def _varlen(
     return out.to(q.dtype), lse
 
 
-__all__ = ["attention_reference", "visible_mask", "alibi_bias"]
+__all__ = ["attention_reference", "dequantize_fp8", "visible_mask", "alibi_bias"]

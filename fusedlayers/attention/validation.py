@@ -19,6 +19,11 @@ QKV_FORMATS = ("sbhd", "bshd", "thd")
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 REFERENCE_DTYPES = KERNEL_DTYPES + (torch.float64,)
 MAX_KERNEL_HEAD_DIM = 256
+# FP8 attention (forward only) takes FlashAttention-3's one fp8 format, on GPUs whose tensor
+# cores multiply it (Ada and later).
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MIN_CAPABILITY = (8, 9)
+DESCALE_NAMES = ("q_descale", "k_descale", "v_descale")
 
 
 def host_values(t: torch.Tensor) -> list[int]:
@@ -68,13 +73,38 @@ def check_head_counts(num_heads: int, num_kv_heads: int, where: str = "") -> Non
 def kernel_blocker(q: torch.Tensor, v: torch.Tensor) -> str:
     """Why the kernels cannot take q and v's dtype and head dims ("" when they can): where
     `backend="auto"` takes the reference path instead."""
-    if q.dtype in KERNEL_DTYPES and max(q.shape[-1], v.shape[-1]) <= MAX_KERNEL_HEAD_DIM:
+    dtypes = KERNEL_DTYPES + (FP8_DTYPE,)
+    if q.dtype in dtypes and max(q.shape[-1], v.shape[-1]) <= MAX_KERNEL_HEAD_DIM:
         return ""
     return f"dtype {q.dtype}, head dims ({q.shape[-1]}, {v.shape[-1]}) not supported by the kernels"
 
 
-def check_qkv(q, k, v, qkv_format: str, kernel_path: bool, names: ArgNames = TE_NAMES) -> None:
-    """Ranks, dtypes, devices, head counts and dims of query/key/value in `qkv_format`."""
+def _is_fp8(dtype: torch.dtype) -> bool:
+    return dtype.is_floating_point and dtype.itemsize == 1
+
+
+def _check_fp8_dtypes(q, k, v, names: ArgNames, allow_fp8: bool) -> None:
+    """fp8 q/k/v: all three float8_e4m3fn, and only where the caller takes fp8."""
+    tensors = ((names.q, q), (names.k, k), (names.v, v))
+    if not any(_is_fp8(t.dtype) for _, t in tensors):
+        return
+    got = ", ".join(f"{name} {t.dtype}" for name, t in tensors)
+    if not allow_fp8:
+        raise ArgumentTypeError(
+            f"fp8 inputs ({got}) are taken by flash_attn_func and flash_attn_varlen_func only"
+        )
+    if any(t.dtype != FP8_DTYPE for _, t in tensors):
+        raise ArgumentTypeError(
+            f"{names.q}, {names.k} and {names.v} must all be {FP8_DTYPE} or none of them "
+            f"(the only fp8 format supported), got {got}"
+        )
+
+
+def check_qkv(
+    q, k, v, qkv_format: str, kernel_path: bool, names: ArgNames = TE_NAMES, allow_fp8=False
+) -> None:
+    """Ranks, dtypes, devices, head counts and dims of query/key/value in `qkv_format`;
+    `allow_fp8`: whether float8_e4m3fn q/k/v are taken (the flash-attn functions)."""
     check_qkv_format(qkv_format)
     rank = 3 if qkv_format == "thd" else 4
     for name, t in ((names.q, q), (names.k, k), (names.v, v)):
@@ -85,7 +115,9 @@ def check_qkv(q, k, v, qkv_format: str, kernel_path: bool, names: ArgNames = TE_
                 f"{name} must be {rank}-D for qkv_format={qkv_format!r} "
                 f"([{', '.join(qkv_format)}]), got {_describe(t)}"
             )
+    _check_fp8_dtypes(q, k, v, names, allow_fp8)
     allowed = KERNEL_DTYPES if kernel_path else REFERENCE_DTYPES
+    allowed += (FP8_DTYPE,) if allow_fp8 else ()
     if q.dtype not in allowed:
         raise ArgumentTypeError(
             f"{names.q} dtype {q.dtype} is not supported (use one of {allowed})"
@@ -121,6 +153,60 @@ def check_qkv(q, k, v, qkv_format: str, kernel_path: bool, names: ArgNames = TE_
                     f"{name} head dim {t.shape[-1]} exceeds the kernels' maximum "
                     f"{MAX_KERNEL_HEAD_DIM} ({names.beyond_kernels})"
                 )
+
+
+def check_fp8(
+    q, k, v, descales, batch: int, *, dropout_p: float, kernel_path: bool, names: ArgNames
+) -> None:
+    """FlashAttention-3's fp8 contract, after `check_qkv`: `descales` = (q, k, v descale), each
+    None (1) or fp32 `[batch, h_kv]` on q's device; fp8 is forward only and has no dropout; the
+    kernels need a GPU of compute capability 8.9+.
+
+    With other inputs the descales are ignored, unchecked, as FlashAttention-3 ignores them:
+    callers written for it pass them whatever the dtype. Their values are never read here: a
+    host read would stall the call (and break CUDA graph capture). They must be finite and > 0,
+    as quantization scales are.
+    """
+    if q.dtype != FP8_DTYPE:
+        return
+    given = [(n, d) for n, d in zip(DESCALE_NAMES, descales) if d is not None]
+    want = (batch, k.shape[-2])
+    for name, d in given:
+        if not isinstance(d, torch.Tensor):
+            raise ArgumentTypeError(f"{name} must be a float32 tensor, got {type(d).__name__}")
+        if d.dtype != torch.float32 or tuple(d.shape) != want or d.device != q.device:
+            raise ArgumentError(
+                f"{name} must be a float32 tensor [batch, num_kv_heads] = {list(want)} on "
+                f"{q.device}, got {_describe(d)}"
+            )
+    tracked = [(names.q, q), (names.k, k), (names.v, v), *given]
+    if torch.is_grad_enabled():
+        for name, t in tracked:
+            if t.requires_grad:
+                raise ArgumentError(
+                    f"{name} requires grad, but {FP8_DTYPE} attention is forward only (no "
+                    "backward): detach the inputs or call it under torch.no_grad()"
+                )
+    if dropout_p > 0:
+        raise ArgumentError(
+            f"{names.dropout}={dropout_p}: {FP8_DTYPE} attention is forward only and has no "
+            "dropout; pass 0"
+        )
+    if kernel_path:
+        check_fp8_device(q.device, names.q)
+
+
+def check_fp8_device(device: torch.device, name: str) -> None:
+    """The kernels' fp8 dot needs compute capability 8.9+ (CPU tensors: the interpreter runs it)."""
+    if device.type != "cuda":
+        return
+    capability = torch.cuda.get_device_capability(device)
+    if capability < FP8_MIN_CAPABILITY:
+        raise ArgumentError(
+            f"{name} is {FP8_DTYPE}, which the kernels multiply on GPUs of compute capability "
+            f"8.9 or higher (Ada, Hopper, Blackwell); {device} has compute capability "
+            f"{capability[0]}.{capability[1]}"
+        )
 
 
 def check_configured_heads(q, k, v, expected: tuple[int, int, int, int]) -> None:
