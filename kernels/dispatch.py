@@ -50,15 +50,15 @@ SM90_MIN_KEYS_CAUSAL: dict[int, int | None] = {
 }  # fmt: skip
 # The backward's, by d_qk: 80 and 96 run on d = 128's tiles and take its threshold (not measured
 # apart yet). 160, 192 (with d_v 192 or 128) and 256 run the 256-wide schedule: 0.53-1.02x
-# cuDNN at 4k and 16k keys on an H200, where the portable backward ran 0.33-0.46x
+# cuDNN from 1k to 16k keys on an H200, where the portable backward ran 0.33-0.67x
 # (bench/attention-head-dims-bwd-wide.json).
 SM90_BWD_MIN_KEYS: dict[int, int | None] = {
     128: 1024, 64: 4096, 80: 1024, 96: 1024, 160: 1024, 192: 1024, 256: 1024,
 }  # fmt: skip
-# "auto" also wants this many waves of sm_90 backward programs (one per 128 keys of each sequence
-# and KV head, one per SM): unlike the portable dK/dV pass, which deals a GQA group over several
-# programs when there are few, it keeps one program per key block, so MQA at a small batch would
-# leave SMs idle.
+# "auto" also wants this many waves of sm_90 backward programs (one per 128 keys, 64 above
+# d = 128, of each sequence and KV head, one per SM): unlike the portable dK/dV pass, which deals
+# a GQA group over several programs when there are few, it keeps one program per key block, so
+# MQA at a small batch would leave SMs idle.
 SM90_BWD_MIN_WAVES = 4
 
 
