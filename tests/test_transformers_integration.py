@@ -52,6 +52,21 @@ def test_mask_recognition_agrees_with_sdpa_mask(monkeypatch):
     assert "Pattern" in masks.check_recognition()
 
 
+def test_static_cache_layout_keeps_what_moves_on_the_device():
+    """A static cache passes q_offset as a tensor: the layout then holds kv_used and the left
+    padding as int32 device tensors too, which its decode route reads instead of host ints."""
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1, 1]], dtype=torch.bool)
+    pattern = masks.Pattern(True, None, None)
+    layout = masks.build_layout(pattern, 2, 1, 10, torch.tensor(6), 0, mask)
+    assert (layout.form, layout.kv_used, layout.has_past) == ("left", 7, True)
+    assert layout.seqlens.dtype == layout.left_pads.dtype == torch.int32
+    assert layout.seqlens.tolist() == [7, 7] and layout.left_pads.tolist() == [2, 0]
+    prefill = masks.build_layout(pattern, 2, 7, 10, torch.tensor(0), 0, mask)
+    assert not prefill.has_past and prefill.seqlens.tolist() == [7, 7]
+    dynamic = masks.build_layout(pattern, 2, 1, 7, 6, 0, mask)  # an int offset: host values
+    assert dynamic.seqlens is None and dynamic.left_pads.tolist() == [2, 0]
+
+
 def test_unrecognized_mask_function_is_served_dense():
     fn = chunked_causal_mask_function(3, torch.zeros(2, dtype=torch.long))
     mask = torch.tensor([[0, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]], dtype=torch.bool)
@@ -327,25 +342,43 @@ def test_kernels_generate_takes_the_decode_kernel(family, monkeypatch):
     assert spy.saw("decode: flash_attn_with_kvcache")
 
 
-def test_kernels_static_cache_generate_compiles_whole():
+@pytest.mark.parametrize("dynamic", [False, None], ids=["static-shapes", "automatic-dynamic"])
+def test_kernels_static_cache_generate_compiles_whole(dynamic):
     """generate with a static cache compiles the decode steps (on a GPU by itself; here
     `_compile_all_devices`). With fullgraph=True a graph break anywhere raises, so the steps run
-    on the decode kernel's custom op with no break in the attention function; the tokens match
-    sdpa's."""
+    on the decode kernel's custom op with no break in the attention function. Over seven decode
+    steps it compiles as many graphs as sdpa, one: the keys used and the left padding change
+    every step and reach the compiled step as device tensors of fixed shapes, not as host ints
+    or shapes it would be specialized on (with dynamic=False, generate's default in earlier
+    releases, each step compiled again). The tokens match sdpa's. (The graphs' ops are read
+    from the backend: a RouteSpy's growing list would itself make each step compile again.)"""
+    from torch._dynamo.backends.registry import lookup_backend
     from torch._dynamo.utils import counters
     from transformers import CompileConfig
 
     model, comparator = tt.tiny_model("llama")
     ids, mask = tt.padded_batch((7, 4), 7, "left", seed=12)
-    kw = dict(cache_implementation="static")
-    want = tt.greedy(tt.variant(model, comparator, torch.float32), ids, mask, 5, **kw)
-    config = CompileConfig(fullgraph=True, backend="aot_eager", mode=None)
-    config._compile_all_devices = True
-    torch._dynamo.reset()
-    counters.clear()
-    got = tt.greedy(tt.variant(model, tt.KERNEL_NAME, torch.float32), ids, mask, 5,
-                    compile_config=config, **kw)  # fmt: skip
-    assert counters["stats"]["unique_graphs"] >= 1  # the steps were compiled
+    ops = set()
+
+    def backend(gm, example_inputs):
+        ops.update(str(node.target) for node in gm.graph.nodes if node.op == "call_function")
+        return lookup_backend("aot_eager")(gm, example_inputs)
+
+    def compiled_greedy(implementation):
+        config = CompileConfig(fullgraph=True, dynamic=dynamic, backend=backend, mode=None)
+        config._compile_all_devices = True
+        torch._dynamo.reset()
+        counters.clear()
+        m = tt.variant(model, implementation, torch.float32)
+        tokens = tt.greedy(m, ids, mask, 8, compile_config=config, cache_implementation="static")
+        return tokens, counters["stats"]["unique_graphs"]
+
+    want, want_graphs = compiled_greedy(comparator)
+    ops.clear()
+    got, graphs = compiled_greedy(tt.KERNEL_NAME)
+    assert want_graphs == 1  # the steps were compiled, once
+    assert graphs == want_graphs, f"{graphs} graphs over the decode steps, sdpa {want_graphs}"
+    assert "fusedlayers.decode_attention.default" in ops, sorted(ops)
     tt.assert_same_greedy(got, want, tt.variant(model, tt.ORACLE, torch.float64), ids, mask, 1e-4)
 
 

@@ -113,11 +113,15 @@ def flash_attn_spec(causal: bool, window_size: tuple[int, int]) -> MaskSpec:
     window may be -1 on its own, and `causal=True` caps the right side at 0.
 
     Every flash-attn call needs one, so specs are kept per (causal, window_size) given as a
-    bool and a tuple of ints: a model's calls share a few."""
-    try:
-        return _FLASH_ATTN_SPECS[causal, window_size]
-    except (KeyError, TypeError):  # new, or a list for window_size (not kept)
-        pass
+    bool and a tuple of ints: a model's calls share a few. Not while torch.compile traces: the
+    graph would be guarded on what the memo holds, and a spec kept while tracing would make the
+    next call compile again."""
+    keep = not torch.compiler.is_compiling()
+    if keep:
+        try:
+            return _FLASH_ATTN_SPECS[causal, window_size]
+        except (KeyError, TypeError):  # new, or a list for window_size (not kept)
+            pass
     if len(window_size) != 2 or any(int(x) < -1 for x in window_size):
         raise ArgumentError(f"window_size={window_size!r} must be (left, right) with entries >= -1")
     left, right = (int(x) for x in window_size)
@@ -125,7 +129,12 @@ def flash_attn_spec(causal: bool, window_size: tuple[int, int]) -> MaskSpec:
         right = 0
     spec = MaskSpec(window_size=(left, right), bottom_right=True, padding=False, arbitrary=False)
     plain = causal.__class__ is bool and all(x.__class__ is int for x in window_size)
-    if plain and isinstance(window_size, tuple) and len(_FLASH_ATTN_SPECS) < _MAX_FLASH_ATTN_SPECS:
+    if (
+        keep
+        and plain
+        and isinstance(window_size, tuple)
+        and len(_FLASH_ATTN_SPECS) < _MAX_FLASH_ATTN_SPECS
+    ):
         _FLASH_ATTN_SPECS[causal, window_size] = spec
     return spec
 

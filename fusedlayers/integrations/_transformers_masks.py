@@ -23,10 +23,17 @@ off instead of computing something else.
 key slots hold real tokens, where the queries sit among them, the window in flash-attn's
 convention (bottom-right aligned; causal = right side 0) and the packed sequences. Host values
 (lengths, offsets) are read once per mask, that is once per forward, not once per layer.
+
+A static cache's decode steps (generate compiles them) see the same shapes every step while
+the number of used slots and the queries' slot move on by one. Dynamo specializes the compiled
+step on every host int it reads, so what the decode route reads changes from step to step only
+on the device: `seqlens` (kv_used, from the cache's `q_offset` tensor) and `left_pads` (from the
+2-D mask), next to host values that stay the same (`form`, `has_past`, the window).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -162,7 +169,12 @@ class MaskLayout:
     says which slots hold real tokens; a query is real when its slot is. `segments`: int32
     cu_seqlens of packed sequences over the `b * q_length` tokens (then q and k are the same
     tokens). `form`: "full" (no padding), "right", "left", "ragged" or "packed".
-    `dense_reason`: why the structured paths would not be exact ("" when they are)."""
+    `dense_reason`: why the structured paths would not be exact ("" when they are).
+    `has_past`: keys precede the queries (`q_start > 0`: the queries follow a cache's tokens).
+    On the device, for the decode route (module docstring): `seqlens`, int32 `[b]` kv_used of a
+    causal layout whose `q_offset` came as a tensor (a static cache), else None; `left_pads`,
+    int32 `[b]` the first real slot of each row (kv_used for a row without one) where padding
+    was found, else None."""
 
     batch: int
     q_length: int
@@ -176,15 +188,20 @@ class MaskLayout:
     segment_ids: Tensor | None = None
     lengths_k: list[int] = field(default_factory=list)  # real keys per row (host)
     lengths_q: list[int] = field(default_factory=list)  # real queries per row (host)
-    firsts: list[int] = field(default_factory=list)  # first real slot per row (host)
+    seqlens: Tensor | None = None
+    left_pads: Tensor | None = None
     max_segment: int = 0
     form: str = "full"
     dense_reason: str = ""
     memo: dict = field(default_factory=dict, repr=False)
+    has_past: bool = field(init=False)
 
     # What generate precomputes for static caches comes back as `attention_mask`; transformers
     # asks `attention_mask.ndim == 2` of it before handing it to the mask function again.
     ndim = 4
+
+    def __post_init__(self) -> None:
+        self.has_past = self.q_start > 0
 
     @property
     def shape(self) -> tuple[int, int, int, int]:
@@ -194,12 +211,12 @@ class MaskLayout:
         """A copy whose tensors are on another device (what accelerate's hooks call)."""
         moved = {
             name: getattr(self, name).to(*args, **kwargs)
-            for name in ("kv_valid", "segments", "segment_ids")
+            for name in ("kv_valid", "segments", "segment_ids", "seqlens", "left_pads")
             if getattr(self, name) is not None
         }
         if not moved:
             return self
-        return MaskLayout(**{**self.__dict__, **moved, "memo": {}})
+        return dataclasses.replace(self, **moved, memo={})
 
     def describe(self) -> str:
         kind = "causal" if self.causal else "bidirectional"
@@ -232,13 +249,6 @@ class MaskLayout:
         if "right" not in self.memo:
             self.memo["right"] = _cumulative(self.lengths_k, self.kv_valid.device)
         return self.memo["right"]
-
-    def left_pads(self) -> Tensor:
-        """int32 [b]: the first real slot of each row (kv_used for a row without one)."""
-        if "left" not in self.memo:
-            pads = [f if n else self.kv_used for f, n in zip(self.firsts, self.lengths_k)]
-            self.memo["left"] = torch.tensor(pads, dtype=torch.int32, device=self.kv_valid.device)
-        return self.memo["left"]
 
     def dense(self, device=None) -> Tensor:
         """bool `[b, 1, q_length, kv_length]`, True = attend: the same mask, materialized. Rows of
@@ -318,6 +328,9 @@ def build_layout(
     if not pattern.causal and pattern.sliding_window is not None and q_start != 0:
         return "a bidirectional sliding window with a cache"
     layout = MaskLayout(batch_size, q_length, kv_length, pattern.causal, window, q_start, kv_used)
+    if isinstance(q_offset, Tensor) and pattern.causal:  # kv_used, on the device
+        used = q_offset.reshape(1).to(torch.int32) + (q_length - int(kv_offset))
+        layout.seqlens = used.expand(batch_size).contiguous()
     if attention_mask is None:
         return layout
     mask = attention_mask.bool()
@@ -357,7 +370,8 @@ def _with_padding(layout: MaskLayout, valid: Tensor) -> MaskLayout:
     if layout.window != ((-1, 0) if layout.causal else (-1, -1)) and not contiguous:
         reason = "a sliding window over padding with gaps between real tokens"
     layout.kv_valid, layout.form, layout.dense_reason = valid, form, reason
-    layout.lengths_k, layout.lengths_q, layout.firsts = lengths_k, lengths_q, firsts_h
+    layout.lengths_k, layout.lengths_q = lengths_k, lengths_q
+    layout.left_pads = firsts.to(torch.int32)  # a row without real tokens: kv_used
     return layout
 
 

@@ -33,7 +33,9 @@ i reads KV head i // (h / hg)):
 - Decode (kernel path, no gradient, <= DECODE_MAX_QUERIES queries over a cache with no padding
   or left padding): `flash_attn_with_kvcache` (the split-KV decode kernel) on the key/value
   tensors transformers passes, already updated, with `cache_leftpad` and `cache_seqlens`; no
-  append, since the transformers cache already holds the new token.
+  append, since the transformers cache already holds the new token. With a static cache both
+  are device tensors (`MaskLayout.seqlens`, `left_pads`), so generate's compiled step reads no
+  host value that changes from step to step and compiles once.
 - Packed sequences (position ids that restart, found by transformers' mask creator or, without
   a mask, by FA2's rule; or `cu_seq_lens_q/k` kwargs): one `thd` call over the segments.
 - A 4-D mask (a user's own, or a pattern not recognized): bool (True = attend) or additive
@@ -322,7 +324,7 @@ def _decode_fits(q, k, v, layout: MaskLayout, call: _Call) -> bool:
     s_q = q.shape[1]
     if call.dropout > 0 or layout.form not in ("full", "left"):
         return False
-    if not layout.causal or s_q > DECODE_MAX_QUERIES or s_q >= layout.kv_used:
+    if not layout.causal or s_q > DECODE_MAX_QUERIES or not layout.has_past:
         return False
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
         return False
@@ -338,10 +340,13 @@ def _structured(q, k, v, layout: MaskLayout, call: _Call):
     b, s_q, h = q.shape[:3]
     spec = flash_attn_spec(False, layout.window)  # the window already holds causality
     if _decode_fits(q, k, v, layout, call):
-        pads = layout.left_pads() if layout.form == "left" else None
+        # A static cache's lengths come as device tensors: its compiled step reads no host int
+        # that changes from step to step (the MaskLayout docstring).
+        seqlens = layout.kv_used if layout.seqlens is None else layout.seqlens
+        pads = layout.left_pads if layout.form == "left" else None
         sinks = call.sinks is not None
         result = flash_attn_with_kvcache(
-            q, k, v, cache_seqlens=layout.kv_used, cache_leftpad=pads,
+            q, k, v, cache_seqlens=seqlens, cache_leftpad=pads,
             softmax_scale=call.scale, causal=True, window_size=layout.window,
             softcap=call.softcap, return_softmax_lse=sinks,
         )  # fmt: skip

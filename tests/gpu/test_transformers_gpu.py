@@ -61,6 +61,36 @@ def test_greedy_generate_left_padded_bf16(family, cache, monkeypatch):
     assert spy.saw("decode: flash_attn_with_kvcache"), spy.routes
 
 
+@pytest.mark.parametrize("dynamic", [False, None], ids=["static-shapes", "automatic-dynamic"])
+def test_static_cache_generate_compiles_no_more_than_sdpa(dynamic):
+    """Static-cache generate compiles the decode step (inductor, CUDA graphs); over seven steps
+    on left-padded prompts fusedlayers compiles no more graphs than sdpa, with no graph break:
+    the keys used and the left padding, which change every step, reach the compiled step as
+    device tensors of fixed shapes (as host ints they made every step compile and record anew).
+    dynamic=False was generate's default in earlier transformers releases, None is now."""
+    from torch._dynamo.utils import counters
+    from transformers import CompileConfig
+
+    model, comparator = tt.tiny_model("llama")
+    ids, mask = tt.padded_batch(LENGTHS, 9, "left", seed=7, device="cuda")
+    oracle, compared, fused = _variants(model, comparator)
+
+    def compiled_greedy(m):
+        torch._dynamo.reset()
+        counters.clear()
+        config = CompileConfig(dynamic=dynamic)
+        tokens = tt.greedy(m, ids, mask, 8, compile_config=config, cache_implementation="static")
+        return tokens, counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
+
+    want, want_graphs, want_breaks = compiled_greedy(compared)
+    got, graphs, breaks = compiled_greedy(fused)
+    assert want_graphs > 0, "generate compiled nothing"
+    assert graphs <= want_graphs and breaks <= want_breaks, (
+        f"fusedlayers: {graphs} graphs, {breaks} breaks; sdpa: {want_graphs}, {want_breaks}"
+    )
+    tt.assert_same_greedy(got, want, oracle, ids, mask, TIE)
+
+
 @pytest.mark.parametrize("family", sorted(tt.FAMILIES))
 def test_training_step_right_padded_bf16(family):
     model, comparator = tt.tiny_model(family)
@@ -98,7 +128,8 @@ def test_packed_sequences_bf16(family, monkeypatch):
 def test_static_cache_generate_on_split_decode_twice():
     """Static-cache generate compiles the model's step into CUDA graphs; prompts of 600 tokens
     give caches long enough for the decode kernel to split the keys (its partials are scratch).
-    Two calls in a row, each against sdpa's tokens, with no more graph breaks than sdpa's: a
+    Two calls in a row, each against sdpa's tokens, with no more graphs and graph breaks than
+    sdpa's (the decode step is not compiled again for each step's length): a
     device buffer the decode kept between calls once failed the graphs' memory-pool check on
     the second call, and a capture query broke the graph in `flash_attn_with_kvcache`."""
     from fusedlayers.kernels import _flash_decode
@@ -112,13 +143,16 @@ def test_static_cache_generate_on_split_decode_twice():
         torch._dynamo.reset()
         counters.clear()
         runs = [tt.greedy(m, ids, mask, 8, cache_implementation="static") for _ in range(2)]
-        assert counters["stats"]["unique_graphs"] > 0, "generate compiled nothing"
-        return runs, sum(counters["graph_break"].values())
+        graphs = counters["stats"]["unique_graphs"]
+        assert graphs > 0, "generate compiled nothing"
+        return runs, graphs, sum(counters["graph_break"].values())
 
-    (want, _), want_breaks = generate_twice(compared)
+    (want, _), want_graphs, want_breaks = generate_twice(compared)
     _flash_decode._PLANS.clear()
-    (got, again), breaks = generate_twice(fused)
+    (got, again), graphs, breaks = generate_twice(fused)
     assert any(plan.num_splits > 1 for plan in _flash_decode._PLANS.values()), "no split decode"
     assert torch.equal(again, got)
     tt.assert_same_greedy(got, want, oracle, ids, mask, TIE)
-    assert breaks <= want_breaks, (breaks, want_breaks)
+    assert graphs <= want_graphs and breaks <= want_breaks, (
+        f"fusedlayers: {graphs} graphs, {breaks} breaks; sdpa: {want_graphs}, {want_breaks}"
+    )
