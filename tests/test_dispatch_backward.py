@@ -60,12 +60,40 @@ def test_plan_covers_what_the_kernel_does(monkeypatch):
         monkeypatch.setitem(dispatch.SM90_BWD_MIN_KEYS, 128, None)
         assert _plan(q, kv, kv, q) is None
         monkeypatch.setitem(dispatch.SM90_BWD_MIN_KEYS, 128, 256)
-        monkeypatch.setattr(dispatch, "SM90_BWD_MIN_WAVES", 0)
+        monkeypatch.setitem(dispatch.SM90_BWD_MIN_WAVES, 128, (0, 0))
         assert _plan(q, kv, kv, q) is not None
         assert _plan(q[:, :200], kv[:, :200], kv[:, :200], q[:, :200]) is None  # 200 < 256 keys
         # 3 key blocks x 2 sequences x 2 KV heads = 12 programs: under one wave of the H100.
-        monkeypatch.setattr(dispatch, "SM90_BWD_MIN_WAVES", 1)
+        monkeypatch.setitem(dispatch.SM90_BWD_MIN_WAVES, 128, (1, 1))
         assert _plan(q, kv, kv, q) is None
+    finally:
+        set_backward_path(previous)
+
+
+@pytest.mark.parametrize(
+    "d, b, h, h_kv, s, causal, taken",
+    [
+        (128, 1, 32, 4, 4096, False, True),  # 128 programs: one wave of 132 SMs, near enough
+        (128, 1, 32, 4, 4096, True, False),  # causal: under 3 waves
+        (128, 1, 16, 2, 4096, False, False),  # 64 programs: half a wave
+        (128, 4, 32, 4, 4096, True, True),  # 512 programs: 3.9 waves
+        (256, 1, 8, 2, 2048, False, True),  # 64 programs: any count above d = 128
+        (256, 1, 8, 2, 2048, True, False),
+    ],
+)
+def test_auto_wants_more_waves_of_causal_programs(d, b, h, h_kv, s, causal, taken, monkeypatch):
+    """Under "auto" the sm_90 backward's wave minimum depends on the mask and the tile width
+    (`SM90_BWD_MIN_WAVES`): causal launches want 3 waves of programs, others about one up to
+    d = 128 and none above; programs = key blocks (128 keys, 64 above d = 128) x b x h_kv."""
+    monkeypatch.setattr(dispatch, "_on_sm90", lambda t: True)
+    monkeypatch.setattr(dispatch, "multiprocessors", lambda device: 132)
+    monkeypatch.setattr(_flash_bwd_sm90, "GLUON_AVAILABLE", True)
+    q = torch.empty(b, s, h, d, dtype=torch.bfloat16)
+    kv = torch.empty(b, s, h_kv, d, dtype=torch.bfloat16)
+    previous = set_backward_path("auto")
+    try:
+        plan = _plan(q, kv, kv, q, window_right=0 if causal else -1)
+        assert (plan is not None) == taken
     finally:
         set_backward_path(previous)
 
@@ -314,7 +342,7 @@ def test_wide_head_dims_follow_the_length_table(d_qk, d_v, monkeypatch):
     or 192 columns in rows d wide is narrower than the 256-wide box and is not taken."""
     monkeypatch.setattr(dispatch, "_on_sm90", lambda t: True)
     monkeypatch.setattr(_flash_bwd_sm90, "GLUON_AVAILABLE", True)
-    monkeypatch.setattr(dispatch, "SM90_BWD_MIN_WAVES", 0)
+    monkeypatch.setitem(dispatch.SM90_BWD_MIN_WAVES, 256, (0, 0))
     q, dout = (torch.randn(2, 4096, 4, d_qk, dtype=torch.bfloat16) for _ in range(2))
     k = torch.randn(2, 4096, 2, d_qk, dtype=torch.bfloat16)
     v = torch.randn(2, 4096, 2, d_v, dtype=torch.bfloat16)
