@@ -173,6 +173,36 @@ DQ_WAIT_LATE = {128: True, 64: True, 256: True}
 # bandwidth the consumers wait on (Nsight Compute: MIO-queue stalls lead theirs at d=128), for
 # 16 more registers a thread held until dV lands.
 P_FROM_REGISTERS = {128: True, 64: True, 256: False}
+# Variants of the wide schedule (256-wide tiles), off by default, selected per tile width like
+# the tables above (examples/perf/ab_sm90_variants.py --set wide; docs/design-sm90-backward-wide.md,
+# "Variants"):
+# - DO_STAGES: the dO ring's stages, None for as many as Q's (`TILES`). `TILES[256] = (64, 2)`
+#   with `DO_STAGES[256] = 1` splits the ring: two Q stages (with their LSE rows), one dO stage
+#   (with its delta rows), each with its own ready/empty barriers, so the next step's Q loads a
+#   whole step ahead. Fits at (192, 128) only (229,968 bytes of 232,448; 262,744 at 192 and 256).
+# - DV_BEFORE_DS: each step's dV product issued as soon as both warpgroups' P^T halves are in
+#   shared memory (a P-ready mbarrier apart from dS-ready), so it runs while dS^T is computed.
+# - CAUSAL_ORDER_BYTES: the causal launch order's L2 budget for this backward
+#   (`_common.causal_order_heads`), None for `_common.CAUSAL_ORDER_L2_BYTES` (0: one
+#   (sequence, KV head) pair at a time, its adjacent 64-key blocks sharing its Q and dO in L2).
+DO_STAGES = {128: None, 64: None, 256: None}
+DV_BEFORE_DS = {128: False, 64: False, 256: False}
+CAUSAL_ORDER_BYTES = {128: None, 64: None, 256: None}
+# The wide schedule's variants by name: the tables' entries at width 256 each one sets (the
+# A/B tool, the offline compile and the GPU tests select them by these names).
+WIDE_VARIANTS = {
+    "split_ring": {"TILES": (64, 2), "DO_STAGES": 1},
+    "dv_early": {"DV_BEFORE_DS": True},
+    "split_ring+dv_early": {"TILES": (64, 2), "DO_STAGES": 1, "DV_BEFORE_DS": True},
+    "causal_pairwise": {"CAUSAL_ORDER_BYTES": 0},
+    "causal_64MiB": {"CAUSAL_ORDER_BYTES": 64 << 20},
+}
+
+
+def wide_variant_fits(name: str, d_qk: int, d_v: int) -> bool:
+    """Whether variant `name` (`WIDE_VARIANTS`) fits shared memory at (d_qk, d_v): a second Q
+    stage does only beside 128-wide v/dO tiles."""
+    return "DO_STAGES" not in WIDE_VARIANTS[name] or widths(d_qk, d_v)[1] <= 128
 # The tables here are per tile width (`tile_width`): d = 80 and 96 run on d = 128's tiles, 128
 # columns wide, as in the forward. Their S^T and dP^T take the dim's own columns only (two
 # products, `_product_over_dim`); the tiles' other columns (the next head's, or TMA's zero fill
@@ -210,7 +240,7 @@ if GLUON_AVAILABLE:
         into the ring."""
         q_desc, k_desc, v_desc, do_desc, dq_desc = descs
         q_smem, k_smem, v_smem, do_smem, lse_smem, delta_smem, ds_smem, p_smem, dq_smem = smem
-        kv_bar, ready, empty, ds_ready = bars
+        kv_bar, ready, empty, ds_ready, ready_do, empty_do = bars[:6]
         z, h_kv, group, start_q, start_k, start_n, len_q, len_k, diag, m_lo, m_count, total = seq
         stride_qb, stride_qh, stride_qs = strides[0]
         stride_kb, stride_kh, stride_ks = strides[1]
@@ -218,6 +248,7 @@ if GLUON_AVAILABLE:
         stride_dob, stride_doh, stride_dos = strides[3]
         stride_lb, stride_lh, stride_ls = strides[4]
         NUM_STAGES: gl.constexpr = q_smem.type.shape[0]
+        DO_STAGES: gl.constexpr = do_smem.type.shape[0]
         BLOCK_M: gl.constexpr = q_smem.type.shape[1]
 
         k_row, k_col = _tile_origin(z, h_kv, start_k + start_n, stride_kb, stride_kh, stride_ks)
@@ -238,22 +269,46 @@ if GLUON_AVAILABLE:
             h = h_kv * group + g
             q_row, q_col = _tile_origin(z, h, start_q + m0, stride_qb, stride_qh, stride_qs)
             do_row, do_col = _tile_origin(z, h, start_q + m0, stride_dob, stride_doh, stride_dos)
-            mbarrier.wait(empty.index(stage), phase)
-            # LSE and delta by plain loads (a 1-D TMA box must start 16-byte aligned, and a
-            # sequence's rows start anywhere), into shared memory before the arrive below.
-            rows = m0 + offs
-            lse_at = z64 * stride_lb + h.to(gl.int64) * stride_lh + start_q.to(gl.int64) * stride_ls
-            row_ok = rows < len_q
-            lse = gl.load(lse_ptr + lse_at + rows * stride_ls, mask=row_ok, other=0.0)
-            delta = gl.load(delta_ptr + lse_at + rows * stride_ls, mask=row_ok, other=0.0)
-            lse_smem.index(stage).store(lse)
-            delta_smem.index(stage).store(delta)
-            _partition_barrier()  # every producer thread's stores, before the arrive
-            mbarrier.expect(
-                ready.index(stage), q_desc.block_type.nbytes + do_desc.block_type.nbytes
-            )
-            _tma_load(q_desc, [q_row, q_col], ready.index(stage), q_smem.index(stage))
-            _tma_load(do_desc, [do_row, do_col], ready.index(stage), do_smem.index(stage))
+            if DO_STAGES != NUM_STAGES:
+                # A split ring (`DO_STAGES`): Q and its LSE rows into Q's stage, then dO and
+                # its delta rows into dO's, each behind its own empty barrier.
+                rows = m0 + offs
+                lse_at = (z64 * stride_lb + h.to(gl.int64) * stride_lh
+                          + start_q.to(gl.int64) * stride_ls)  # fmt: skip
+                row_ok = rows < len_q
+                mbarrier.wait(empty.index(stage), phase)
+                lse = gl.load(lse_ptr + lse_at + rows * stride_ls, mask=row_ok, other=0.0)
+                lse_smem.index(stage).store(lse)
+                _partition_barrier()
+                mbarrier.expect(ready.index(stage), q_desc.block_type.nbytes)
+                _tma_load(q_desc, [q_row, q_col], ready.index(stage), q_smem.index(stage))
+                stage_do = it % DO_STAGES
+                mbarrier.wait(empty_do.index(stage_do), ((it // DO_STAGES) & 1) ^ 1)
+                delta = gl.load(delta_ptr + lse_at + rows * stride_ls, mask=row_ok, other=0.0)
+                delta_smem.index(stage_do).store(delta)
+                _partition_barrier()
+                mbarrier.expect(ready_do.index(stage_do), do_desc.block_type.nbytes)
+                _tma_load(
+                    do_desc, [do_row, do_col], ready_do.index(stage_do), do_smem.index(stage_do)
+                )
+            else:
+                mbarrier.wait(empty.index(stage), phase)
+                # LSE and delta by plain loads (a 1-D TMA box must start 16-byte aligned, and a
+                # sequence's rows start anywhere), into shared memory before the arrive below.
+                rows = m0 + offs
+                lse_at = (z64 * stride_lb + h.to(gl.int64) * stride_lh
+                          + start_q.to(gl.int64) * stride_ls)  # fmt: skip
+                row_ok = rows < len_q
+                lse = gl.load(lse_ptr + lse_at + rows * stride_ls, mask=row_ok, other=0.0)
+                delta = gl.load(delta_ptr + lse_at + rows * stride_ls, mask=row_ok, other=0.0)
+                lse_smem.index(stage).store(lse)
+                delta_smem.index(stage).store(delta)
+                _partition_barrier()  # every producer thread's stores, before the arrive
+                mbarrier.expect(
+                    ready.index(stage), q_desc.block_type.nbytes + do_desc.block_type.nbytes
+                )
+                _tma_load(q_desc, [q_row, q_col], ready.index(stage), q_smem.index(stage))
+                _tma_load(do_desc, [do_row, do_col], ready.index(stage), do_smem.index(stage))
 
     @gluon.jit
     def _consumer(
@@ -269,7 +324,7 @@ if GLUON_AVAILABLE:
         store."""
         descs, smem, bars, seq, strides, ptrs, scales = args
         q_smem, k_smem, v_smem, do_smem, lse_smem, delta_smem, ds_smem, p_smem, dq_smem = smem
-        kv_bar, ready, empty, ds_ready = bars
+        kv_bar, ready, empty, ds_ready = bars[:4]
         z, h_kv, group, start_q, start_k, start_n, len_q, len_k, diag, m_lo, m_count, total = seq
         dq_desc = descs[4]
         stride_dqb, stride_dqh, stride_dqs = strides[5]
@@ -507,12 +562,14 @@ if GLUON_AVAILABLE:
         NUM_STAGES: gl.constexpr, SEQ_MODE_Q: gl.constexpr, SEQ_MODE_K: gl.constexpr,
         IS_CAUSAL: gl.constexpr, BOTTOM_RIGHT: gl.constexpr, DQ_FIRST: gl.constexpr,
         WAIT_LATE: gl.constexpr, P_IN_REGS: gl.constexpr, HEAD_DIM_V: gl.constexpr,
+        DO_STAGES: gl.constexpr, DV_EARLY: gl.constexpr,
     ):  # fmt: skip
         """One program: BLOCK_N keys of one (sequence, KV head), over its GQA group's queries;
         order_pairs: the causal launch order's interleave (`_interleaved_tile`); HEAD_DIM,
         HEAD_DIM_V: q's and v's head dims; the tiles are as wide as the descriptors' boxes
         (`widths`). Tiles wider than 128 take the column-split consumers
-        (`_flash_bwd_sm90_wide`)."""
+        (`_flash_bwd_sm90_wide`); DO_STAGES (the dO ring's stages: `DO_STAGES`) and DV_EARLY
+        (`DV_BEFORE_DS`) are their variants."""
         # Key blocks vary fastest (neighbours share the group's Q and dO in L2); under a causal
         # mask the first key blocks see the most queries, and they start first.
         pid = gl.program_id(0)
@@ -549,7 +606,11 @@ if GLUON_AVAILABLE:
         WIDTH_V: gl.constexpr = v_desc.block_type.shape[1]
         WIDE: gl.constexpr = WIDTH > 128  # `_flash_bwd_sm90_wide`'s schedule
         q_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_M, WIDTH], q_desc.layout)
-        do_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_M, WIDTH_V], do_desc.layout)
+        # A split ring (DO_STAGES != NUM_STAGES, wide tiles only): dO and delta have their own
+        # stages and ready/empty barriers (`DO_STAGES`).
+        SPLIT_RING: gl.constexpr = DO_STAGES != NUM_STAGES
+        gl.static_assert(WIDE or not (SPLIT_RING or DV_EARLY))
+        do_smem = gl.allocate_shared_memory(dtype, [DO_STAGES, BLOCK_M, WIDTH_V], do_desc.layout)
         k_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_N, WIDTH], k_desc.layout)
         v_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_N, WIDTH_V], v_desc.layout)
         # dS^T [keys, queries], double-buffered; the dQ product reads it transposed. Wide
@@ -566,7 +627,7 @@ if GLUON_AVAILABLE:
         dq_smem = gl.allocate_shared_memory(gl.float32, [2, DQ_ROWS, DQ_COLS], dq_desc.layout)
         rows_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
         lse_smem = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, BLOCK_M], rows_layout)
-        delta_smem = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, BLOCK_M], rows_layout)
+        delta_smem = gl.allocate_shared_memory(gl.float32, [DO_STAGES, BLOCK_M], rows_layout)
         bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
         kv_bar = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
         ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], bar_layout)
@@ -578,12 +639,26 @@ if GLUON_AVAILABLE:
             mbarrier.init(empty.index(i), count=2)  # free once both warpgroups released it
         for i in gl.static_range(2):
             mbarrier.init(ds_ready.index(i), count=2)  # both warpgroups' dS^T rows written
+        # The variants' barriers; without them the names alias the default's, unused.
+        ready_do = ready
+        empty_do = empty
+        p_ready = ds_ready
+        if SPLIT_RING:
+            ready_do = gl.allocate_shared_memory(gl.int64, [DO_STAGES, 1], bar_layout)
+            empty_do = gl.allocate_shared_memory(gl.int64, [DO_STAGES, 1], bar_layout)
+            for i in gl.static_range(DO_STAGES):
+                mbarrier.init(ready_do.index(i), count=1)
+                mbarrier.init(empty_do.index(i), count=2)
+        if DV_EARLY:
+            p_ready = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
+            for i in gl.static_range(2):
+                mbarrier.init(p_ready.index(i), count=2)  # both warpgroups' P^T rows written
         fence_async_shared()
 
         args = (
             (q_desc, k_desc, v_desc, do_desc, dq_desc),
             (q_smem, k_smem, v_smem, do_smem, lse_smem, delta_smem, ds_smem, p_smem, dq_smem),
-            (kv_bar, ready, empty, ds_ready),
+            (kv_bar, ready, empty, ds_ready, ready_do, empty_do, p_ready),
             (z, h_kv, group, start_q, start_k, start_n, len_q, len_k, diag, m_lo, m_count, total),
             ((stride_qb, stride_qh, stride_qs), (stride_kb, stride_kh, stride_ks),
              (stride_vb, stride_vh, stride_vs), (stride_dob, stride_doh, stride_dos),
@@ -594,8 +669,8 @@ if GLUON_AVAILABLE:
         if WIDE:
             gl.warp_specialize(
                 [
-                    (_consumer_wide, (args, 0, HEAD_DIM, HEAD_DIM_V)),
-                    (_consumer_wide, (args, 1, HEAD_DIM, HEAD_DIM_V)),
+                    (_consumer_wide, (args, 0, HEAD_DIM, HEAD_DIM_V, DV_EARLY)),
+                    (_consumer_wide, (args, 1, HEAD_DIM, HEAD_DIM_V, DV_EARLY)),
                     (_producer, args),
                 ],  # fmt: skip
                 [4, 4],
@@ -741,7 +816,8 @@ def _settings(d: int) -> tuple:
     width = tile_width(d)
     return (
         TILES[width], DQ_BEFORE_DK[width], DQ_WAIT_LATE[width], P_FROM_REGISTERS[width],
-        _common.CAUSAL_ORDER_L2_BYTES,
+        _common.CAUSAL_ORDER_L2_BYTES, DO_STAGES[width], DV_BEFORE_DS[width],
+        CAUSAL_ORDER_BYTES[width],
     )  # fmt: skip
 
 
@@ -753,6 +829,9 @@ def _launch_plan(
     d, d_v = q.shape[-1], v.shape[-1]
     width, width_v = widths(d, d_v)
     block_m, stages = TILES[width]
+    do_stages = stages if DO_STAGES[width] is None else DO_STAGES[width]
+    if (do_stages != stages or DV_BEFORE_DS[width]) and width <= 128:
+        raise ValueError(f"sm_90 backward: DO_STAGES / DV_BEFORE_DS are wide-tile variants, d={d}")
     keys = block_n(d)
     sq, sk, sv, sdo = (strides4(t, geom.varlen) for t in (q, k, v, dout))
     sdq, sdk, sdv = (strides4(t, geom.varlen) for t in (dq_acc, dk, dv))
@@ -765,13 +844,15 @@ def _launch_plan(
     )  # fmt: skip
     # A (sequence, KV head) pair streams its group's q and dO rows.
     order_pairs = causal_order_heads(
-        geom.q.max_len, head_row_bytes(q, dout) * (h_q // h_kv), 1, geom.batch * h_kv
-    )
+        geom.q.max_len, head_row_bytes(q, dout) * (h_q // h_kv), 1, geom.batch * h_kv,
+        budget=CAUSAL_ORDER_BYTES[width],
+    )  # fmt: skip
     constexprs = dict(
         HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=keys, NUM_STAGES=stages,
         SEQ_MODE_Q=geom.q.mode, SEQ_MODE_K=geom.k.mode, IS_CAUSAL=bool(causal),
         BOTTOM_RIGHT=bool(bottom_right), DQ_FIRST=DQ_BEFORE_DK[width],
         WAIT_LATE=DQ_WAIT_LATE[width], P_IN_REGS=P_FROM_REGISTERS[width], HEAD_DIM_V=d_v,
+        DO_STAGES=do_stages, DV_EARLY=DV_BEFORE_DS[width],
         num_warps=CONSUMER_WARPS, maxnreg=MAX_REGISTERS,
     )  # fmt: skip
     views = plan_views(q, k, v, dout, geom.varlen)
@@ -799,6 +880,6 @@ def _launch_plan(
 
 
 __all__ = [
-    "GLUON_AVAILABLE", "SUPPORTED_DIMS", "backward_sm90", "block_n", "dq_accumulator", "dq_box",
+    "GLUON_AVAILABLE", "SUPPORTED_DIMS", "WIDE_VARIANTS", "wide_variant_fits", "backward_sm90", "block_n", "dq_accumulator", "dq_box",
     "plan_views", "tile_width", "widths",
 ]  # fmt: skip
