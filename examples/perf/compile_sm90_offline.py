@@ -3,7 +3,7 @@ compiler's resource report (registers, spills, shared memory).
 
     python examples/perf/compile_sm90_offline.py [--kernels fwd,bwd] [--dims 128,64]
         [--causal 0,1] [--fwd-persistent 0,1] [--fwd-layouts dense,varlen] [--partitions]
-        [--dump DIR]
+        [--bwd-variants default,split_ring,dv_early] [--dump DIR]
 
 Run it with the Triton whose build you want to read (3.6 and 3.9 both compile these kernels):
 Gluon's API and the compiler's choices differ between versions. A stand-in driver reports an
@@ -185,7 +185,7 @@ def compile_forward(
 
 def compile_backward(
     d: int, causal: bool, block_m: int | None = None, layout: str = "dense",
-    dq_first: bool | None = None, d_v: int | None = None,
+    dq_first: bool | None = None, d_v: int | None = None, variant: str | None = None,
 ):  # fmt: skip
     """The backward at d (v's head dim d_v, default d; 80 and 96 on 128-wide tiles, 192 on
     256-wide ones: the tables are per `tile_width`), with the
@@ -193,10 +193,21 @@ def compile_backward(
     BLOCK_M is block_m. `layout`: "dense" (a causal mask bottom-right
     aligned), "topleft" (dense, top-left), "seqlens" (right-padded), "varlen", "varlen_padded"
     (varlen with gaps): each is a separate specialization of the kernel (`_layout_inputs`).
-    `dq_first`: the step's product order (`DQ_BEFORE_DK`; None: the default)."""
+    `dq_first`: the step's product order (`DQ_BEFORE_DK`; None: the default). `variant`: one
+    of the wide schedule's `WIDE_VARIANTS` (None: the default)."""
     from fusedlayers.kernels import _flash_bwd_sm90 as bwd
 
     width = bwd.tile_width(d)
+    if variant is not None:
+        entries = bwd.WIDE_VARIANTS[variant]
+        saved = {name: getattr(bwd, name)[width] for name in entries}
+        for name, value in entries.items():
+            getattr(bwd, name)[width] = value
+        try:
+            return compile_backward(d, causal, block_m, layout, dq_first, d_v)
+        finally:
+            for name, value in saved.items():
+                getattr(bwd, name)[width] = value
     default, default_order = bwd.TILES[width], bwd.DQ_BEFORE_DK[width]
     if block_m is not None and block_m != default[0]:
         bwd.TILES[width] = bwd.TILES_M128[width]
@@ -250,6 +261,13 @@ def main() -> None:
         "default: DQ_BEFORE_DK",
     )
     p.add_argument(
+        "--bwd-variants",
+        default="default",
+        help="wide-schedule variants to compile (d >= 160), from default and "
+        "_flash_bwd_sm90.WIDE_VARIANTS, e.g. default,split_ring,dv_early; those that do not "
+        "fit at a dims pair (wide_variant_fits) are skipped",
+    )
+    p.add_argument(
         "--fwd-persistent",
         default="0",
         help="forward grids to compile: 0 (one tile per program), 1 (persistent)",
@@ -284,11 +302,29 @@ def main() -> None:
                 for block_m in _block_ms(name, d, args.bwd_block_m):
                     for layout in args.bwd_layouts.split(","):
                         for dq_first in orders:
-                            kernel = compile_backward(d, causal, block_m, layout, dq_first, d_v)
-                            tag = (f"-m{block_m}" if block_m else "") + (
-                                "" if layout == "dense" else f"-{layout}") + (
-                                "" if dq_first is None else f"-dqfirst{int(dq_first)}")  # fmt: skip
-                            _report(args, name, dims, causal, tag, kernel)
+                            for variant in _variants(d, d_v, args.bwd_variants):
+                                kernel = compile_backward(
+                                    d, causal, block_m, layout, dq_first, d_v, variant
+                                )
+                                tag = (f"-m{block_m}" if block_m else "") + (
+                                    "" if layout == "dense" else f"-{layout}") + (
+                                    "" if dq_first is None else f"-dqfirst{int(dq_first)}") + (
+                                    "" if variant is None else f"-{variant}")  # fmt: skip
+                                _report(args, name, dims, causal, tag, kernel)
+
+
+def _variants(d: int, d_v: int, spec: str) -> list:
+    """The wide-schedule variants of --bwd-variants that fit at (d, d_v) (None: the default);
+    only the default below 256-wide tiles."""
+    from fusedlayers.kernels import _flash_bwd_sm90 as bwd
+
+    chosen = []
+    for name in spec.split(","):
+        if name == "default":
+            chosen.append(None)
+        elif bwd.tile_width(d) > 128 and bwd.wide_variant_fits(name, d, d_v):
+            chosen.append(name)
+    return chosen
 
 
 def _block_ms(name: str, d: int, spec: str) -> list:
