@@ -12,7 +12,8 @@ views (sbhd, packed sb3hd), NaN in rows no sequence owns and (d = 80, 96, 160, 1
 tiles' columns past d. Further tests: dK/dV bitwise reproducible run to run (dQ sums with
 atomics: close, not bitwise), agreement with the portable backward on a long GQA problem, and
 the calls the path does not cover (among them deterministic=True) falling back to the
-portable kernels.
+portable kernels, and the wide schedule's selectable variants (`WIDE_VARIANTS`) on a few
+cases each.
 
 Shapes: dense q [b, s_q, h, d], k/v [b, s_k, h_kv, d]; varlen [t, h, d].
 """
@@ -163,6 +164,43 @@ def test_sm90_backward_product_orders(case, dq_first, sm90_spy, monkeypatch):
     gaps, at d = 80 and 96 too."""
     width = _flash_bwd_sm90.tile_width(case.d)
     monkeypatch.setitem(_flash_bwd_sm90.DQ_BEFORE_DK, width, dq_first)
+    check_case(case, DEV, high_dtype=torch.float32)
+    assert sm90_spy, "the sm_90 backward did not run"
+
+
+# The wide schedule's variants (`_flash_bwd_sm90.WIDE_VARIANTS`) on a few of its cases: no
+# mask and causal (both alignments), MHA and GQA, s_q != s_k, odd lengths, varlen with and
+# without gaps, at d = 192, 256 and (192, 128).
+WIDE_VARIANT_CASES = [
+    Case(b=2, s_q=1024, s_k=1024, h=4, h_kv=4, d=256, dtype=torch.bfloat16),
+    Case(b=1, s_q=4096, s_k=4096, h=4, h_kv=2, d=256, dtype=torch.bfloat16, window=(-1, 0)),
+    Case(b=2, s_q=1024, s_k=1024, h=4, h_kv=4, d=192, dtype=torch.bfloat16, window=(-1, 0)),
+    Case(b=2, s_q=1024, s_k=1024, h=4, h_kv=2, d=192, d_v=128, dtype=torch.bfloat16),
+    Case(b=2, s_q=777, s_k=300, h=8, h_kv=2, d=192, d_v=128, dtype=torch.bfloat16,
+         window=(-1, 0)),
+    Case(b=5, s_q=600, s_k=600, h=4, h_kv=4, d=192, dtype=torch.bfloat16, layout="varlen",
+         window=(-1, 0)),
+    Case(b=5, s_q=513, s_k=700, h=4, h_kv=2, d=256, dtype=torch.float16, layout="varlen_padded"),
+    Case(b=5, s_q=513, s_k=700, h=4, h_kv=2, d=192, d_v=128, dtype=torch.bfloat16,
+         layout="varlen_padded", window=(-1, 0), bottom_right=False),
+]  # fmt: skip
+
+
+@needs_sm90
+@pytest.mark.parametrize("variant", list(_flash_bwd_sm90.WIDE_VARIANTS))
+@pytest.mark.parametrize("case", WIDE_VARIANT_CASES, ids=lambda c: c.label())
+def test_sm90_backward_wide_variants(case, variant, sm90_spy, monkeypatch):
+    """Each of the wide schedule's variants where it fits (`wide_variant_fits`; the split ring
+    at (192, 128) only; the causal launch orders on causal cases only) against the reference."""
+    d_v = case.d if case.d_v is None else case.d_v
+    if not _flash_bwd_sm90.wide_variant_fits(variant, case.d, d_v):
+        pytest.skip(f"{variant} does not fit shared memory at {case.d}/{d_v}")
+    entries = _flash_bwd_sm90.WIDE_VARIANTS[variant]
+    if "CAUSAL_ORDER_BYTES" in entries and case.window != (-1, 0):
+        pytest.skip("the same launch as the default without a mask")
+    width = _flash_bwd_sm90.tile_width(case.d)
+    for table, value in entries.items():
+        monkeypatch.setitem(getattr(_flash_bwd_sm90, table), width, value)
     check_case(case, DEV, high_dtype=torch.float32)
     assert sm90_spy, "the sm_90 backward did not run"
 
