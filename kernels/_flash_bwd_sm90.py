@@ -197,12 +197,6 @@ WIDE_VARIANTS = {
     "causal_pairwise": {"CAUSAL_ORDER_BYTES": 0},
     "causal_64MiB": {"CAUSAL_ORDER_BYTES": 64 << 20},
 }
-
-
-def wide_variant_fits(name: str, d_qk: int, d_v: int) -> bool:
-    """Whether variant `name` (`WIDE_VARIANTS`) fits shared memory at (d_qk, d_v): a second Q
-    stage does only beside 128-wide v/dO tiles."""
-    return "DO_STAGES" not in WIDE_VARIANTS[name] or widths(d_qk, d_v)[1] <= 128
 # The tables here are per tile width (`tile_width`): d = 80 and 96 run on d = 128's tiles, 128
 # columns wide, as in the forward. Their S^T and dP^T take the dim's own columns only (two
 # products, `_product_over_dim`); the tiles' other columns (the next head's, or TMA's zero fill
@@ -218,6 +212,12 @@ SUPPORTED_DIMS = (
 def widths(d_qk: int, d_v: int) -> tuple[int, int]:
     """(q's and k's tile width, v's and dO's); the tables are keyed by the first."""
     return tile_width(d_qk), tile_width(d_v)
+
+
+def wide_variant_fits(name: str, d_qk: int, d_v: int) -> bool:
+    """Whether variant `name` (`WIDE_VARIANTS`) fits shared memory at (d_qk, d_v): a second Q
+    stage does only beside 128-wide v/dO tiles."""
+    return "DO_STAGES" not in WIDE_VARIANTS[name] or widths(d_qk, d_v)[1] <= 128
 
 
 def block_n(d_qk: int) -> int:
@@ -880,6 +880,6 @@ def _launch_plan(
 
 
 __all__ = [
-    "GLUON_AVAILABLE", "SUPPORTED_DIMS", "WIDE_VARIANTS", "wide_variant_fits", "backward_sm90", "block_n", "dq_accumulator", "dq_box",
-    "plan_views", "tile_width", "widths",
+    "GLUON_AVAILABLE", "SUPPORTED_DIMS", "WIDE_VARIANTS", "backward_sm90", "block_n",
+    "dq_accumulator", "dq_box", "plan_views", "tile_width", "wide_variant_fits", "widths",
 ]  # fmt: skip
