@@ -554,9 +554,7 @@ def next_pow2_dim(d: int) -> int:
 CAUSAL_ORDER_L2_BYTES = 16 << 20
 
 
-def causal_order_heads(
-    length: int, row_bytes: int, sharing: int, num_pairs: int, budget: int | None = None
-) -> int:
+def causal_order_heads(length: int, row_bytes: int, sharing: int, num_pairs: int) -> int:
     """How many consecutive (sequence, head) pairs a causal launch interleaves
     (`interleaved_tile`).
 
@@ -570,12 +568,11 @@ def causal_order_heads(
     1.00-1.02x with 16, simulated at s = 1k-16k) while what those pairs stream (`length` rows of
     `row_bytes` each, read by `sharing` consecutive pairs alike: a GQA group's query heads share K
     and V) stays within `CAUSAL_ORDER_L2_BYTES`. Whole sharing groups, at least one, at most
-    `num_pairs`. `budget`: bytes in place of `CAUSAL_ORDER_L2_BYTES` (None: that).
+    `num_pairs`.
     """
-    budget = CAUSAL_ORDER_L2_BYTES if budget is None else budget
-    if not budget:
+    if not CAUSAL_ORDER_L2_BYTES:
         return 1
-    streams = budget // max(1, length * row_bytes)
+    streams = CAUSAL_ORDER_L2_BYTES // max(1, length * row_bytes)
     return max(1, min(num_pairs, max(1, streams) * sharing))
 
 

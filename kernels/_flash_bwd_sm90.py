@@ -182,20 +182,14 @@ P_FROM_REGISTERS = {128: True, 64: True, 256: False}
 #   whole step ahead. Fits at (192, 128) only (229,968 bytes of 232,448; 262,744 at 192 and 256).
 # - DV_BEFORE_DS: each step's dV product issued as soon as both warpgroups' P^T halves are in
 #   shared memory (a P-ready mbarrier apart from dS-ready), so it runs while dS^T is computed.
-# - CAUSAL_ORDER_BYTES: the causal launch order's L2 budget for this backward
-#   (`_common.causal_order_heads`), None for `_common.CAUSAL_ORDER_L2_BYTES` (0: one
-#   (sequence, KV head) pair at a time, its adjacent 64-key blocks sharing its Q and dO in L2).
 DO_STAGES = {128: None, 64: None, 256: None}
 DV_BEFORE_DS = {128: False, 64: False, 256: False}
-CAUSAL_ORDER_BYTES = {128: None, 64: None, 256: None}
 # The wide schedule's variants by name: the tables' entries at width 256 each one sets (the
 # A/B tool, the offline compile and the GPU tests select them by these names).
 WIDE_VARIANTS = {
     "split_ring": {"TILES": (64, 2), "DO_STAGES": 1},
     "dv_early": {"DV_BEFORE_DS": True},
     "split_ring+dv_early": {"TILES": (64, 2), "DO_STAGES": 1, "DV_BEFORE_DS": True},
-    "causal_pairwise": {"CAUSAL_ORDER_BYTES": 0},
-    "causal_64MiB": {"CAUSAL_ORDER_BYTES": 64 << 20},
 }
 # The tables here are per tile width (`tile_width`): d = 80 and 96 run on d = 128's tiles, 128
 # columns wide, as in the forward. Their S^T and dP^T take the dim's own columns only (two
@@ -817,7 +811,6 @@ def _settings(d: int) -> tuple:
     return (
         TILES[width], DQ_BEFORE_DK[width], DQ_WAIT_LATE[width], P_FROM_REGISTERS[width],
         _common.CAUSAL_ORDER_L2_BYTES, DO_STAGES[width], DV_BEFORE_DS[width],
-        CAUSAL_ORDER_BYTES[width],
     )  # fmt: skip
 
 
@@ -844,9 +837,8 @@ def _launch_plan(
     )  # fmt: skip
     # A (sequence, KV head) pair streams its group's q and dO rows.
     order_pairs = causal_order_heads(
-        geom.q.max_len, head_row_bytes(q, dout) * (h_q // h_kv), 1, geom.batch * h_kv,
-        budget=CAUSAL_ORDER_BYTES[width],
-    )  # fmt: skip
+        geom.q.max_len, head_row_bytes(q, dout) * (h_q // h_kv), 1, geom.batch * h_kv
+    )
     constexprs = dict(
         HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=keys, NUM_STAGES=stages,
         SEQ_MODE_Q=geom.q.mode, SEQ_MODE_K=geom.k.mode, IS_CAUSAL=bool(causal),

@@ -42,8 +42,7 @@ A variant set flips module settings in this process (`variants`):
 - `wide`: the sm_90 backward's 256-wide schedule (d = 160-256, `--dims 192x128` for d_qk x d_v)
   as it is and with each of `_flash_bwd_sm90.WIDE_VARIANTS` that fits the dims
   (`wide_variant_fits`): the split ring (two Q stages, one dO; (192, 128) only), dV issued
-  before dS^T, both, and (causal cells only) the causal launch order one (sequence, KV head)
-  pair at a time and with a 64 MiB budget; cuDNN in the same process, as in every set.
+  before dS^T, and both; cuDNN in the same process, as in every set.
 To compare another variant, add its flip to `variants`. `--warm N` first compiles every
 variant's kernels in N processes (a small problem each, the same specializations), so the
 timed process finds them in Triton's cache instead of compiling one after another.
@@ -97,7 +96,6 @@ BACKWARD_SWITCHES = {
     "tile": _flash_bwd_sm90.TILES,
     "do_stages": _flash_bwd_sm90.DO_STAGES,
     "dv_early": _flash_bwd_sm90.DV_BEFORE_DS,
-    "causal_bytes": _flash_bwd_sm90.CAUSAL_ORDER_BYTES,
 }
 SAVED.update({name: dict(table) for name, table in BACKWARD_SWITCHES.items()})
 
@@ -154,9 +152,7 @@ def variants(which: str, d: int, d_v: int | None = None, causal: bool = True) ->
 
     if which == "wide":
         chosen = {"sm90": select("sm90")}
-        for name, entries in _flash_bwd_sm90.WIDE_VARIANTS.items():
-            if "CAUSAL_ORDER_BYTES" in entries and not causal:
-                continue  # the same launch as the default without a mask
+        for name in _flash_bwd_sm90.WIDE_VARIANTS:
             if _flash_bwd_sm90.wide_variant_fits(name, d, d_v):
                 chosen[f"sm90-{name}"] = select("sm90", wide=name)
         return chosen

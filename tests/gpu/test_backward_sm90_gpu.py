@@ -191,13 +191,11 @@ WIDE_VARIANT_CASES = [
 @pytest.mark.parametrize("case", WIDE_VARIANT_CASES, ids=lambda c: c.label())
 def test_sm90_backward_wide_variants(case, variant, sm90_spy, monkeypatch):
     """Each of the wide schedule's variants where it fits (`wide_variant_fits`; the split ring
-    at (192, 128) only; the causal launch orders on causal cases only) against the reference."""
+    at (192, 128) only) against the reference."""
     d_v = case.d if case.d_v is None else case.d_v
     if not _flash_bwd_sm90.wide_variant_fits(variant, case.d, d_v):
         pytest.skip(f"{variant} does not fit shared memory at {case.d}/{d_v}")
     entries = _flash_bwd_sm90.WIDE_VARIANTS[variant]
-    if "CAUSAL_ORDER_BYTES" in entries and case.window != (-1, 0):
-        pytest.skip("the same launch as the default without a mask")
     width = _flash_bwd_sm90.tile_width(case.d)
     for table, value in entries.items():
         monkeypatch.setitem(getattr(_flash_bwd_sm90, table), width, value)
