@@ -59,7 +59,8 @@ to d columns only (`_flash_bwd._scaled_dq`).
 d = 160, 192 and 256, and (d_qk, d_v) = (192, 128), run another schedule on 256-wide tiles: 64
 keys a program, both consumer warpgroups on the same keys, each holding half of dK's and dV's
 columns (`_flash_bwd_sm90_wide`, docs/design-sm90-backward-wide.md); 160 and 192 leave the
-tiles' columns past d out as 80 and 96 do.
+tiles' columns past d out as 80 and 96 do. Each dims pair runs the variants of that schedule
+`WIDE_DEFAULTS` gives it (the split ring at (192, 128), dV before dS^T at 160 and 192).
 
 Covered: fp16/bf16, (d_qk, d_v) in `SUPPORTED_DIMS` (64, 80, 96, 128, 160, 192, 256 with
 d_v = d_qk, and (192, 128)), MHA/GQA/MQA, no mask / causal (both alignments), dense,
@@ -150,8 +151,9 @@ MAX_REGISTERS = 168
 # many), each run as two 64-query halves: on the H100 its backward read 1.06-1.12x the 64-row
 # step's at s = 4k and 16k (0.92-1.02x at 1k; docs/performance.md); `TILES[64] = (64, 2)`
 # selects the 64-row step again.
-# d = 192 and 256 (256-wide tiles): 64-row steps and one stage; a second one (64 KiB more)
-# does not fit beside the dQ staging tiles (docs/design-sm90-backward-wide.md).
+# d = 160, 192 and 256 (256-wide tiles): 64-row steps and one stage; a second one (64 KiB
+# more) does not fit beside the dQ staging tiles (docs/design-sm90-backward-wide.md); (192, 128)
+# runs a second Q stage (`WIDE_DEFAULTS`: the split ring).
 TILES = {128: (64, 2), 64: (128, 2), 256: (64, 1)}
 # The 128-row step variant (tests and examples/perf/tune_sm90_backward.py --block-m pin it).
 TILES_M128 = {64: (128, 2)}
@@ -173,24 +175,28 @@ DQ_WAIT_LATE = {128: True, 64: True, 256: True}
 # bandwidth the consumers wait on (Nsight Compute: MIO-queue stalls lead theirs at d=128), for
 # 16 more registers a thread held until dV lands.
 P_FROM_REGISTERS = {128: True, 64: True, 256: False}
-# Variants of the wide schedule (256-wide tiles), off by default, selected per tile width like
-# the tables above (examples/perf/ab_sm90_variants.py --set wide; docs/design-sm90-backward-wide.md,
-# "Variants"):
-# - DO_STAGES: the dO ring's stages, None for as many as Q's (`TILES`). `TILES[256] = (64, 2)`
-#   with `DO_STAGES[256] = 1` splits the ring: two Q stages (with their LSE rows), one dO stage
-#   (with its delta rows), each with its own ready/empty barriers, so the next step's Q loads a
-#   whole step ahead. Fits at (192, 128) only (229,968 bytes of 232,448; 262,744 at 192 and 256).
-# - DV_BEFORE_DS: each step's dV product issued as soon as both warpgroups' P^T halves are in
+# The wide schedule's variants (256-wide tiles; docs/design-sm90-backward-wide.md, "Variants"),
+# by name: the launch constexprs each sets over the schedule's own (`TILES[256]`'s one stage for
+# Q and dO alike, dV issued after dS^T).
+# - split_ring: two Q stages (with their LSE rows), one dO stage (with its delta rows), each
+#   with its own ready/empty barriers, so the next step's Q loads a whole step ahead. Fits
+#   beside 128-wide v/dO tiles only (`wide_variant_fits`): at (192, 128), 229,968 bytes of
+#   232,448; 262,744 at 192 and 256.
+# - dv_early: each step's dV product issued as soon as both warpgroups' P^T halves are in
 #   shared memory (a P-ready mbarrier apart from dS-ready), so it runs while dS^T is computed.
-DO_STAGES = {128: None, 64: None, 256: None}
-DV_BEFORE_DS = {128: False, 64: False, 256: False}
-# The wide schedule's variants by name: the tables' entries at width 256 each one sets (the
-# A/B tool, the offline compile and the GPU tests select them by these names).
 WIDE_VARIANTS = {
-    "split_ring": {"TILES": (64, 2), "DO_STAGES": 1},
-    "dv_early": {"DV_BEFORE_DS": True},
-    "split_ring+dv_early": {"TILES": (64, 2), "DO_STAGES": 1, "DV_BEFORE_DS": True},
+    "split_ring": {"NUM_STAGES": 2, "DO_STAGES": 1},
+    "dv_early": {"DV_EARLY": True},
 }
+# Which variants run, per (d_qk, d_v) on 256-wide tiles: the one place that decides it
+# (`wide_settings`; examples/perf/ab_sm90_variants.py --set wide flips each). Forward+backward
+# on an H200: the split ring 1.18-1.29x the one-stage ring at (192, 128) (with dv_early too,
+# slightly less); dv_early 1.07-1.11x at 192, 0.99-1.01x at 256. 160 runs 192's tiles and
+# takes 192's choice.
+WIDE_DEFAULTS: dict[tuple[int, int], tuple[str, ...]] = {
+    (160, 160): ("dv_early",), (192, 192): ("dv_early",), (256, 256): (),
+    (192, 128): ("split_ring",),
+}  # fmt: skip
 # The tables here are per tile width (`tile_width`): d = 80 and 96 run on d = 128's tiles, 128
 # columns wide, as in the forward. Their S^T and dP^T take the dim's own columns only (two
 # products, `_product_over_dim`); the tiles' other columns (the next head's, or TMA's zero fill
@@ -209,9 +215,22 @@ def widths(d_qk: int, d_v: int) -> tuple[int, int]:
 
 
 def wide_variant_fits(name: str, d_qk: int, d_v: int) -> bool:
-    """Whether variant `name` (`WIDE_VARIANTS`) fits shared memory at (d_qk, d_v): a second Q
-    stage does only beside 128-wide v/dO tiles."""
-    return "DO_STAGES" not in WIDE_VARIANTS[name] or widths(d_qk, d_v)[1] <= 128
+    """Whether variant `name` (`WIDE_VARIANTS`) fits shared memory at (d_qk, d_v), on 256-wide
+    tiles: a second Q stage does only beside 128-wide v/dO tiles."""
+    width, width_v = widths(d_qk, d_v)
+    return width > 128 and ("DO_STAGES" not in WIDE_VARIANTS[name] or width_v <= 128)
+
+
+def wide_settings(d_qk: int, d_v: int) -> dict:
+    """The launch constexprs that the variants `WIDE_DEFAULTS` runs at (d_qk, d_v) set (none
+    for dims it does not list, below 256-wide tiles among them); ValueError for a variant that
+    does not fit there (`wide_variant_fits`)."""
+    settings = {}
+    for name in WIDE_DEFAULTS.get((d_qk, d_v), ()):
+        if not wide_variant_fits(name, d_qk, d_v):
+            raise ValueError(f"sm_90 backward: the wide variant {name} does not fit d={d_qk}/{d_v}")
+        settings.update(WIDE_VARIANTS[name])
+    return settings
 
 
 def block_n(d_qk: int) -> int:
@@ -264,7 +283,7 @@ if GLUON_AVAILABLE:
             q_row, q_col = _tile_origin(z, h, start_q + m0, stride_qb, stride_qh, stride_qs)
             do_row, do_col = _tile_origin(z, h, start_q + m0, stride_dob, stride_doh, stride_dos)
             if DO_STAGES != NUM_STAGES:
-                # A split ring (`DO_STAGES`): Q and its LSE rows into Q's stage, then dO and
+                # The split ring (`WIDE_VARIANTS`): Q and its LSE rows into Q's stage, then dO and
                 # its delta rows into dO's, each behind its own empty barrier.
                 rows = m0 + offs
                 lse_at = (z64 * stride_lb + h.to(gl.int64) * stride_lh
@@ -562,8 +581,8 @@ if GLUON_AVAILABLE:
         order_pairs: the causal launch order's interleave (`_interleaved_tile`); HEAD_DIM,
         HEAD_DIM_V: q's and v's head dims; the tiles are as wide as the descriptors' boxes
         (`widths`). Tiles wider than 128 take the column-split consumers
-        (`_flash_bwd_sm90_wide`); DO_STAGES (the dO ring's stages: `DO_STAGES`) and DV_EARLY
-        (`DV_BEFORE_DS`) are their variants."""
+        (`_flash_bwd_sm90_wide`); DO_STAGES (the dO ring's stages, NUM_STAGES but for the split
+        ring) and DV_EARLY are their variants (`WIDE_VARIANTS`)."""
         # Key blocks vary fastest (neighbours share the group's Q and dO in L2); under a causal
         # mask the first key blocks see the most queries, and they start first.
         pid = gl.program_id(0)
@@ -600,8 +619,8 @@ if GLUON_AVAILABLE:
         WIDTH_V: gl.constexpr = v_desc.block_type.shape[1]
         WIDE: gl.constexpr = WIDTH > 128  # `_flash_bwd_sm90_wide`'s schedule
         q_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_M, WIDTH], q_desc.layout)
-        # A split ring (DO_STAGES != NUM_STAGES, wide tiles only): dO and delta have their own
-        # stages and ready/empty barriers (`DO_STAGES`).
+        # The split ring (DO_STAGES != NUM_STAGES, wide tiles only): dO and delta have their own
+        # stages and ready/empty barriers (`WIDE_VARIANTS`).
         SPLIT_RING: gl.constexpr = DO_STAGES != NUM_STAGES
         gl.static_assert(WIDE or not (SPLIT_RING or DV_EARLY))
         do_smem = gl.allocate_shared_memory(dtype, [DO_STAGES, BLOCK_M, WIDTH_V], do_desc.layout)
@@ -769,7 +788,7 @@ def backward_sm90(
     planned once per signature (`_launch_plan`) and the launch goes straight to the compiled
     kernel after the first."""
     plan = planned(
-        _PLANS, signature, (bool(causal), bool(bottom_right), _settings(q.shape[-1])),
+        _PLANS, signature, (bool(causal), bool(bottom_right), _settings(q.shape[-1], v.shape[-1])),
         lambda: _launch_plan(
             q, k, v, dout, lse, dq_acc, dk, dv, geom, causal, bottom_right, signature
         ),
@@ -804,13 +823,13 @@ class _LaunchPlan(NamedTuple):
 _PLANS: dict[tuple, _LaunchPlan] = {}
 
 
-def _settings(d: int) -> tuple:
-    """The module settings a plan for head dim d reads (the A/B scripts flip them in one
-    process; the tables are per tile width)."""
+def _settings(d: int, d_v: int) -> tuple:
+    """The module settings a plan for head dims (d, d_v) reads (the A/B scripts flip them in one
+    process; the tables are per tile width, `WIDE_DEFAULTS` per dims)."""
     width = tile_width(d)
     return (
         TILES[width], DQ_BEFORE_DK[width], DQ_WAIT_LATE[width], P_FROM_REGISTERS[width],
-        _common.CAUSAL_ORDER_L2_BYTES, DO_STAGES[width], DV_BEFORE_DS[width],
+        _common.CAUSAL_ORDER_L2_BYTES, WIDE_DEFAULTS.get((d, d_v)),
     )  # fmt: skip
 
 
@@ -822,9 +841,6 @@ def _launch_plan(
     d, d_v = q.shape[-1], v.shape[-1]
     width, width_v = widths(d, d_v)
     block_m, stages = TILES[width]
-    do_stages = stages if DO_STAGES[width] is None else DO_STAGES[width]
-    if (do_stages != stages or DV_BEFORE_DS[width]) and width <= 128:
-        raise ValueError(f"sm_90 backward: DO_STAGES / DV_BEFORE_DS are wide-tile variants, d={d}")
     keys = block_n(d)
     sq, sk, sv, sdo = (strides4(t, geom.varlen) for t in (q, k, v, dout))
     sdq, sdk, sdv = (strides4(t, geom.varlen) for t in (dq_acc, dk, dv))
@@ -844,9 +860,9 @@ def _launch_plan(
         SEQ_MODE_Q=geom.q.mode, SEQ_MODE_K=geom.k.mode, IS_CAUSAL=bool(causal),
         BOTTOM_RIGHT=bool(bottom_right), DQ_FIRST=DQ_BEFORE_DK[width],
         WAIT_LATE=DQ_WAIT_LATE[width], P_IN_REGS=P_FROM_REGISTERS[width], HEAD_DIM_V=d_v,
-        DO_STAGES=do_stages, DV_EARLY=DV_BEFORE_DS[width],
-        num_warps=CONSUMER_WARPS, maxnreg=MAX_REGISTERS,
+        DO_STAGES=stages, DV_EARLY=False, num_warps=CONSUMER_WARPS, maxnreg=MAX_REGISTERS,
     )  # fmt: skip
+    constexprs.update(wide_settings(d, d_v))  # the wide schedule's variants at these dims
     views = plan_views(q, k, v, dout, geom.varlen)
     if views is None:  # `dispatch.sm90_backward_plan` sends these elsewhere
         raise ValueError(
@@ -872,6 +888,7 @@ def _launch_plan(
 
 
 __all__ = [
-    "GLUON_AVAILABLE", "SUPPORTED_DIMS", "WIDE_VARIANTS", "backward_sm90", "block_n",
-    "dq_accumulator", "dq_box", "plan_views", "tile_width", "wide_variant_fits", "widths",
+    "GLUON_AVAILABLE", "SUPPORTED_DIMS", "WIDE_DEFAULTS", "WIDE_VARIANTS", "backward_sm90",
+    "block_n", "dq_accumulator", "dq_box", "plan_views", "tile_width", "wide_settings",
+    "wide_variant_fits", "widths",
 ]  # fmt: skip

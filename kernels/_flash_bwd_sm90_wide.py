@@ -52,10 +52,10 @@ if GLUON_AVAILABLE:
         v/dO tiles' widths) for the program's 64 keys, and the same columns of each step's dQ
         share. `args`: the producer's argument list (`_flash_bwd_sm90._attn_bwd_sm90`);
         HEAD_DIM, HEAD_DIM_V: q's and v's head dims, the columns the score products sum over
-        and dK and dV store. Variants (off by default): a split ring, dO's stages fewer than
-        Q's (`_flash_bwd_sm90.DO_STAGES`: do_smem has its own stage count and barriers), and
-        DV_EARLY (`_flash_bwd_sm90.DV_BEFORE_DS`): dV issued once both P^T halves are in
-        shared memory (a P-ready barrier), before dS^T is computed."""
+        and dK and dV store. Variants (`_flash_bwd_sm90.WIDE_VARIANTS`, chosen per dims by
+        `WIDE_DEFAULTS`): the split ring, dO's stages fewer than Q's (do_smem has its own stage
+        count and barriers), and DV_EARLY: dV issued once both P^T halves are in shared memory
+        (a P-ready barrier), before dS^T is computed."""
         descs, smem, bars, seq, strides, ptrs, scales = args
         q_smem, k_smem, v_smem, do_smem, lse_smem, delta_smem, ds_smem, p_smem, dq_smem = smem
         kv_bar, ready, empty, ds_ready, ready_do, empty_do, p_ready = bars

@@ -10,8 +10,8 @@
     python examples/perf/ab_sm90_variants.py --set epilogue --causal 0,1 --dims 128,64
     python examples/perf/ab_sm90_variants.py --set order_bytes --causal 0,1 --dims 128
     python examples/perf/ab_sm90_variants.py --set stages --causal 0,1 --dims 128 --rounds 5
-    python examples/perf/ab_sm90_variants.py --set wide --dims 192,256,192x128 --seqlens 4096,16384
-        --causal 0,1 --passes fwdbwd --rounds 3 --warm 12
+    python examples/perf/ab_sm90_variants.py --set wide --dims 160,192,256,192x128
+        --seqlens 4096,16384 --causal 0,1 --passes fwdbwd --rounds 3 --warm 12
 
 A variant set flips module settings in this process (`variants`):
 - `consumers`: the sm_90 forward with two and with three consumer warpgroups
@@ -40,9 +40,11 @@ A variant set flips module settings in this process (`variants`):
   output stored from registers, and that with one K/V stage more (`_flash_fwd_sm90.TILES`;
   at d = 128 the third stage takes the output staging's shared memory).
 - `wide`: the sm_90 backward's 256-wide schedule (d = 160-256, `--dims 192x128` for d_qk x d_v)
-  as it is and with each of `_flash_bwd_sm90.WIDE_VARIANTS` that fits the dims
-  (`wide_variant_fits`): the split ring (two Q stages, one dO; (192, 128) only), dV issued
-  before dS^T, and both; cuDNN in the same process, as in every set.
+  as it is (the variants `_flash_bwd_sm90.WIDE_DEFAULTS` runs at the dims) and with each of
+  `WIDE_VARIANTS` flipped: turned off where the dims run it (`-no-`: the split ring at (192, 128),
+  dV before dS^T at 160 and 192), turned on where it fits (`wide_variant_fits`) and they do not
+  (`+`: dV before dS^T at 256, and beside the split ring at (192, 128)); cuDNN in the same
+  process, as in every set.
 To compare another variant, add its flip to `variants`. `--warm N` first compiles every
 variant's kernels in N processes (a small problem each, the same specializations), so the
 timed process finds them in Triton's cache instead of compiling one after another.
@@ -94,10 +96,9 @@ BACKWARD_SWITCHES = {
     "wait_late": _flash_bwd_sm90.DQ_WAIT_LATE,
     "p_regs": _flash_bwd_sm90.P_FROM_REGISTERS,
     "tile": _flash_bwd_sm90.TILES,
-    "do_stages": _flash_bwd_sm90.DO_STAGES,
-    "dv_early": _flash_bwd_sm90.DV_BEFORE_DS,
 }
 SAVED.update({name: dict(table) for name, table in BACKWARD_SWITCHES.items()})
+SAVED["wide"] = dict(_flash_bwd_sm90.WIDE_DEFAULTS)
 
 
 def timed(fn, grads=None) -> float:
@@ -113,13 +114,15 @@ def restore() -> None:
     _flash_fwd_sm90.TILES.update(SAVED["fwd_tiles"])
     for name, table in BACKWARD_SWITCHES.items():
         table.update(SAVED[name])
+    _flash_bwd_sm90.WIDE_DEFAULTS.update(SAVED["wide"])
     set_forward_path("auto")
     set_backward_path("auto")
 
 
 def variants(which: str, d: int, d_v: int | None = None, causal: bool = True) -> dict:
     """name -> a function that selects that variant before a call; the first is the reference.
-    The backward's tables are per tile width (`tile_width`; d itself at 64 and 128)."""
+    The backward's tables are per tile width (`tile_width`; d itself at 64 and 128), its wide
+    schedule's variants per (d, d_v) (`WIDE_DEFAULTS`)."""
     d_v = d if d_v is None else d_v
     width = _flash_bwd_sm90.tile_width(d)
 
@@ -144,17 +147,19 @@ def variants(which: str, d: int, d_v: int | None = None, causal: bool = True) ->
                 _flash_fwd_sm90.TILES[d] = (_flash_fwd_sm90.TILES[d][0], fwd_stages)
             for name, value in backward.items():
                 BACKWARD_SWITCHES[name][width] = value
-            if wide is not None:  # `_flash_bwd_sm90.WIDE_VARIANTS`; every table it sets is
-                for table, value in _flash_bwd_sm90.WIDE_VARIANTS[wide].items():  # restored
-                    getattr(_flash_bwd_sm90, table)[width] = value
+            if wide is not None:  # the wide schedule's variants to run at (d, d_v)
+                _flash_bwd_sm90.WIDE_DEFAULTS[(d, d_v)] = wide
 
         return apply
 
-    if which == "wide":
+    if which == "wide":  # the default, then each variant flipped
+        on = SAVED["wide"].get((d, d_v), ())
         chosen = {"sm90": select("sm90")}
         for name in _flash_bwd_sm90.WIDE_VARIANTS:
-            if _flash_bwd_sm90.wide_variant_fits(name, d, d_v):
-                chosen[f"sm90-{name}"] = select("sm90", wide=name)
+            if name in on:
+                chosen[f"sm90-no-{name}"] = select("sm90", wide=tuple(n for n in on if n != name))
+            elif _flash_bwd_sm90.wide_variant_fits(name, d, d_v):
+                chosen[f"sm90+{name}"] = select("sm90", wide=(*on, name))
         return chosen
 
     if which == "consumers":

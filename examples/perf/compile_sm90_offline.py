@@ -3,7 +3,7 @@ compiler's resource report (registers, spills, shared memory).
 
     python examples/perf/compile_sm90_offline.py [--kernels fwd,bwd] [--dims 128,64]
         [--causal 0,1] [--fwd-persistent 0,1] [--fwd-layouts dense,varlen] [--partitions]
-        [--bwd-variants default,split_ring,dv_early] [--dump DIR]
+        [--bwd-variants default,none,split_ring,dv_early,split_ring+dv_early] [--dump DIR]
 
 Run it with the Triton whose build you want to read (3.6 and 3.9 both compile these kernels):
 Gluon's API and the compiler's choices differ between versions. A stand-in driver reports an
@@ -193,21 +193,23 @@ def compile_backward(
     BLOCK_M is block_m. `layout`: "dense" (a causal mask bottom-right
     aligned), "topleft" (dense, top-left), "seqlens" (right-padded), "varlen", "varlen_padded"
     (varlen with gaps): each is a separate specialization of the kernel (`_layout_inputs`).
-    `dq_first`: the step's product order (`DQ_BEFORE_DK`; None: the default). `variant`: one
-    of the wide schedule's `WIDE_VARIANTS` (None: the default)."""
+    `dq_first`: the step's product order (`DQ_BEFORE_DK`; None: the default). `variant`: the
+    wide schedule's variants to run (`WIDE_VARIANTS` names joined by "+", "none" for none;
+    None: those `WIDE_DEFAULTS` runs at the dims)."""
     from fusedlayers.kernels import _flash_bwd_sm90 as bwd
 
     width = bwd.tile_width(d)
     if variant is not None:
-        entries = bwd.WIDE_VARIANTS[variant]
-        saved = {name: getattr(bwd, name)[width] for name in entries}
-        for name, value in entries.items():
-            getattr(bwd, name)[width] = value
+        dims = (d, d if d_v is None else d_v)
+        saved = bwd.WIDE_DEFAULTS.get(dims)
+        bwd.WIDE_DEFAULTS[dims] = () if variant == "none" else tuple(variant.split("+"))
         try:
             return compile_backward(d, causal, block_m, layout, dq_first, d_v)
         finally:
-            for name, value in saved.items():
-                getattr(bwd, name)[width] = value
+            if saved is None:
+                del bwd.WIDE_DEFAULTS[dims]
+            else:
+                bwd.WIDE_DEFAULTS[dims] = saved
     default, default_order = bwd.TILES[width], bwd.DQ_BEFORE_DK[width]
     if block_m is not None and block_m != default[0]:
         bwd.TILES[width] = bwd.TILES_M128[width]
@@ -263,8 +265,9 @@ def main() -> None:
     p.add_argument(
         "--bwd-variants",
         default="default",
-        help="wide-schedule variants to compile (d >= 160), from default and "
-        "_flash_bwd_sm90.WIDE_VARIANTS, e.g. default,split_ring,dv_early; those that do not "
+        help="wide-schedule variant sets to compile (d >= 160): default (the dims' "
+        "_flash_bwd_sm90.WIDE_DEFAULTS), none, or _flash_bwd_sm90.WIDE_VARIANTS names joined "
+        "by +, e.g. default,none,split_ring,dv_early,split_ring+dv_early; sets that do not "
         "fit at a dims pair (wide_variant_fits) are skipped",
     )
     p.add_argument(
@@ -314,16 +317,17 @@ def main() -> None:
 
 
 def _variants(d: int, d_v: int, spec: str) -> list:
-    """The wide-schedule variants of --bwd-variants that fit at (d, d_v) (None: the default);
-    only the default below 256-wide tiles."""
+    """The wide-schedule variant sets of --bwd-variants that fit at (d, d_v) (None: the
+    default); only the default below 256-wide tiles."""
     from fusedlayers.kernels import _flash_bwd_sm90 as bwd
 
     chosen = []
-    for name in spec.split(","):
-        if name == "default":
+    for entry in spec.split(","):
+        names = [] if entry in ("default", "none") else entry.split("+")
+        if entry == "default":
             chosen.append(None)
-        elif bwd.tile_width(d) > 128 and bwd.wide_variant_fits(name, d, d_v):
-            chosen.append(name)
+        elif bwd.tile_width(d) > 128 and all(bwd.wide_variant_fits(n, d, d_v) for n in names):
+            chosen.append(entry)
     return chosen
 
 
