@@ -362,11 +362,16 @@ def test_uncovered_calls_fall_back(case, sm90_spy):
 
 
 @needs_sm90
-@pytest.mark.parametrize("d_qk, d_v", [(192, 192), (256, 256), (192, 128)])
-def test_auto_keeps_the_portable_backward_at_wide_head_dims(d_qk, d_v, sm90_spy):
-    """The d = 192 / 256 prototype is taken only when pinned: under "auto" the portable backward
-    runs these dims at any length (`dispatch.SM90_BWD_MIN_KEYS`: None)."""
+@pytest.mark.parametrize("d_qk, d_v", [(160, 160), (192, 192), (256, 256), (192, 128)])
+def test_auto_takes_the_sm90_backward_at_wide_head_dims(d_qk, d_v, sm90_spy):
+    """Under "auto" the 256-wide schedule runs d = 160-256 and (192, 128) from
+    `dispatch.SM90_BWD_MIN_KEYS` keys (1,024), and a call under the length keeps the portable
+    backward (non-causal launches above d = 128 want no minimum of waves)."""
     dispatch.set_backward_path("auto")
     case = Case(b=2, s_q=4096, s_k=4096, h=8, h_kv=8, d=d_qk, d_v=d_v, dtype=torch.bfloat16)
     check_case(case, DEV, high_dtype=torch.float32)
-    assert not sm90_spy, "auto took the unmeasured sm_90 backward"
+    assert sm90_spy, "auto did not take the sm_90 backward"
+    sm90_spy.clear()
+    short = Case(b=2, s_q=512, s_k=512, h=8, h_kv=8, d=d_qk, d_v=d_v, dtype=torch.bfloat16)
+    check_case(short, DEV, high_dtype=torch.float32)
+    assert not sm90_spy, "auto took the sm_90 backward under its length threshold"
