@@ -62,8 +62,8 @@ SM90_BWD_MIN_KEYS: dict[int, int | None] = {
 # forward+backward, GQA and MQA, 1-4 sequences of 2k-16k keys) causal launches, whose key
 # blocks hold unequal work, ran 0.44-1.00x the portable backward's speed up to 2.9 waves and
 # 1.08-1.54x from 3.9; other launches ran 1.15-1.31x from one wave at d = 64 and 128 and 4k keys
-# (0.95x at 2k, 0.79x at half a wave) and 1.15-1.77x at every count measured above d = 128 (from 64 programs):
-# bench/h200-2026-11-29/backward-waves.json, examples/perf/backward_waves.py.
+# (0.95x at 2k, 0.79x at half a wave) and 1.15-1.77x at every count measured above d = 128
+# (from 64 programs): bench/h200-2026-11-29/backward-waves.json, examples/perf/backward_waves.py.
 SM90_BWD_MIN_WAVES: dict[int, tuple[float, float]] = {64: (3, 0.9), 128: (3, 0.9), 256: (3, 0)}
 
 
