@@ -61,6 +61,7 @@ def test_plan_covers_what_the_kernel_does(monkeypatch):
         assert _plan(q, kv, kv, q) is None
         monkeypatch.setitem(dispatch.SM90_BWD_MIN_KEYS, 128, 256)
         monkeypatch.setitem(dispatch.SM90_BWD_MIN_WAVES, 128, (0, 0))
+        monkeypatch.setattr(dispatch, "SM90_BWD_SHORT_LOOP_WAVES", 0)
         assert _plan(q, kv, kv, q) is not None
         assert _plan(q[:, :200], kv[:, :200], kv[:, :200], q[:, :200]) is None  # 200 < 256 keys
         # 3 key blocks x 2 sequences x 2 KV heads = 12 programs: under one wave of the H100.
@@ -79,12 +80,16 @@ def test_plan_covers_what_the_kernel_does(monkeypatch):
         (128, 4, 32, 4, 4096, True, True),  # 512 programs: 3.9 waves
         (256, 1, 8, 2, 2048, False, True),  # 64 programs: any count above d = 128
         (256, 1, 8, 2, 2048, True, False),
+        (128, 1, 16, 16, 2048, False, False),  # 256 programs, but loops of 2k query rows
+        (128, 2, 16, 16, 2048, True, False),  # 512 programs: 3.9 waves, under the short loops' 4
+        (128, 8, 16, 16, 2048, True, True),  # 2,048 programs
     ],
 )
 def test_auto_wants_more_waves_of_causal_programs(d, b, h, h_kv, s, causal, taken, monkeypatch):
     """Under "auto" the sm_90 backward's wave minimum depends on the mask and the tile width
     (`SM90_BWD_MIN_WAVES`): causal launches want 3 waves of programs, others about one up to
-    d = 128 and none above; programs = key blocks (128 keys, 64 above d = 128) x b x h_kv."""
+    d = 128 and none above; programs = key blocks (128 keys, 64 above d = 128) x b x h_kv. Up to
+    d = 128, programs whose loop visits under 16k query rows (s_q x h / h_kv) want 4 waves."""
     monkeypatch.setattr(dispatch, "_on_sm90", lambda t: True)
     monkeypatch.setattr(dispatch, "multiprocessors", lambda device: 132)
     monkeypatch.setattr(_flash_bwd_sm90, "GLUON_AVAILABLE", True)
