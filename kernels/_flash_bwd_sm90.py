@@ -59,7 +59,8 @@ to d columns only (`_flash_bwd._scaled_dq`).
 d = 160, 192 and 256, and (d_qk, d_v) = (192, 128), run another schedule on 256-wide tiles: 64
 keys a program, both consumer warpgroups on the same keys, each holding half of dK's and dV's
 columns (`_flash_bwd_sm90_wide`, docs/design-sm90-backward-wide.md); 160 and 192 leave the
-tiles' columns past d out as 80 and 96 do.
+tiles' columns past d out as 80 and 96 do. Each dims pair runs the variants of that schedule
+`WIDE_DEFAULTS` gives it (the split ring at (192, 128), dV before dS^T at 160 and 192).
 
 Covered: fp16/bf16, (d_qk, d_v) in `SUPPORTED_DIMS` (64, 80, 96, 128, 160, 192, 256 with
 d_v = d_qk, and (192, 128)), MHA/GQA/MQA, no mask / causal (both alignments), dense,
@@ -150,8 +151,9 @@ MAX_REGISTERS = 168
 # many), each run as two 64-query halves: on the H100 its backward read 1.06-1.12x the 64-row
 # step's at s = 4k and 16k (0.92-1.02x at 1k; docs/performance.md); `TILES[64] = (64, 2)`
 # selects the 64-row step again.
-# d = 192 and 256 (256-wide tiles): 64-row steps and one stage; a second one (64 KiB more)
-# does not fit beside the dQ staging tiles (docs/design-sm90-backward-wide.md).
+# d = 160, 192 and 256 (256-wide tiles): 64-row steps and one stage; a second one (64 KiB
+# more) does not fit beside the dQ staging tiles (docs/design-sm90-backward-wide.md); (192, 128)
+# runs a second Q stage (`WIDE_DEFAULTS`: the split ring).
 TILES = {128: (64, 2), 64: (128, 2), 256: (64, 1)}
 # The 128-row step variant (tests and examples/perf/tune_sm90_backward.py --block-m pin it).
 TILES_M128 = {64: (128, 2)}
@@ -173,6 +175,28 @@ DQ_WAIT_LATE = {128: True, 64: True, 256: True}
 # bandwidth the consumers wait on (Nsight Compute: MIO-queue stalls lead theirs at d=128), for
 # 16 more registers a thread held until dV lands.
 P_FROM_REGISTERS = {128: True, 64: True, 256: False}
+# The wide schedule's variants (256-wide tiles; docs/design-sm90-backward-wide.md, "Variants"),
+# by name: the launch constexprs each sets over the schedule's own (`TILES[256]`'s one stage for
+# Q and dO alike, dV issued after dS^T).
+# - split_ring: two Q stages (with their LSE rows), one dO stage (with its delta rows), each
+#   with its own ready/empty barriers, so the next step's Q loads a whole step ahead. Fits
+#   beside 128-wide v/dO tiles only (`wide_variant_fits`): at (192, 128), 229,968 bytes of
+#   232,448; 262,744 at 192 and 256.
+# - dv_early: each step's dV product issued as soon as both warpgroups' P^T halves are in
+#   shared memory (a P-ready mbarrier apart from dS-ready), so it runs while dS^T is computed.
+WIDE_VARIANTS = {
+    "split_ring": {"NUM_STAGES": 2, "DO_STAGES": 1},
+    "dv_early": {"DV_EARLY": True},
+}
+# Which variants run, per (d_qk, d_v) on 256-wide tiles: the one place that decides it
+# (`wide_settings`; examples/perf/ab_sm90_variants.py --set wide flips each). Forward+backward
+# on an H200: the split ring 1.18-1.29x the one-stage ring at (192, 128) (with dv_early too,
+# slightly less); dv_early 1.07-1.11x at 192, 0.99-1.01x at 256. 160 runs 192's tiles and
+# takes 192's choice.
+WIDE_DEFAULTS: dict[tuple[int, int], tuple[str, ...]] = {
+    (160, 160): ("dv_early",), (192, 192): ("dv_early",), (256, 256): (),
+    (192, 128): ("split_ring",),
+}  # fmt: skip
 # The tables here are per tile width (`tile_width`): d = 80 and 96 run on d = 128's tiles, 128
 # columns wide, as in the forward. Their S^T and dP^T take the dim's own columns only (two
 # products, `_product_over_dim`); the tiles' other columns (the next head's, or TMA's zero fill
@@ -188,6 +212,25 @@ SUPPORTED_DIMS = (
 def widths(d_qk: int, d_v: int) -> tuple[int, int]:
     """(q's and k's tile width, v's and dO's); the tables are keyed by the first."""
     return tile_width(d_qk), tile_width(d_v)
+
+
+def wide_variant_fits(name: str, d_qk: int, d_v: int) -> bool:
+    """Whether variant `name` (`WIDE_VARIANTS`) fits shared memory at (d_qk, d_v), on 256-wide
+    tiles: a second Q stage does only beside 128-wide v/dO tiles."""
+    width, width_v = widths(d_qk, d_v)
+    return width > 128 and ("DO_STAGES" not in WIDE_VARIANTS[name] or width_v <= 128)
+
+
+def wide_settings(d_qk: int, d_v: int) -> dict:
+    """The launch constexprs that the variants `WIDE_DEFAULTS` runs at (d_qk, d_v) set (none
+    for dims it does not list, below 256-wide tiles among them); ValueError for a variant that
+    does not fit there (`wide_variant_fits`)."""
+    settings = {}
+    for name in WIDE_DEFAULTS.get((d_qk, d_v), ()):
+        if not wide_variant_fits(name, d_qk, d_v):
+            raise ValueError(f"sm_90 backward: the wide variant {name} does not fit d={d_qk}/{d_v}")
+        settings.update(WIDE_VARIANTS[name])
+    return settings
 
 
 def block_n(d_qk: int) -> int:
@@ -210,7 +253,7 @@ if GLUON_AVAILABLE:
         into the ring."""
         q_desc, k_desc, v_desc, do_desc, dq_desc = descs
         q_smem, k_smem, v_smem, do_smem, lse_smem, delta_smem, ds_smem, p_smem, dq_smem = smem
-        kv_bar, ready, empty, ds_ready = bars
+        kv_bar, ready, empty, ds_ready, ready_do, empty_do = bars[:6]
         z, h_kv, group, start_q, start_k, start_n, len_q, len_k, diag, m_lo, m_count, total = seq
         stride_qb, stride_qh, stride_qs = strides[0]
         stride_kb, stride_kh, stride_ks = strides[1]
@@ -218,6 +261,7 @@ if GLUON_AVAILABLE:
         stride_dob, stride_doh, stride_dos = strides[3]
         stride_lb, stride_lh, stride_ls = strides[4]
         NUM_STAGES: gl.constexpr = q_smem.type.shape[0]
+        DO_STAGES: gl.constexpr = do_smem.type.shape[0]
         BLOCK_M: gl.constexpr = q_smem.type.shape[1]
 
         k_row, k_col = _tile_origin(z, h_kv, start_k + start_n, stride_kb, stride_kh, stride_ks)
@@ -238,22 +282,46 @@ if GLUON_AVAILABLE:
             h = h_kv * group + g
             q_row, q_col = _tile_origin(z, h, start_q + m0, stride_qb, stride_qh, stride_qs)
             do_row, do_col = _tile_origin(z, h, start_q + m0, stride_dob, stride_doh, stride_dos)
-            mbarrier.wait(empty.index(stage), phase)
-            # LSE and delta by plain loads (a 1-D TMA box must start 16-byte aligned, and a
-            # sequence's rows start anywhere), into shared memory before the arrive below.
-            rows = m0 + offs
-            lse_at = z64 * stride_lb + h.to(gl.int64) * stride_lh + start_q.to(gl.int64) * stride_ls
-            row_ok = rows < len_q
-            lse = gl.load(lse_ptr + lse_at + rows * stride_ls, mask=row_ok, other=0.0)
-            delta = gl.load(delta_ptr + lse_at + rows * stride_ls, mask=row_ok, other=0.0)
-            lse_smem.index(stage).store(lse)
-            delta_smem.index(stage).store(delta)
-            _partition_barrier()  # every producer thread's stores, before the arrive
-            mbarrier.expect(
-                ready.index(stage), q_desc.block_type.nbytes + do_desc.block_type.nbytes
-            )
-            _tma_load(q_desc, [q_row, q_col], ready.index(stage), q_smem.index(stage))
-            _tma_load(do_desc, [do_row, do_col], ready.index(stage), do_smem.index(stage))
+            if DO_STAGES != NUM_STAGES:
+                # The split ring (`WIDE_VARIANTS`): Q and its LSE rows into Q's stage, then dO and
+                # its delta rows into dO's, each behind its own empty barrier.
+                rows = m0 + offs
+                lse_at = (z64 * stride_lb + h.to(gl.int64) * stride_lh
+                          + start_q.to(gl.int64) * stride_ls)  # fmt: skip
+                row_ok = rows < len_q
+                mbarrier.wait(empty.index(stage), phase)
+                lse = gl.load(lse_ptr + lse_at + rows * stride_ls, mask=row_ok, other=0.0)
+                lse_smem.index(stage).store(lse)
+                _partition_barrier()
+                mbarrier.expect(ready.index(stage), q_desc.block_type.nbytes)
+                _tma_load(q_desc, [q_row, q_col], ready.index(stage), q_smem.index(stage))
+                stage_do = it % DO_STAGES
+                mbarrier.wait(empty_do.index(stage_do), ((it // DO_STAGES) & 1) ^ 1)
+                delta = gl.load(delta_ptr + lse_at + rows * stride_ls, mask=row_ok, other=0.0)
+                delta_smem.index(stage_do).store(delta)
+                _partition_barrier()
+                mbarrier.expect(ready_do.index(stage_do), do_desc.block_type.nbytes)
+                _tma_load(
+                    do_desc, [do_row, do_col], ready_do.index(stage_do), do_smem.index(stage_do)
+                )
+            else:
+                mbarrier.wait(empty.index(stage), phase)
+                # LSE and delta by plain loads (a 1-D TMA box must start 16-byte aligned, and a
+                # sequence's rows start anywhere), into shared memory before the arrive below.
+                rows = m0 + offs
+                lse_at = (z64 * stride_lb + h.to(gl.int64) * stride_lh
+                          + start_q.to(gl.int64) * stride_ls)  # fmt: skip
+                row_ok = rows < len_q
+                lse = gl.load(lse_ptr + lse_at + rows * stride_ls, mask=row_ok, other=0.0)
+                delta = gl.load(delta_ptr + lse_at + rows * stride_ls, mask=row_ok, other=0.0)
+                lse_smem.index(stage).store(lse)
+                delta_smem.index(stage).store(delta)
+                _partition_barrier()  # every producer thread's stores, before the arrive
+                mbarrier.expect(
+                    ready.index(stage), q_desc.block_type.nbytes + do_desc.block_type.nbytes
+                )
+                _tma_load(q_desc, [q_row, q_col], ready.index(stage), q_smem.index(stage))
+                _tma_load(do_desc, [do_row, do_col], ready.index(stage), do_smem.index(stage))
 
     @gluon.jit
     def _consumer(
@@ -269,7 +337,7 @@ if GLUON_AVAILABLE:
         store."""
         descs, smem, bars, seq, strides, ptrs, scales = args
         q_smem, k_smem, v_smem, do_smem, lse_smem, delta_smem, ds_smem, p_smem, dq_smem = smem
-        kv_bar, ready, empty, ds_ready = bars
+        kv_bar, ready, empty, ds_ready = bars[:4]
         z, h_kv, group, start_q, start_k, start_n, len_q, len_k, diag, m_lo, m_count, total = seq
         dq_desc = descs[4]
         stride_dqb, stride_dqh, stride_dqs = strides[5]
@@ -507,12 +575,14 @@ if GLUON_AVAILABLE:
         NUM_STAGES: gl.constexpr, SEQ_MODE_Q: gl.constexpr, SEQ_MODE_K: gl.constexpr,
         IS_CAUSAL: gl.constexpr, BOTTOM_RIGHT: gl.constexpr, DQ_FIRST: gl.constexpr,
         WAIT_LATE: gl.constexpr, P_IN_REGS: gl.constexpr, HEAD_DIM_V: gl.constexpr,
+        DO_STAGES: gl.constexpr, DV_EARLY: gl.constexpr,
     ):  # fmt: skip
         """One program: BLOCK_N keys of one (sequence, KV head), over its GQA group's queries;
         order_pairs: the causal launch order's interleave (`_interleaved_tile`); HEAD_DIM,
         HEAD_DIM_V: q's and v's head dims; the tiles are as wide as the descriptors' boxes
         (`widths`). Tiles wider than 128 take the column-split consumers
-        (`_flash_bwd_sm90_wide`)."""
+        (`_flash_bwd_sm90_wide`); DO_STAGES (the dO ring's stages, NUM_STAGES but for the split
+        ring) and DV_EARLY are their variants (`WIDE_VARIANTS`)."""
         # Key blocks vary fastest (neighbours share the group's Q and dO in L2); under a causal
         # mask the first key blocks see the most queries, and they start first.
         pid = gl.program_id(0)
@@ -549,7 +619,11 @@ if GLUON_AVAILABLE:
         WIDTH_V: gl.constexpr = v_desc.block_type.shape[1]
         WIDE: gl.constexpr = WIDTH > 128  # `_flash_bwd_sm90_wide`'s schedule
         q_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_M, WIDTH], q_desc.layout)
-        do_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_M, WIDTH_V], do_desc.layout)
+        # The split ring (DO_STAGES != NUM_STAGES, wide tiles only): dO and delta have their own
+        # stages and ready/empty barriers (`WIDE_VARIANTS`).
+        SPLIT_RING: gl.constexpr = DO_STAGES != NUM_STAGES
+        gl.static_assert(WIDE or not (SPLIT_RING or DV_EARLY))
+        do_smem = gl.allocate_shared_memory(dtype, [DO_STAGES, BLOCK_M, WIDTH_V], do_desc.layout)
         k_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_N, WIDTH], k_desc.layout)
         v_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_N, WIDTH_V], v_desc.layout)
         # dS^T [keys, queries], double-buffered; the dQ product reads it transposed. Wide
@@ -566,7 +640,7 @@ if GLUON_AVAILABLE:
         dq_smem = gl.allocate_shared_memory(gl.float32, [2, DQ_ROWS, DQ_COLS], dq_desc.layout)
         rows_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
         lse_smem = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, BLOCK_M], rows_layout)
-        delta_smem = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, BLOCK_M], rows_layout)
+        delta_smem = gl.allocate_shared_memory(gl.float32, [DO_STAGES, BLOCK_M], rows_layout)
         bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
         kv_bar = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
         ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], bar_layout)
@@ -578,12 +652,26 @@ if GLUON_AVAILABLE:
             mbarrier.init(empty.index(i), count=2)  # free once both warpgroups released it
         for i in gl.static_range(2):
             mbarrier.init(ds_ready.index(i), count=2)  # both warpgroups' dS^T rows written
+        # The variants' barriers; without them the names alias the default's, unused.
+        ready_do = ready
+        empty_do = empty
+        p_ready = ds_ready
+        if SPLIT_RING:
+            ready_do = gl.allocate_shared_memory(gl.int64, [DO_STAGES, 1], bar_layout)
+            empty_do = gl.allocate_shared_memory(gl.int64, [DO_STAGES, 1], bar_layout)
+            for i in gl.static_range(DO_STAGES):
+                mbarrier.init(ready_do.index(i), count=1)
+                mbarrier.init(empty_do.index(i), count=2)
+        if DV_EARLY:
+            p_ready = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
+            for i in gl.static_range(2):
+                mbarrier.init(p_ready.index(i), count=2)  # both warpgroups' P^T rows written
         fence_async_shared()
 
         args = (
             (q_desc, k_desc, v_desc, do_desc, dq_desc),
             (q_smem, k_smem, v_smem, do_smem, lse_smem, delta_smem, ds_smem, p_smem, dq_smem),
-            (kv_bar, ready, empty, ds_ready),
+            (kv_bar, ready, empty, ds_ready, ready_do, empty_do, p_ready),
             (z, h_kv, group, start_q, start_k, start_n, len_q, len_k, diag, m_lo, m_count, total),
             ((stride_qb, stride_qh, stride_qs), (stride_kb, stride_kh, stride_ks),
              (stride_vb, stride_vh, stride_vs), (stride_dob, stride_doh, stride_dos),
@@ -594,8 +682,8 @@ if GLUON_AVAILABLE:
         if WIDE:
             gl.warp_specialize(
                 [
-                    (_consumer_wide, (args, 0, HEAD_DIM, HEAD_DIM_V)),
-                    (_consumer_wide, (args, 1, HEAD_DIM, HEAD_DIM_V)),
+                    (_consumer_wide, (args, 0, HEAD_DIM, HEAD_DIM_V, DV_EARLY)),
+                    (_consumer_wide, (args, 1, HEAD_DIM, HEAD_DIM_V, DV_EARLY)),
                     (_producer, args),
                 ],  # fmt: skip
                 [4, 4],
@@ -700,7 +788,7 @@ def backward_sm90(
     planned once per signature (`_launch_plan`) and the launch goes straight to the compiled
     kernel after the first."""
     plan = planned(
-        _PLANS, signature, (bool(causal), bool(bottom_right), _settings(q.shape[-1])),
+        _PLANS, signature, (bool(causal), bool(bottom_right), _settings(q.shape[-1], v.shape[-1])),
         lambda: _launch_plan(
             q, k, v, dout, lse, dq_acc, dk, dv, geom, causal, bottom_right, signature
         ),
@@ -735,13 +823,13 @@ class _LaunchPlan(NamedTuple):
 _PLANS: dict[tuple, _LaunchPlan] = {}
 
 
-def _settings(d: int) -> tuple:
-    """The module settings a plan for head dim d reads (the A/B scripts flip them in one
-    process; the tables are per tile width)."""
+def _settings(d: int, d_v: int) -> tuple:
+    """The module settings a plan for head dims (d, d_v) reads (the A/B scripts flip them in one
+    process; the tables are per tile width, `WIDE_DEFAULTS` per dims)."""
     width = tile_width(d)
     return (
         TILES[width], DQ_BEFORE_DK[width], DQ_WAIT_LATE[width], P_FROM_REGISTERS[width],
-        _common.CAUSAL_ORDER_L2_BYTES,
+        _common.CAUSAL_ORDER_L2_BYTES, WIDE_DEFAULTS.get((d, d_v)),
     )  # fmt: skip
 
 
@@ -772,8 +860,9 @@ def _launch_plan(
         SEQ_MODE_Q=geom.q.mode, SEQ_MODE_K=geom.k.mode, IS_CAUSAL=bool(causal),
         BOTTOM_RIGHT=bool(bottom_right), DQ_FIRST=DQ_BEFORE_DK[width],
         WAIT_LATE=DQ_WAIT_LATE[width], P_IN_REGS=P_FROM_REGISTERS[width], HEAD_DIM_V=d_v,
-        num_warps=CONSUMER_WARPS, maxnreg=MAX_REGISTERS,
+        DO_STAGES=stages, DV_EARLY=False, num_warps=CONSUMER_WARPS, maxnreg=MAX_REGISTERS,
     )  # fmt: skip
+    constexprs.update(wide_settings(d, d_v))  # the wide schedule's variants at these dims
     views = plan_views(q, k, v, dout, geom.varlen)
     if views is None:  # `dispatch.sm90_backward_plan` sends these elsewhere
         raise ValueError(
@@ -799,6 +888,7 @@ def _launch_plan(
 
 
 __all__ = [
-    "GLUON_AVAILABLE", "SUPPORTED_DIMS", "backward_sm90", "block_n", "dq_accumulator", "dq_box",
-    "plan_views", "tile_width", "widths",
+    "GLUON_AVAILABLE", "SUPPORTED_DIMS", "WIDE_DEFAULTS", "WIDE_VARIANTS", "backward_sm90",
+    "block_n", "dq_accumulator", "dq_box", "plan_views", "tile_width", "wide_settings",
+    "wide_variant_fits", "widths",
 ]  # fmt: skip

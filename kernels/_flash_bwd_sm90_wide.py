@@ -44,15 +44,21 @@ if GLUON_AVAILABLE:
     )
 
     @gluon.jit
-    def _consumer_wide(args, WG: gl.constexpr, HEAD_DIM: gl.constexpr, HEAD_DIM_V: gl.constexpr):
+    def _consumer_wide(
+        args, WG: gl.constexpr, HEAD_DIM: gl.constexpr, HEAD_DIM_V: gl.constexpr,
+        DV_EARLY: gl.constexpr,
+    ):  # fmt: skip
         """Warpgroup WG: columns [WG * W/2, (WG + 1) * W/2) of dK and dV (W, W_v: the q/k and
         v/dO tiles' widths) for the program's 64 keys, and the same columns of each step's dQ
         share. `args`: the producer's argument list (`_flash_bwd_sm90._attn_bwd_sm90`);
         HEAD_DIM, HEAD_DIM_V: q's and v's head dims, the columns the score products sum over
-        and dK and dV store."""
+        and dK and dV store. Variants (`_flash_bwd_sm90.WIDE_VARIANTS`, chosen per dims by
+        `WIDE_DEFAULTS`): the split ring, dO's stages fewer than Q's (do_smem has its own stage
+        count and barriers), and DV_EARLY: dV issued once both P^T halves are in shared memory
+        (a P-ready barrier), before dS^T is computed."""
         descs, smem, bars, seq, strides, ptrs, scales = args
         q_smem, k_smem, v_smem, do_smem, lse_smem, delta_smem, ds_smem, p_smem, dq_smem = smem
-        kv_bar, ready, empty, ds_ready = bars
+        kv_bar, ready, empty, ds_ready, ready_do, empty_do, p_ready = bars
         z, h_kv, group, start_q, start_k, start_n, len_q, len_k, diag, m_lo, m_count, total = seq
         dq_desc = descs[4]
         stride_dqb, stride_dqh, stride_dqs = strides[5]
@@ -61,6 +67,8 @@ if GLUON_AVAILABLE:
         dk_ptr, dv_ptr = ptrs[2:]
         qk_scale, sm_scale = scales
         NUM_STAGES: gl.constexpr = q_smem.type.shape[0]
+        DO_STAGES: gl.constexpr = do_smem.type.shape[0]
+        SPLIT_RING: gl.constexpr = DO_STAGES != NUM_STAGES
         BLOCK_M: gl.constexpr = q_smem.type.shape[1]
         WIDTH: gl.constexpr = q_smem.type.shape[2]
         WIDTH_V: gl.constexpr = do_smem.type.shape[2]
@@ -105,12 +113,23 @@ if GLUON_AVAILABLE:
             m0 = m_lo + (it - g * m_count) * BLOCK_M
             mbarrier.wait(ready.index(stage), (it // NUM_STAGES) & 1)
             q_t = q_smem.index(stage)
-            do_t = do_smem.index(stage)
-            _zero_rows_from(q_t, len_q - m0, 16)
-            _zero_rows_from(do_t, len_q - m0, 16)
-            # S^T and dP^T of this warpgroup's 32 queries, over the dims' own columns.
-            s_tok = _product_over_dim(k_res, q_t.slice(q0, ROWS), zero_s, HEAD_DIM)
-            dp_tok = _product_over_dim(v_res, do_t.slice(q0, ROWS), zero_s, HEAD_DIM_V)
+            if SPLIT_RING:
+                # S^T issued on Q alone; dO (with delta) may still be on its way.
+                stage_do = it % DO_STAGES
+                _zero_rows_from(q_t, len_q - m0, 16)
+                s_tok = _product_over_dim(k_res, q_t.slice(q0, ROWS), zero_s, HEAD_DIM)
+                mbarrier.wait(ready_do.index(stage_do), (it // DO_STAGES) & 1)
+                do_t = do_smem.index(stage_do)
+                _zero_rows_from(do_t, len_q - m0, 16)
+                dp_tok = _product_over_dim(v_res, do_t.slice(q0, ROWS), zero_s, HEAD_DIM_V)
+            else:
+                stage_do = stage
+                do_t = do_smem.index(stage)
+                _zero_rows_from(q_t, len_q - m0, 16)
+                _zero_rows_from(do_t, len_q - m0, 16)
+                # S^T and dP^T of this warpgroup's 32 queries, over the dims' own columns.
+                s_tok = _product_over_dim(k_res, q_t.slice(q0, ROWS), zero_s, HEAD_DIM)
+                dp_tok = _product_over_dim(v_res, do_t.slice(q0, ROWS), zero_s, HEAD_DIM_V)
             buf = it % 2
             p_buf = p_smem.index(buf)  # [queries, keys]
             ds_buf = ds_smem.index(buf)
@@ -120,8 +139,22 @@ if GLUON_AVAILABLE:
             p_t = _probs(s_t, lse_rows, qk_scale, masked, start_n, m0 + q0, len_q, len_k, diag)
             # P^T [keys, queries] into this warpgroup's query rows of the query-major tile.
             p_buf.slice(q0, ROWS).permute((1, 0)).store(p_t.to(dtype))
-            dp_t = warpgroup_mma_wait(0, deps=[dp_tok])
-            delta_rows = delta_smem.index(stage).slice(q0, ROWS)
+            if DV_EARLY:
+                # dV as soon as both halves of P are written: it runs while dS^T is computed.
+                # (Buffer reuse as for dS below: P-ready barriers of the next step order it.)
+                fence_async_shared()
+                _partition_barrier()
+                mbarrier.arrive(p_ready.index(buf), count=1)
+                mbarrier.wait(p_ready.index(buf), (it // 2) & 1)
+                dv_tok = warpgroup_mma(
+                    p_buf.permute((1, 0)), do_t.slice(WG * COLS_V, COLS_V, dim=1), dv,
+                    is_async=True,
+                )  # fmt: skip
+                # Groups retire in issue order: one outstanding (dV) means dP^T landed.
+                dp_t = warpgroup_mma_wait(1, deps=[dp_tok])
+            else:
+                dp_t = warpgroup_mma_wait(0, deps=[dp_tok])
+            delta_rows = delta_smem.index(stage_do).slice(q0, ROWS)
             ds_t = _dscores(p_t, dp_t, delta_rows, masked, start_n, m0 + q0, len_q, len_k, diag)
             ds_buf.slice(q0, ROWS).permute((1, 0)).store(ds_t.to(dtype))
             # Both warpgroups' halves before any product reads the tiles (generic-proxy stores
@@ -132,9 +165,11 @@ if GLUON_AVAILABLE:
             _partition_barrier()
             mbarrier.arrive(ds_ready.index(buf), count=1)
             mbarrier.wait(ds_ready.index(buf), (it // 2) & 1)
-            dv_tok = warpgroup_mma(
-                p_buf.permute((1, 0)), do_t.slice(WG * COLS_V, COLS_V, dim=1), dv, is_async=True
-            )
+            if not DV_EARLY:
+                dv_tok = warpgroup_mma(
+                    p_buf.permute((1, 0)), do_t.slice(WG * COLS_V, COLS_V, dim=1), dv,
+                    is_async=True,
+                )  # fmt: skip
             dk_tok = warpgroup_mma(
                 ds_buf.permute((1, 0)), q_t.slice(WG * COLS, COLS, dim=1), dk, is_async=True
             )
@@ -146,6 +181,8 @@ if GLUON_AVAILABLE:
             # the stage's Q and dO go back to the producer while dQ runs.
             dv, dk = warpgroup_mma_wait(1, deps=[dv_tok, dk_tok])
             _release(empty.index(stage))
+            if SPLIT_RING:
+                mbarrier.arrive(empty_do.index(stage_do), count=1)  # after `_release`'s barrier
             dq = warpgroup_mma_wait(0, deps=[dq_tok])
             # The accumulator is contiguous and W columns a head (`dq_accumulator`).
             dq_row = z * (stride_dqb // stride_dqs) + start_q + m0

@@ -56,10 +56,19 @@ SM90_BWD_MIN_KEYS: dict[int, int | None] = {
     128: 1024, 64: 4096, 80: 1024, 96: 1024, 160: 1024, 192: 1024, 256: 1024,
 }  # fmt: skip
 # "auto" also wants this many waves of sm_90 backward programs (one per 128 keys, 64 above
-# d = 128, of each sequence and KV head, one per SM): unlike the portable dK/dV pass, which deals
-# a GQA group over several programs when there are few, it keeps one program per key block, so
-# MQA at a small batch would leave SMs idle.
-SM90_BWD_MIN_WAVES = 4
+# d = 128, of each sequence and KV head; a wave is one program per SM), by tile width:
+# (causal launches, others). Unlike the portable dK/dV pass, which deals a GQA group over
+# several programs when there are few, it keeps one program per key block, whose loop visits
+# s_q x (h / h_kv) query rows. On an H200 (bf16 forward+backward, GQA and MQA, 1-4 sequences;
+# bench/h200-2026-11-29/backward-waves.json, examples/perf/backward_waves.py), with loops of
+# 16k rows or more: causal launches, whose key blocks hold unequal work, ran 0.44-1.00x the
+# portable backward's speed up to 2.9 waves and 1.08-1.54x from 3.9; others 1.15-1.31x from
+# one wave at d = 64 and 128 (0.79x at half a wave), and 1.15-1.77x at every count measured
+# above d = 128, from 64 programs.
+SM90_BWD_MIN_WAVES: dict[int, tuple[float, float]] = {64: (3, 0.9), 128: (3, 0.9), 256: (3, 0)}
+# Up to d = 128, shorter loops keep 4 waves for both: at 2k rows the sm_90 backward ran
+# 0.66-0.95x the portable one from 1 to 2 waves, and causal 0.85x at 3.9.
+SM90_BWD_SHORT_LOOP_ROWS, SM90_BWD_SHORT_LOOP_WAVES = 16384, 4
 
 
 def _parse(value: str) -> dict[str, str]:
@@ -217,7 +226,8 @@ def sm90_backward_plan(
     """(TMA views, causal) when the sm_90 backward should run this call, else None: a call
     `_not_covered` accepts, with dout in q's dtype, a contiguous LSE and `deterministic=False`
     (its dQ is summed with fp32 atomics, so it is not bitwise reproducible; dK and dV are);
-    under "auto" at least `SM90_BWD_MIN_KEYS` keys and `SM90_BWD_MIN_WAVES` waves of programs;
+    under "auto" at least `SM90_BWD_MIN_KEYS` keys and `SM90_BWD_MIN_WAVES` waves of programs
+    (by tile width, causal or not; more for short loops up to d = 128);
     storage TMA can read in place."""
     if _paths["backward"] == "portable" or not _on_sm90(q):
         return None
@@ -231,7 +241,12 @@ def sm90_backward_plan(
     if why is None and _paths["backward"] == "auto":
         why = _too_short(SM90_BWD_MIN_KEYS[q.shape[-1]], geom)
         programs = cdiv(geom.k.max_len, sm90.block_n(q.shape[-1])) * geom.batch * k.shape[-2]
-        if why is None and programs < SM90_BWD_MIN_WAVES * multiprocessors(q.device):
-            why = f"{programs} programs, under {SM90_BWD_MIN_WAVES} waves of the GPU's SMs"
+        width = sm90.tile_width(q.shape[-1])
+        waves = SM90_BWD_MIN_WAVES[width][0 if window_right == 0 else 1]
+        rows = geom.q.max_len * (q.shape[-2] // k.shape[-2])  # one program's loop
+        if width <= 128 and rows < SM90_BWD_SHORT_LOOP_ROWS:
+            waves = max(waves, SM90_BWD_SHORT_LOOP_WAVES)
+        if why is None and programs < waves * multiprocessors(q.device):
+            why = f"{programs} programs, under {waves} waves of the GPU's SMs"
     views = _decide("backward", why, lambda: sm90.plan_views(q, k, v, dout, geom.varlen))
     return None if views is None else (views, window_right == 0)

@@ -60,12 +60,45 @@ def test_plan_covers_what_the_kernel_does(monkeypatch):
         monkeypatch.setitem(dispatch.SM90_BWD_MIN_KEYS, 128, None)
         assert _plan(q, kv, kv, q) is None
         monkeypatch.setitem(dispatch.SM90_BWD_MIN_KEYS, 128, 256)
-        monkeypatch.setattr(dispatch, "SM90_BWD_MIN_WAVES", 0)
+        monkeypatch.setitem(dispatch.SM90_BWD_MIN_WAVES, 128, (0, 0))
+        monkeypatch.setattr(dispatch, "SM90_BWD_SHORT_LOOP_WAVES", 0)
         assert _plan(q, kv, kv, q) is not None
         assert _plan(q[:, :200], kv[:, :200], kv[:, :200], q[:, :200]) is None  # 200 < 256 keys
         # 3 key blocks x 2 sequences x 2 KV heads = 12 programs: under one wave of the H100.
-        monkeypatch.setattr(dispatch, "SM90_BWD_MIN_WAVES", 1)
+        monkeypatch.setitem(dispatch.SM90_BWD_MIN_WAVES, 128, (1, 1))
         assert _plan(q, kv, kv, q) is None
+    finally:
+        set_backward_path(previous)
+
+
+@pytest.mark.parametrize(
+    "d, b, h, h_kv, s, causal, taken",
+    [
+        (128, 1, 32, 4, 4096, False, True),  # 128 programs: one wave of 132 SMs, near enough
+        (128, 1, 32, 4, 4096, True, False),  # causal: under 3 waves
+        (128, 1, 16, 2, 4096, False, False),  # 64 programs: half a wave
+        (128, 4, 32, 4, 4096, True, True),  # 512 programs: 3.9 waves
+        (256, 1, 8, 2, 2048, False, True),  # 64 programs: any count above d = 128
+        (256, 1, 8, 2, 2048, True, False),
+        (128, 1, 16, 16, 2048, False, False),  # 256 programs, but loops of 2k query rows
+        (128, 2, 16, 16, 2048, True, False),  # 512 programs: 3.9 waves, under the short loops' 4
+        (128, 8, 16, 16, 2048, True, True),  # 2,048 programs
+    ],
+)
+def test_auto_wants_more_waves_of_causal_programs(d, b, h, h_kv, s, causal, taken, monkeypatch):
+    """Under "auto" the sm_90 backward's wave minimum depends on the mask and the tile width
+    (`SM90_BWD_MIN_WAVES`): causal launches want 3 waves of programs, others about one up to
+    d = 128 and none above; programs = key blocks (128 keys, 64 above d = 128) x b x h_kv. Up to
+    d = 128, programs whose loop visits under 16k query rows (s_q x h / h_kv) want 4 waves."""
+    monkeypatch.setattr(dispatch, "_on_sm90", lambda t: True)
+    monkeypatch.setattr(dispatch, "multiprocessors", lambda device: 132)
+    monkeypatch.setattr(_flash_bwd_sm90, "GLUON_AVAILABLE", True)
+    q = torch.empty(b, s, h, d, dtype=torch.bfloat16)
+    kv = torch.empty(b, s, h_kv, d, dtype=torch.bfloat16)
+    previous = set_backward_path("auto")
+    try:
+        plan = _plan(q, kv, kv, q, window_right=0 if causal else -1)
+        assert (plan is not None) == taken
     finally:
         set_backward_path(previous)
 
@@ -144,15 +177,17 @@ def test_d64_steps_128_rows_and_64_stays_selectable(monkeypatch):
 
 
 def _recorded_bwd_launches(monkeypatch, calls):
-    """Run `backward_sm90` on CPU tensors for each (d, causal, signature) of `calls`, its launch
-    recorded instead of made: [(grid, positional args, keywords)]."""
+    """Run `backward_sm90` on CPU tensors for each (d, causal, signature[, d_v]) of `calls`, its
+    launch recorded instead of made: [(grid, positional args, keywords)]."""
     if not _flash_bwd_sm90.GLUON_AVAILABLE:
         pytest.skip("this Triton has no Gluon")
     launches = []
     record = lambda kernel, grid, *args, **kw: launches.append((grid, args, kw))  # noqa: E731
     monkeypatch.setattr(_flash_bwd_sm90, "launch", record)
-    for d, causal, signature in calls:
-        q, k, v, dout = (torch.randn(2, 256, n, d, dtype=torch.float16) for n in (4, 2, 2, 4))
+    for d, causal, signature, *d_v in calls:
+        d_v = d_v[0] if d_v else d
+        q, k = (torch.randn(2, 256, n, d, dtype=torch.float16) for n in (4, 2))
+        v, dout = (torch.randn(2, 256, n, d_v, dtype=torch.float16) for n in (2, 4))
         geom = launch_geometry(q, k)
         lse, delta = (torch.zeros(2, 4, 256) for _ in range(2))
         acc = _flash_bwd_sm90.dq_accumulator(q, width=_flash_bwd_sm90.tile_width(d))
@@ -187,6 +222,58 @@ def test_sm90_backward_launch_plan_is_made_once_per_signature(monkeypatch):
     monkeypatch.setitem(_flash_bwd_sm90.DQ_BEFORE_DK, 128, False)  # a module setting
     ((_, _, k5),) = _recorded_bwd_launches(monkeypatch, [(128, True, sig)])
     assert k5["slot"] is not k1["slot"] and not k5["DQ_FIRST"]
+
+
+def test_wide_defaults_name_fitting_variants_for_each_wide_dims_pair():
+    """`WIDE_DEFAULTS` decides the wide schedule's variants for every dims pair on 256-wide
+    tiles, and only there; each it names exists and fits shared memory at those dims."""
+    wide = {dims for dims in _flash_bwd_sm90.SUPPORTED_DIMS
+            if _flash_bwd_sm90.tile_width(dims[0]) > 128}  # fmt: skip
+    assert set(_flash_bwd_sm90.WIDE_DEFAULTS) == wide
+    for (d, d_v), names in _flash_bwd_sm90.WIDE_DEFAULTS.items():
+        assert all(_flash_bwd_sm90.wide_variant_fits(n, d, d_v) for n in names), (d, d_v)
+    assert _flash_bwd_sm90.wide_settings(128, 128) == {}
+    assert not _flash_bwd_sm90.wide_variant_fits("dv_early", 128, 128)
+    assert not _flash_bwd_sm90.wide_variant_fits("split_ring", 192, 192)
+    assert _flash_bwd_sm90.wide_variant_fits("split_ring", 192, 128)
+
+
+# (d_qk, d_v) -> (NUM_STAGES, DO_STAGES, DV_EARLY) of the default launch: the split ring at
+# (192, 128), dV before dS^T at 160 and 192, neither at 256 nor below 256-wide tiles.
+WIDE_LAUNCHES = {
+    (128, 128): (2, 2, False), (160, 160): (1, 1, True), (192, 192): (1, 1, True),
+    (256, 256): (1, 1, False), (192, 128): (2, 1, False),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("dims", list(WIDE_LAUNCHES), ids=lambda t: f"{t[0]}x{t[1]}")
+def test_sm90_backward_launches_the_dims_wide_variants(dims, monkeypatch):
+    """Each dims pair launches the variants `WIDE_DEFAULTS` gives it; flipping one there (the
+    A/B tool's and the GPU tests' way) makes a new plan whose launch has it flipped, and a
+    variant that does not fit, or any below 256-wide tiles, is refused."""
+    monkeypatch.setattr(_flash_bwd_sm90, "_PLANS", {})
+    d, d_v = dims
+    sig = ("sig", dims)
+    ((_, _, kw),) = _recorded_bwd_launches(monkeypatch, [(d, True, sig, d_v)])
+    assert (kw["NUM_STAGES"], kw["DO_STAGES"], kw["DV_EARLY"]) == WIDE_LAUNCHES[dims]
+    if d <= 128:
+        monkeypatch.setitem(_flash_bwd_sm90.WIDE_DEFAULTS, dims, ("dv_early",))
+        with pytest.raises(ValueError, match="dv_early does not fit"):
+            _recorded_bwd_launches(monkeypatch, [(d, True, sig, d_v)])
+        return
+    on = _flash_bwd_sm90.WIDE_DEFAULTS[dims]
+    monkeypatch.setitem(_flash_bwd_sm90.WIDE_DEFAULTS, dims, ())  # every variant off
+    ((_, _, off),) = _recorded_bwd_launches(monkeypatch, [(d, True, sig, d_v)])
+    assert (off["NUM_STAGES"], off["DO_STAGES"], off["DV_EARLY"]) == (1, 1, False)
+    assert (off["slot"] is not kw["slot"]) == bool(on)  # a new plan unless nothing changed
+    assert len(_flash_bwd_sm90._PLANS) == (2 if on else 1)
+    monkeypatch.setitem(_flash_bwd_sm90.WIDE_DEFAULTS, dims, (*on, "dv_early", "split_ring"))
+    if d_v > 128:
+        with pytest.raises(ValueError, match="split_ring does not fit"):
+            _recorded_bwd_launches(monkeypatch, [(d, True, sig, d_v)])
+    else:
+        ((_, _, both),) = _recorded_bwd_launches(monkeypatch, [(d, True, sig, d_v)])
+        assert (both["NUM_STAGES"], both["DO_STAGES"], both["DV_EARLY"]) == (2, 1, True)
 
 
 @pytest.mark.parametrize("d", [80, 96])
@@ -314,7 +401,7 @@ def test_wide_head_dims_follow_the_length_table(d_qk, d_v, monkeypatch):
     or 192 columns in rows d wide is narrower than the 256-wide box and is not taken."""
     monkeypatch.setattr(dispatch, "_on_sm90", lambda t: True)
     monkeypatch.setattr(_flash_bwd_sm90, "GLUON_AVAILABLE", True)
-    monkeypatch.setattr(dispatch, "SM90_BWD_MIN_WAVES", 0)
+    monkeypatch.setitem(dispatch.SM90_BWD_MIN_WAVES, 256, (0, 0))
     q, dout = (torch.randn(2, 4096, 4, d_qk, dtype=torch.bfloat16) for _ in range(2))
     k = torch.randn(2, 4096, 2, d_qk, dtype=torch.bfloat16)
     v = torch.randn(2, 4096, 2, d_v, dtype=torch.bfloat16)
@@ -339,7 +426,8 @@ def test_wide_head_dims_follow_the_length_table(d_qk, d_v, monkeypatch):
 @pytest.mark.parametrize("d_qk, d_v", WIDE_PAIRS, ids=WIDE_IDS)
 def test_sm90_backward_wide_dims_launch_64_keys_and_256_wide_tiles(d_qk, d_v, monkeypatch):
     """d = 160, 192 and 256 launch the column-split configuration (`_flash_bwd_sm90_wide`): 64 keys
-    a program, one stage of 64 query rows, 256-wide q and k boxes (v and dout as wide as their
+    a program, steps of 64 query rows (one stage; two Q stages at (192, 128), the split ring:
+    `WIDE_LAUNCHES`), 256-wide q and k boxes (v and dout as wide as their
     tile width), 128-wide dQ boxes over an accumulator of 256 columns a head; HEAD_DIM and
     HEAD_DIM_V are the dims themselves."""
     if not _flash_bwd_sm90.GLUON_AVAILABLE:
@@ -360,7 +448,8 @@ def test_sm90_backward_wide_dims_launch_64_keys_and_256_wide_tiles(d_qk, d_v, mo
     )  # fmt: skip
     ((grid, args, kw),) = launches
     assert grid == (256 // 64 * 2 * 2,)  # 64 keys a program, 2 sequences x 2 KV heads
-    assert (kw["BLOCK_N"], kw["BLOCK_M"], kw["NUM_STAGES"]) == (64, 64, 1)
+    assert (kw["BLOCK_N"], kw["BLOCK_M"]) == (64, 64)
+    assert (kw["NUM_STAGES"], kw["DO_STAGES"]) == WIDE_LAUNCHES[(d_qk, d_v)][:2]
     assert (kw["HEAD_DIM"], kw["HEAD_DIM_V"]) == (d_qk, d_v)
     width_v = _flash_bwd_sm90.tile_width(d_v)
     q_desc, k_desc, v_desc, do_desc, dq_desc = args[:5]

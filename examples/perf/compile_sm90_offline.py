@@ -3,7 +3,7 @@ compiler's resource report (registers, spills, shared memory).
 
     python examples/perf/compile_sm90_offline.py [--kernels fwd,bwd] [--dims 128,64]
         [--causal 0,1] [--fwd-persistent 0,1] [--fwd-layouts dense,varlen] [--partitions]
-        [--dump DIR]
+        [--bwd-variants default,none,split_ring,dv_early,split_ring+dv_early] [--dump DIR]
 
 Run it with the Triton whose build you want to read (3.6 and 3.9 both compile these kernels):
 Gluon's API and the compiler's choices differ between versions. A stand-in driver reports an
@@ -185,7 +185,7 @@ def compile_forward(
 
 def compile_backward(
     d: int, causal: bool, block_m: int | None = None, layout: str = "dense",
-    dq_first: bool | None = None, d_v: int | None = None,
+    dq_first: bool | None = None, d_v: int | None = None, variant: str | None = None,
 ):  # fmt: skip
     """The backward at d (v's head dim d_v, default d; 80 and 96 on 128-wide tiles, 192 on
     256-wide ones: the tables are per `tile_width`), with the
@@ -193,10 +193,23 @@ def compile_backward(
     BLOCK_M is block_m. `layout`: "dense" (a causal mask bottom-right
     aligned), "topleft" (dense, top-left), "seqlens" (right-padded), "varlen", "varlen_padded"
     (varlen with gaps): each is a separate specialization of the kernel (`_layout_inputs`).
-    `dq_first`: the step's product order (`DQ_BEFORE_DK`; None: the default)."""
+    `dq_first`: the step's product order (`DQ_BEFORE_DK`; None: the default). `variant`: the
+    wide schedule's variants to run (`WIDE_VARIANTS` names joined by "+", "none" for none;
+    None: those `WIDE_DEFAULTS` runs at the dims)."""
     from fusedlayers.kernels import _flash_bwd_sm90 as bwd
 
     width = bwd.tile_width(d)
+    if variant is not None:
+        dims = (d, d if d_v is None else d_v)
+        saved = bwd.WIDE_DEFAULTS.get(dims)
+        bwd.WIDE_DEFAULTS[dims] = () if variant == "none" else tuple(variant.split("+"))
+        try:
+            return compile_backward(d, causal, block_m, layout, dq_first, d_v)
+        finally:
+            if saved is None:
+                del bwd.WIDE_DEFAULTS[dims]
+            else:
+                bwd.WIDE_DEFAULTS[dims] = saved
     default, default_order = bwd.TILES[width], bwd.DQ_BEFORE_DK[width]
     if block_m is not None and block_m != default[0]:
         bwd.TILES[width] = bwd.TILES_M128[width]
@@ -250,6 +263,14 @@ def main() -> None:
         "default: DQ_BEFORE_DK",
     )
     p.add_argument(
+        "--bwd-variants",
+        default="default",
+        help="wide-schedule variant sets to compile (d >= 160): default (the dims' "
+        "_flash_bwd_sm90.WIDE_DEFAULTS), none, or _flash_bwd_sm90.WIDE_VARIANTS names joined "
+        "by +, e.g. default,none,split_ring,dv_early,split_ring+dv_early; sets that do not "
+        "fit at a dims pair (wide_variant_fits) are skipped",
+    )
+    p.add_argument(
         "--fwd-persistent",
         default="0",
         help="forward grids to compile: 0 (one tile per program), 1 (persistent)",
@@ -284,11 +305,30 @@ def main() -> None:
                 for block_m in _block_ms(name, d, args.bwd_block_m):
                     for layout in args.bwd_layouts.split(","):
                         for dq_first in orders:
-                            kernel = compile_backward(d, causal, block_m, layout, dq_first, d_v)
-                            tag = (f"-m{block_m}" if block_m else "") + (
-                                "" if layout == "dense" else f"-{layout}") + (
-                                "" if dq_first is None else f"-dqfirst{int(dq_first)}")  # fmt: skip
-                            _report(args, name, dims, causal, tag, kernel)
+                            for variant in _variants(d, d_v, args.bwd_variants):
+                                kernel = compile_backward(
+                                    d, causal, block_m, layout, dq_first, d_v, variant
+                                )
+                                tag = (f"-m{block_m}" if block_m else "") + (
+                                    "" if layout == "dense" else f"-{layout}") + (
+                                    "" if dq_first is None else f"-dqfirst{int(dq_first)}") + (
+                                    "" if variant is None else f"-{variant}")  # fmt: skip
+                                _report(args, name, dims, causal, tag, kernel)
+
+
+def _variants(d: int, d_v: int, spec: str) -> list:
+    """The wide-schedule variant sets of --bwd-variants that fit at (d, d_v) (None: the
+    default); only the default below 256-wide tiles."""
+    from fusedlayers.kernels import _flash_bwd_sm90 as bwd
+
+    chosen = []
+    for entry in spec.split(","):
+        names = [] if entry in ("default", "none") else entry.split("+")
+        if entry == "default":
+            chosen.append(None)
+        elif bwd.tile_width(d) > 128 and all(bwd.wide_variant_fits(n, d, d_v) for n in names):
+            chosen.append(entry)
+    return chosen
 
 
 def _block_ms(name: str, d: int, spec: str) -> list:

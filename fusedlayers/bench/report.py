@@ -204,11 +204,10 @@ def attention_section(page: Page, used, rows: list[dict]) -> tuple[list[str], li
     if not used:
         return lines + _missing("attention"), []
     lines += [
-        "b = 16384/s, h = 2048/d: every row does the same work. TFLOP/s count `4*b*h*s*s*d`",
-        "for the forward, halved for causal, and 3.5x that for forward+backward. fusedlayers is",
-        "the default dispatch (on an H100 the sm_90 kernels where they cover the call); portable",
-        "kernels pins the Triton kernels that run on every GPU. MiB: peak memory over the live",
-        "inputs for one call of the pass, gradients included.",
+        "b = 16384/s, h = 2048/d: every row does the same work. TFLOP/s count `4*b*h*s*s*d` for",
+        "the forward, halved for causal, 3.5x that for forward+backward. fusedlayers: the default",
+        "dispatch (on an H100 the sm_90 kernels where they cover the call); portable kernels: the",
+        "Triton kernels of every GPU. MiB: peak memory over the live inputs, gradients included.",
         "",
     ]
     lines += _head_dims_note(rows)
@@ -218,8 +217,7 @@ def attention_section(page: Page, used, rows: list[dict]) -> tuple[list[str], li
     table_rows = [r for r in rows if r["case"] != "sweep" or tables.head_dims(r) in TABLE_DIMS]
     if len(table_rows) < len(rows):
         lines += [
-            "The table lists the cells of d = 64 and 128; the other head dims' ratios are in the",
-            "summary above, their TFLOP/s in the plots, every cell in the runs linked above.",
+            "The table lists d = 64 and 128; other head dims: the summary, the plots and the runs.",
             "",
         ]
     lines += tables.attention_sweep(table_rows) + [""]
@@ -245,15 +243,11 @@ def _head_dims_note(rows: list[dict]) -> list[str]:
     sweep = [r for r in rows if r["case"] == "sweep"]
     lines = []
     if tables.heads_vary(sweep):
-        lines += [
-            "Head dims that do not divide 2048 run h = round(2048/d) heads; TFLOP/s count the",
-            "heads that run.",
-        ]
+        lines += ["Head dims that do not divide 2048 run h = round(2048/d) heads, all counted."]
     if tables.has_split_dims(rows):
         lines += [
-            "d = A/B: q and k have head dim A, v and the output B. TFLOP/s count",
-            "`2*b*h*s*s*(A + B)` for the forward, halved for causal, and `1 + (3A + 2B)/(A + B)`",
-            "times that for forward+backward (3.5 when A = B).",
+            "d = A/B: q and k have head dim A, v and the output B; TFLOP/s count",
+            "`2*b*h*s*s*(A + B)` forward, `1 + (3A + 2B)/(A + B)` times that forward+backward.",
         ]
     return lines + [""] if lines else []
 
@@ -317,12 +311,10 @@ def _table_section(kind: str, title: str, intro: list[str], make_table) -> Calla
 
 
 generate_section = _table_section("generate", "Generation", [
-    "Greedy decoding from a random prompt (`examples/benchmark_generate.py`): the fusedlayers",
-    "GPT eager and with its decode step captured in a CUDA graph, against the same model in",
-    "plain PyTorch with a static KV cache, eager and under",
-    '`torch.compile(mode="reduce-overhead")`. Setup s: the warm-up run (compilation) and the',
-    "graph capture. `vs plain`: the plain model's ms/token in the same mode (eager; CUDA graph",
-    "against compiled) / this row's.",
+    "Greedy decoding from a random prompt (`examples/benchmark_generate.py`): the fusedlayers GPT",
+    "eager and with its decode step in a CUDA graph, against the same model in plain PyTorch with",
+    'a static KV cache, eager and under `torch.compile(mode="reduce-overhead")`. Setup s: warm-up',
+    "and capture. `vs plain`: the plain model's ms/token (eager; compiled for the graph) / ours.",
 ], tables.generate_table)  # fmt: skip
 context_parallel_section = _table_section("context_parallel", "Context parallelism", [
     "Causal `DotProductAttention` with the sequence split over the GPUs (ring exchange of K/V)",
@@ -334,10 +326,9 @@ dynamic_shapes_section = _table_section("dynamic_shapes", "Shapes that change ev
 ], tables.dynamic_shapes_table)  # fmt: skip
 
 transformers_section = _table_section("transformers", "Hugging Face transformers training", [
-    "A Llama-style model of about 1.2B parameters built from its config with random weights",
-    "(`examples/benchmark_transformers.py`), trained in bf16 with AdamW on the same batches with",
-    '`attn_implementation="sdpa"` and `"fusedlayers"`, in one process. Attention is a small',
-    "share of such a step (head dim 64, GQA 32/8): the step time follows the matmuls.",
+    "A Llama-style model of 1.2B parameters with random weights (`benchmark_transformers.py`),",
+    'trained in bf16 with AdamW on the same batches with `attn_implementation="sdpa"` and',
+    '`"fusedlayers"` in one process; attention (d = 64, GQA 32/8) is a small share of the step.',
 ], tables.transformers_table)  # fmt: skip
 transformers_generate_section = _table_section(
     "transformers_generate", "Hugging Face transformers generation", [

@@ -230,21 +230,33 @@ def _shape(row: dict) -> str:
 
 
 def attention_other(rows: list[dict]) -> list[str]:
-    """The cases beyond the sweep (GQA, varlen, packed, window): the subject's TFLOP/s and its
-    ratio to every other provider of the row."""
-    order = {p: i for i, p in enumerate(PASS_NAMES)}
-    other = [r for r in rows if r["case"] != "sweep"]
-    key = lambda r: (r["case"], r["dtype"], dims_order(r), _shape(r), order.get(r["pass"], 9))
-    other.sort(key=key)
+    """The cases beyond the sweep (GQA, varlen, packed, window), one row per case and shape with
+    a column pair per pass: the subject's TFLOP/s and its time ratio to every other provider."""
+    passes = [p for p in PASS_NAMES if any(r["pass"] == p for r in rows if r["case"] != "sweep")]
+    cells: dict[tuple, dict[str, dict]] = {}
+    for row in rows:
+        if row["case"] != "sweep":
+            key = (row["case"], row["dtype"], dims_order(row), _shape(row), row["subject"])
+            cells.setdefault(key, {"row": row})[row["pass"]] = row
     body = []
-    for row in other:
-        subject = row["providers"].get(row["subject"])
-        names = sorted(n for n in row["providers"] if n != row["subject"])
-        ratios = [(n, attention_ratio(row, n)) for n in names]
-        vs = ", ".join(f"{ATTENTION_NAMES.get(n, n)} {r:.2f}" for n, r in ratios if r is not None)
-        cells = [row["case"], row["dtype"], dims_label(row), _shape(row), row["pass"]]
-        body.append(cells + [row["subject"], _attention_cell(subject), vs or "-"])
-    head = ["case", "dtype", "d", "shape", "pass", "subject", "TFLOP/s", "vs (time ratio)"]
+    for key in sorted(cells):
+        first = cells[key]["row"]
+        line = [first["case"], first["dtype"], dims_label(first), _shape(first), first["subject"]]
+        for name in passes:
+            row = cells[key].get(name)
+            if row is None:
+                line += ["-", "-"]
+                continue
+            others = sorted(n for n in row["providers"] if n != row["subject"])
+            ratios = [(n, attention_ratio(row, n)) for n in others]
+            vs = ", ".join(
+                f"{ATTENTION_NAMES.get(n, n)} {r:.2f}" for n, r in ratios if r is not None
+            )
+            line += [_attention_cell(row["providers"].get(row["subject"])), vs or "-"]
+        body.append(line)
+    head = ["case", "dtype", "d", "shape", "subject"]
+    for name in passes:
+        head += [f"{PASS_NAMES[name]} TFLOP/s", "vs (time ratio)"]
     return table(head, body) if body else []
 
 

@@ -12,7 +12,8 @@ views (sbhd, packed sb3hd), NaN in rows no sequence owns and (d = 80, 96, 160, 1
 tiles' columns past d. Further tests: dK/dV bitwise reproducible run to run (dQ sums with
 atomics: close, not bitwise), agreement with the portable backward on a long GQA problem, and
 the calls the path does not cover (among them deterministic=True) falling back to the
-portable kernels.
+portable kernels, and the wide schedule's variants (`WIDE_VARIANTS`) each flipped from the
+dims' default (`WIDE_DEFAULTS`) on a few cases: off where it runs, on where it fits and does not.
 
 Shapes: dense q [b, s_q, h, d], k/v [b, s_k, h_kv, d]; varlen [t, h, d].
 """
@@ -136,7 +137,9 @@ CASES = [
     Case(b=5, s_q=513, s_k=700, h=4, h_kv=2, d=256, dtype=torch.float16, layout="varlen_padded"),
     Case(b=5, s_q=513, s_k=700, h=4, h_kv=2, d=192, d_v=128, dtype=torch.bfloat16,
          layout="varlen_padded", window=(-1, 0), bottom_right=False),
-    # d = 160 on the same 256-wide tiles (96 columns past d).
+    # d = 160 on the same 256-wide tiles (96 columns past d). The wide cases run each dims'
+    # default variants (`WIDE_DEFAULTS`: the split ring at (192, 128), dV before dS^T at 160
+    # and 192), no mask and causal at each of 160, 192, 256 and (192, 128).
     Case(b=2, s_q=1024, s_k=1024, h=4, h_kv=2, d=160, dtype=torch.bfloat16, window=(-1, 0)),
     Case(b=2, s_q=300, s_k=777, h=8, h_kv=2, d=160, dtype=torch.float16),
     Case(b=5, s_q=513, s_k=700, h=4, h_kv=2, d=160, dtype=torch.bfloat16, layout="varlen_padded",
@@ -163,6 +166,48 @@ def test_sm90_backward_product_orders(case, dq_first, sm90_spy, monkeypatch):
     gaps, at d = 80 and 96 too."""
     width = _flash_bwd_sm90.tile_width(case.d)
     monkeypatch.setitem(_flash_bwd_sm90.DQ_BEFORE_DK, width, dq_first)
+    check_case(case, DEV, high_dtype=torch.float32)
+    assert sm90_spy, "the sm_90 backward did not run"
+
+
+# The wide schedule's variants (`_flash_bwd_sm90.WIDE_VARIANTS`) on a few of its cases: no
+# mask and causal (both alignments), MHA and GQA, s_q != s_k, odd lengths, varlen with and
+# without gaps, at d = 160, 192, 256 and (192, 128).
+WIDE_VARIANT_CASES = [
+    Case(b=2, s_q=1024, s_k=1024, h=4, h_kv=4, d=256, dtype=torch.bfloat16),
+    Case(b=1, s_q=4096, s_k=4096, h=4, h_kv=2, d=256, dtype=torch.bfloat16, window=(-1, 0)),
+    Case(b=2, s_q=1024, s_k=1024, h=4, h_kv=4, d=192, dtype=torch.bfloat16, window=(-1, 0)),
+    Case(b=2, s_q=1024, s_k=1024, h=4, h_kv=2, d=192, d_v=128, dtype=torch.bfloat16),
+    Case(b=2, s_q=777, s_k=300, h=8, h_kv=2, d=192, d_v=128, dtype=torch.bfloat16,
+         window=(-1, 0)),
+    Case(b=5, s_q=600, s_k=600, h=4, h_kv=4, d=192, dtype=torch.bfloat16, layout="varlen",
+         window=(-1, 0)),
+    Case(b=5, s_q=513, s_k=700, h=4, h_kv=2, d=256, dtype=torch.float16, layout="varlen_padded"),
+    Case(b=5, s_q=513, s_k=700, h=4, h_kv=2, d=192, d_v=128, dtype=torch.bfloat16,
+         layout="varlen_padded", window=(-1, 0), bottom_right=False),
+    Case(b=2, s_q=1024, s_k=1024, h=4, h_kv=2, d=160, dtype=torch.bfloat16, window=(-1, 0)),
+    Case(b=2, s_q=300, s_k=777, h=8, h_kv=2, d=160, dtype=torch.float16),
+]  # fmt: skip
+
+
+@needs_sm90
+@pytest.mark.parametrize("variant", list(_flash_bwd_sm90.WIDE_VARIANTS))
+@pytest.mark.parametrize("case", WIDE_VARIANT_CASES, ids=lambda c: c.label())
+def test_sm90_backward_wide_variants_flipped(case, variant, sm90_spy, monkeypatch):
+    """Each of the wide schedule's variants flipped from the dims' default (`WIDE_DEFAULTS`)
+    against the reference: turned off where the dims run it (the split ring at (192, 128), dV
+    before dS^T at 160 and 192: the schedule they replaced stays selectable), turned on where it
+    fits (`wide_variant_fits`) and they do not (dV before dS^T at 256, and beside the split ring
+    at (192, 128)); the split ring at 160-256 does not fit shared memory."""
+    dims = (case.d, case.d if case.d_v is None else case.d_v)
+    on = _flash_bwd_sm90.WIDE_DEFAULTS[dims]
+    if variant in on:
+        flipped = tuple(name for name in on if name != variant)
+    elif _flash_bwd_sm90.wide_variant_fits(variant, *dims):
+        flipped = (*on, variant)
+    else:
+        pytest.skip(f"{variant} does not fit shared memory at {dims[0]}/{dims[1]}")
+    monkeypatch.setitem(_flash_bwd_sm90.WIDE_DEFAULTS, dims, flipped)
     check_case(case, DEV, high_dtype=torch.float32)
     assert sm90_spy, "the sm_90 backward did not run"
 
@@ -317,11 +362,16 @@ def test_uncovered_calls_fall_back(case, sm90_spy):
 
 
 @needs_sm90
-@pytest.mark.parametrize("d_qk, d_v", [(192, 192), (256, 256), (192, 128)])
-def test_auto_keeps_the_portable_backward_at_wide_head_dims(d_qk, d_v, sm90_spy):
-    """The d = 192 / 256 prototype is taken only when pinned: under "auto" the portable backward
-    runs these dims at any length (`dispatch.SM90_BWD_MIN_KEYS`: None)."""
+@pytest.mark.parametrize("d_qk, d_v", [(160, 160), (192, 192), (256, 256), (192, 128)])
+def test_auto_takes_the_sm90_backward_at_wide_head_dims(d_qk, d_v, sm90_spy):
+    """Under "auto" the 256-wide schedule runs d = 160-256 and (192, 128) from
+    `dispatch.SM90_BWD_MIN_KEYS` keys (1,024), and a call under the length keeps the portable
+    backward (non-causal launches above d = 128 want no minimum of waves)."""
     dispatch.set_backward_path("auto")
     case = Case(b=2, s_q=4096, s_k=4096, h=8, h_kv=8, d=d_qk, d_v=d_v, dtype=torch.bfloat16)
     check_case(case, DEV, high_dtype=torch.float32)
-    assert not sm90_spy, "auto took the unmeasured sm_90 backward"
+    assert sm90_spy, "auto did not take the sm_90 backward"
+    sm90_spy.clear()
+    short = Case(b=2, s_q=512, s_k=512, h=8, h_kv=8, d=d_qk, d_v=d_v, dtype=torch.bfloat16)
+    check_case(short, DEV, high_dtype=torch.float32)
+    assert not sm90_spy, "auto took the sm_90 backward under its length threshold"
