@@ -436,7 +436,9 @@ def test_pipeline_runs_checks_and_reports_on_cpu(cpu_pipeline, tmp_path):
     # The cases beyond the sweep: one table, a row per case and shape with both passes' columns.
     assert "| forward TFLOP/s | vs (time ratio) | forward+backward TFLOP/s |" in text
     for case in ("gqa", "varlen", "packed", "window"):
-        case_rows = [line for line in text.splitlines() if line.startswith(f"| {case} | bf16 | 8 |")]
+        case_rows = [
+            line for line in text.splitlines() if line.startswith(f"| {case} | bf16 | 8 |")
+        ]
         assert case_rows and all(line.count("|") == 10 for line in case_rows), case_rows
     assert "| 8 | 32 | 0 | fwdbwd |" in text  # the sweep table
 
